@@ -1,0 +1,74 @@
+"""flyspec: training-free speculative decoding (FLy, MARS, lossless rules) over Hugging Face transformers.
+
+Quick start::
+
+    import flyspec
+    result = flyspec.generate("Explain KV caches.", verifier="fly")   # lossy: opt-in
+    print(result.text, result.stats.mean_acceptance_length)
+"""
+
+from flyspec.api import build_decoder, generate, generate_plain, make_generator
+from flyspec.baseline import PlainDecoder
+from flyspec.config import (
+    ConfigError,
+    DecodeConfig,
+    FlyConfig,
+    MarginConfig,
+    NgramConfig,
+    SamplingConfig,
+    TypicalConfig,
+)
+from flyspec.decoding import SpeculativeDecoder
+from flyspec.drafters import Drafter, DraftModelDrafter, NgramDrafter, make_drafter, multilevel_drafter
+from flyspec.models import DEFAULT_MODEL, LoadedModel, ModelLoadError, load_model
+from flyspec.stats import DecodeStats
+from flyspec.streaming import GenerationStream
+from flyspec.types import Draft, GenerationResult, Verdict
+from flyspec.verifiers import (
+    ExactVerifier,
+    FlyVerifier,
+    MarginVerifier,
+    RejectionVerifier,
+    TypicalVerifier,
+    Verifier,
+    make_verifier,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "ConfigError",
+    "DecodeConfig",
+    "DecodeStats",
+    "Draft",
+    "DraftModelDrafter",
+    "Drafter",
+    "ExactVerifier",
+    "FlyConfig",
+    "FlyVerifier",
+    "GenerationResult",
+    "GenerationStream",
+    "LoadedModel",
+    "MarginConfig",
+    "MarginVerifier",
+    "ModelLoadError",
+    "NgramConfig",
+    "NgramDrafter",
+    "PlainDecoder",
+    "RejectionVerifier",
+    "SamplingConfig",
+    "SpeculativeDecoder",
+    "TypicalConfig",
+    "TypicalVerifier",
+    "Verdict",
+    "Verifier",
+    "build_decoder",
+    "generate",
+    "generate_plain",
+    "load_model",
+    "make_drafter",
+    "make_generator",
+    "make_verifier",
+    "multilevel_drafter",
+]

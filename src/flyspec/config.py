@@ -1,0 +1,130 @@
+"""Frozen configuration dataclasses. Every default lives here, and only here.
+
+Each dataclass validates itself in ``__post_init__`` and raises :class:`ConfigError` with a
+message that says what to change. The CLI turns a ``ConfigError`` into exit code 2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# FLy reference config (AMD-AGI/FLy): 15 draft tokens, window 6, entropy threshold 0.3 over the
+# target's top-3 probabilities.
+DEFAULT_NUM_DRAFT_TOKENS = 15
+DEFAULT_MAX_NEW_TOKENS = 128
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration mistake; the message says how to fix it."""
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How the target's next token is chosen. ``temperature=0`` is greedy and draws no random numbers."""
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0 = no top-k filter
+    top_p: float = 1.0  # 1.0 = no nucleus filter
+
+    def __post_init__(self) -> None:
+        _require(self.temperature >= 0, f"temperature must be >= 0 (got {self.temperature}); use 0 for greedy")
+        _require(self.top_k >= 0, f"top_k must be >= 0 (got {self.top_k}); use 0 to disable it")
+        _require(0 < self.top_p <= 1, f"top_p must be in (0, 1] (got {self.top_p}); use 1 to disable it")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class NgramConfig:
+    """Prompt lookup: match the last ``max_ngram`` .. ``min_ngram`` tokens earlier in the context."""
+
+    max_ngram: int = 4
+    min_ngram: int = 1
+
+    def __post_init__(self) -> None:
+        _require(self.min_ngram >= 1, f"min_ngram must be >= 1 (got {self.min_ngram})")
+        _require(
+            self.max_ngram >= self.min_ngram,
+            f"max_ngram ({self.max_ngram}) must be >= min_ngram ({self.min_ngram})",
+        )
+
+
+@dataclass(frozen=True)
+class FlyConfig:
+    """FLy loose acceptance (arXiv 2511.22972). See ``verifiers/fly.py`` for the exact rule.
+
+    ``window_size=0`` (no deferred window) and ``entropy_threshold=0`` (no entropy gate) are the
+    paper's ablations. ``temperature_rule`` picks how T>0 is handled: ``"rejection"`` applies the
+    gate and window over speculative rejection sampling; ``"two-sample"`` is the reference code's
+    rule (see ``verifiers/fly.py``).
+    """
+
+    window_size: int = 6
+    entropy_threshold: float = 0.3
+    entropy_top_k: int = 3
+    temperature_rule: str = "rejection"
+
+    def __post_init__(self) -> None:
+        _require(self.window_size >= 0, f"window_size must be >= 0 (got {self.window_size}); 0 disables it")
+        _require(
+            self.entropy_threshold >= 0,
+            f"entropy_threshold must be >= 0 (got {self.entropy_threshold}); 0 disables the gate",
+        )
+        _require(self.entropy_top_k >= 2, f"entropy_top_k must be >= 2 (got {self.entropy_top_k})")
+        _require(
+            self.temperature_rule in ("rejection", "two-sample"),
+            f"temperature_rule must be 'rejection' or 'two-sample' (got {self.temperature_rule!r})",
+        )
+
+
+@dataclass(frozen=True)
+class MarginConfig:
+    """MARS margin-aware verification (arXiv 2601.15498).
+
+    A mismatch is kept when the draft token is the target's second choice and the target's
+    top-2 logits are close: ``z2 / z1 > logit_ratio`` when both are positive, otherwise (the
+    ratio of logits is meaningless across zero) ``p2 / p1 = exp(z2 - z1) > logit_ratio``.
+    """
+
+    logit_ratio: float = 0.9
+
+    def __post_init__(self) -> None:
+        _require(0 < self.logit_ratio < 1, f"logit_ratio must be in (0, 1) (got {self.logit_ratio})")
+
+
+@dataclass(frozen=True)
+class TypicalConfig:
+    """Medusa typical acceptance: keep a draft token if p_target(token) > min(epsilon, delta * exp(-H))."""
+
+    epsilon: float = 0.09  # Medusa's posterior_threshold
+    delta: float = 0.3  # Medusa's posterior_alpha
+
+    def __post_init__(self) -> None:
+        _require(0 < self.epsilon <= 1, f"epsilon must be in (0, 1] (got {self.epsilon})")
+        _require(0 < self.delta <= 1, f"delta must be in (0, 1] (got {self.delta})")
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """One generation: draft length, length limit, stop strings and sampling."""
+
+    num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    stop_strings: tuple[str, ...] = ()
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    ignore_eos: bool = False  # generate exactly max_new_tokens (benchmarks)
+
+    def __post_init__(self) -> None:
+        _require(
+            self.num_draft_tokens >= 1,
+            f"num_draft_tokens must be >= 1 (got {self.num_draft_tokens}); use plain decoding for 0",
+        )
+        _require(self.max_new_tokens >= 1, f"max_new_tokens must be >= 1 (got {self.max_new_tokens})")
+        _require(all(self.stop_strings), "stop strings must be non-empty")

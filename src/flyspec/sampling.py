@@ -1,0 +1,53 @@
+"""Logits → probabilities (temperature, top-k, top-p), greedy choice and seeded sampling.
+
+Pure tensor functions. Randomness only through a passed ``torch.Generator``; the greedy path
+(``temperature == 0``) never draws a random number.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flyspec.config import SamplingConfig
+
+
+def logits_to_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
+    """Filtered, temperature-scaled probabilities. ``logits``: ``[..., vocab]`` → same shape, float32.
+
+    At ``temperature == 0`` the result is one-hot on the argmax (the greedy distribution).
+    """
+    logits = logits.float()
+    if sampling.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    logits = logits / sampling.temperature
+    if sampling.top_k > 0 and sampling.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, sampling.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if sampling.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+        # Drop a token when the mass strictly before it already reaches top_p (keeps >= 1 token).
+        drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= sampling.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row. ``probs``: ``[..., vocab]`` → ``[...]`` int64."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    tokens = torch.multinomial(flat, 1, generator=generator).squeeze(-1)
+    return tokens.reshape(probs.shape[:-1])
+
+
+def choose_tokens(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> torch.Tensor:
+    """The target's choice per row: argmax when greedy, else a sample. ``[..., vocab]`` → ``[...]``."""
+    if sampling.greedy:
+        return logits.argmax(-1)
+    return sample(logits_to_probs(logits, sampling), generator)
+
+
+def uniform(shape: tuple[int, ...], generator: torch.Generator | None) -> torch.Tensor:
+    """Uniform [0, 1) draws for acceptance tests."""
+    return torch.rand(shape, generator=generator)

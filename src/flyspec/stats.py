@@ -1,0 +1,72 @@
+"""Per-generation statistics: τ, acceptance by draft position, loose accepts, speed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from flyspec.types import Verdict
+
+
+@dataclass
+class DecodeStats:
+    """Counters for one generation. ``observe`` is called once per target forward."""
+
+    num_target_forwards: int = 0
+    num_proposed: int = 0  # draft tokens proposed
+    num_accepted: int = 0  # draft tokens kept (loose accepts included)
+    num_loose_accepts: int = 0
+    num_new_tokens: int = 0  # committed (after EOS / stop / length truncation)
+    proposed_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+    wall_time_s: float = 0.0
+    prefill_time_s: float = 0.0
+
+    def observe(self, num_proposed: int, verdict: Verdict | None, num_committed: int) -> None:
+        """Record one target forward that proposed ``num_proposed`` drafts and committed tokens."""
+        self.num_target_forwards += 1
+        self.num_proposed += num_proposed
+        self.num_new_tokens += num_committed
+        if verdict is None:  # plain decoding step
+            return
+        self.num_accepted += verdict.num_accepted
+        self.num_loose_accepts += len(verdict.loose_positions)
+        _grow(self.proposed_per_position, num_proposed)
+        _grow(self.accepted_per_position, num_proposed)
+        for position in range(num_proposed):
+            self.proposed_per_position[position] += 1
+        for position in range(verdict.num_accepted):
+            self.accepted_per_position[position] += 1
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """τ: tokens committed per target forward, bonus/recovered token included (plain decoding = 1)."""
+        return self.num_new_tokens / self.num_target_forwards if self.num_target_forwards else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted / self.num_proposed if self.num_proposed else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_new_tokens / self.wall_time_s if self.wall_time_s > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "num_new_tokens": self.num_new_tokens,
+            "num_target_forwards": self.num_target_forwards,
+            "num_proposed": self.num_proposed,
+            "num_accepted": self.num_accepted,
+            "num_loose_accepts": self.num_loose_accepts,
+            "acceptance_rate": self.acceptance_rate,
+            "mean_acceptance_length": self.mean_acceptance_length,
+            "accepted_per_position": list(self.accepted_per_position),
+            "proposed_per_position": list(self.proposed_per_position),
+            "wall_time_s": self.wall_time_s,
+            "prefill_time_s": self.prefill_time_s,
+            "tokens_per_s": self.tokens_per_s,
+        }
+
+
+def _grow(counts: list[int], length: int) -> None:
+    counts.extend([0] * (length - len(counts)))

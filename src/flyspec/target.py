@@ -1,0 +1,103 @@
+"""A model with its own KV cache that can be rolled back; the Target used for verification.
+
+Cache invariant (checked after every step): the cache holds exactly the committed tokens but
+the last one, ``cached_length == num_committed - 1``. Each step scores
+``[last committed token] + draft`` in one forward, giving ``[k + 1, vocab]`` logits, and then
+crops the cache back to the newly committed length (transformers 5 ``DynamicCache.crop`` takes
+a negative count).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+from flyspec.config import ConfigError
+from flyspec.models import LoadedModel
+
+_CROPPABLE_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)
+
+
+class CachedModel:
+    """Runs a causal LM incrementally over one sequence, with a KV cache that can be cropped."""
+
+    def __init__(self, loaded: LoadedModel) -> None:
+        self.loaded = loaded
+        self.model = loaded.model
+        self.device = next(self.model.parameters()).device
+        self.cache = self._new_cache()
+        uncroppable = {type(layer).__name__ for layer in self.cache.layers if type(layer) not in _CROPPABLE_LAYERS}
+        if uncroppable:
+            raise ConfigError(
+                f"model {loaded.name!r} uses KV cache layers that cannot be rolled back "
+                f"({', '.join(sorted(uncroppable))}); speculative decoding needs a croppable cache"
+            )
+
+    def _new_cache(self) -> DynamicCache:
+        cache = DynamicCache(config=self.model.config)
+        cache.activate_past_recording()  # lets sliding-window layers roll back past their window
+        return cache
+
+    def reset(self) -> None:
+        self.cache = self._new_cache()
+
+    @property
+    def cached_length(self) -> int:
+        return int(self.cache.get_seq_length())
+
+    @torch.inference_mode()
+    def forward(self, token_ids: list[int], logits_to_keep: int = 0) -> torch.Tensor:
+        """Append ``token_ids`` to the cache; return their logits ``[n, vocab]`` (float32).
+
+        ``logits_to_keep > 0`` computes only the last that many rows (prefill needs none).
+        """
+        inputs = torch.tensor([token_ids], dtype=torch.long, device=self.device)
+        output = self.model(input_ids=inputs, past_key_values=self.cache, use_cache=True, logits_to_keep=logits_to_keep)
+        return output.logits[0].float()
+
+    def crop_to(self, length: int) -> None:
+        """Drop cached positions beyond ``length`` (always called, so sliding layers shrink too)."""
+        if length > self.cached_length:
+            raise RuntimeError(f"cannot crop a cache of {self.cached_length} positions to {length}")
+        self.cache.crop(length - self.cached_length)
+
+
+class Target:
+    """The target model: prefill, score drafts, roll back. Holds the per-request cache."""
+
+    def __init__(self, loaded: LoadedModel) -> None:
+        self.runner = CachedModel(loaded)
+        self.num_committed = 0
+
+    @property
+    def loaded(self) -> LoadedModel:
+        return self.runner.loaded
+
+    def start(self, prompt_ids: list[int]) -> None:
+        """Prefill everything but the last prompt token (which the first step scores)."""
+        if not prompt_ids:
+            raise ConfigError("the prompt encodes to no tokens; give some text")
+        self.runner.reset()
+        if len(prompt_ids) > 1:
+            self.runner.forward(prompt_ids[:-1], logits_to_keep=1)
+        self.num_committed = len(prompt_ids)
+        self.check_invariant()
+
+    def score(self, last_token: int, draft_tokens: torch.Tensor) -> torch.Tensor:
+        """Logits ``[k + 1, vocab]`` for ``[last_token] + draft_tokens`` in one forward."""
+        return self.runner.forward([last_token, *draft_tokens.tolist()])
+
+    def rollback(self, num_committed: int) -> None:
+        """Keep the cache of the committed tokens only (all but the last)."""
+        self.runner.crop_to(num_committed - 1)
+        self.num_committed = num_committed
+        self.check_invariant()
+
+    def check_invariant(self) -> None:
+        cached = self.runner.cached_length
+        if cached != self.num_committed - 1:
+            raise RuntimeError(
+                f"KV cache invariant broken: {cached} cached positions for {self.num_committed} committed tokens "
+                "(expected committed - 1)"
+            )

@@ -1,0 +1,101 @@
+"""The Verifier protocol, and the glossary every module in flyspec uses.
+
+Glossary
+--------
+draft tokens
+    ``d_0 .. d_{k-1}``, proposed by a drafter for the positions after the last committed token.
+target logits
+    ``[k + 1, vocab]``: the target's logits after scoring ``[last committed token] + draft`` in
+    one forward. Row ``i`` is the target's distribution for the position of ``d_i``; row ``k``
+    is the position after the whole draft.
+target_probs / draft_probs
+    The target's (filtered, temperature-scaled) probabilities, and the probabilities the drafter
+    drew its tokens from. Never ``p``/``q``: papers disagree on which is which.
+accepted
+    A draft token that is kept. A verifier accepts a prefix ``d_0 .. d_{n-1}``.
+recovered
+    The token committed at the first rejected position ``n < k``: the target's argmax (greedy),
+    or a sample from the target / the residual ``max(0, target_probs - draft_probs)``.
+bonus
+    The target's next token when all ``k`` draft tokens are accepted (from row ``k``).
+loose accept
+    A draft token that the strict base rule rejects but a lossy rule (FLy, margin, typical)
+    keeps. Loose accepts count as accepted.
+acceptance length, τ
+    Tokens committed per target forward, the recovered/bonus token included. Plain decoding
+    has τ = 1; a verdict commits ``num_accepted + 1`` tokens.
+
+Every verifier commits ``d_0 .. d_{n-1}`` plus one recovered or bonus token, where ``n`` is the
+number of leading positions its acceptance mask keeps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from flyspec.config import SamplingConfig
+from flyspec.types import Draft, Verdict
+
+
+@runtime_checkable
+class Verifier(Protocol):
+    """Decides which draft tokens to keep, given the target's logits for every draft position."""
+
+    name: str
+
+    @property
+    def lossless(self) -> bool:
+        """True when the output distribution provably equals plain decoding's."""
+        ...
+
+    def verify(
+        self,
+        draft: Draft,
+        target_logits: torch.Tensor,  # [k + 1, vocab]
+        sampling: SamplingConfig,
+        generator: torch.Generator | None,
+    ) -> Verdict: ...
+
+
+def num_leading_true(mask: torch.Tensor) -> int:
+    """Length of the all-True prefix of a 1-D bool mask."""
+    if mask.numel() == 0:
+        return 0
+    return int(mask.to(torch.int64).cumprod(0).sum())
+
+
+def build_verdict(
+    draft_tokens: torch.Tensor,  # [k]
+    accept: torch.Tensor,  # [k] bool, final acceptance (loose accepts included)
+    loose: torch.Tensor,  # [k] bool, positions kept only by the lossy rule
+    next_token: Callable[[int], int],  # position n -> recovered (n < k) or bonus (n == k) token
+) -> Verdict:
+    """Commit the accepted prefix plus one recovered or bonus token."""
+    num_accepted = num_leading_true(accept)
+    kept = draft_tokens[:num_accepted].tolist()
+    loose_positions = tuple(int(i) for i in torch.nonzero(loose[:num_accepted]).flatten().tolist())
+    return Verdict(
+        tokens=kept + [int(next_token(num_accepted))],
+        num_accepted=num_accepted,
+        loose_positions=loose_positions,
+        bonus=num_accepted == draft_tokens.shape[0],
+    )
+
+
+def draft_probs_or_one_hot(draft: Draft, vocab_size: int) -> torch.Tensor:
+    """``[k, vocab_size]`` draft probabilities; deterministic drafts are one-hot.
+
+    A draft model may have a padded vocabulary of another size than the target's (same
+    tokenizer): columns are cut or zero-padded to the target's size.
+    """
+    if draft.draft_probs is None:
+        return torch.nn.functional.one_hot(draft.tokens, vocab_size).float()
+    probs = draft.draft_probs.float()
+    if probs.shape[-1] > vocab_size:
+        return probs[:, :vocab_size]
+    if probs.shape[-1] < vocab_size:
+        return torch.nn.functional.pad(probs, (0, vocab_size - probs.shape[-1]))
+    return probs

@@ -1,0 +1,44 @@
+"""Exact match: keep a draft token only if it equals the target's own choice. Lossless.
+
+Greedy (T=0) the target's choice is its argmax, which is standard greedy speculative decoding.
+At T>0 the target's choice at every position is a sample from its distribution and the first
+mismatch commits that sample: every committed token is a target sample, so the output
+distribution equals plain sampling (lower acceptance than rejection sampling, but lossless for
+any drafter).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from flyspec.config import SamplingConfig
+from flyspec.sampling import choose_tokens
+from flyspec.types import Draft, Verdict
+from flyspec.verifiers.base import build_verdict
+
+
+def exact_accept_mask(draft_tokens: torch.Tensor, target_tokens: torch.Tensor) -> torch.Tensor:
+    """``[k]`` bool: draft token equals the target's choice at its position (``target_tokens``: ``[k+1]``)."""
+    return draft_tokens == target_tokens[: draft_tokens.shape[0]]
+
+
+@dataclass(frozen=True)
+class ExactVerifier:
+    name: str = "exact"
+
+    @property
+    def lossless(self) -> bool:
+        return True
+
+    def verify(
+        self,
+        draft: Draft,
+        target_logits: torch.Tensor,
+        sampling: SamplingConfig,
+        generator: torch.Generator | None,
+    ) -> Verdict:
+        target_tokens = choose_tokens(target_logits, sampling, generator)  # [k + 1]
+        accept = exact_accept_mask(draft.tokens, target_tokens)
+        return build_verdict(draft.tokens, accept, torch.zeros_like(accept), lambda n: target_tokens[n])

@@ -1,0 +1,113 @@
+"""FLy: training-free loosely speculative decoding (arXiv 2511.22972; code: AMD-AGI/FLy).
+
+FLy wraps a strict base rule and additionally keeps ("loosely accepts") a mismatching draft
+token ``d_j`` when both hold:
+
+1. **Entropy gate** — the target was genuinely uncertain at ``j``: its top-k entropy
+   ``H_j = -sum_{t in top-k} p_t log p_t`` is ``>= entropy_threshold``. As in the reference code,
+   ``p`` is the softmax of the target's *raw* logits over the full vocabulary (no temperature),
+   the top-k (k=3) probabilities are **not** renormalised, and the log is natural.
+2. **Deferred window** of size ``W = window_size`` — the target does not "correct course" after
+   ``j``: the next ``W - 1`` draft tokens ``d_{j+1} .. d_{j+W-1}`` are all accepted by the *base*
+   rule (a loosely accepted token does not count as a match for another's window). The mismatch
+   must also be judgeable: following the reference code (``generate_chunks``), the last ``W``
+   draft positions are never loosely accepted, i.e. loose acceptance needs ``j <= k - W - 1``.
+   (The paper's text allows one more position; we follow the code.) Mismatches that cannot be
+   judged are treated strictly. Two mismatches closer than ``W`` therefore reject the first.
+
+Ablations are values: ``window_size=0`` drops the window (every gated mismatch is kept,
+anywhere), ``entropy_threshold=0`` drops the gate. The committed tokens are the draft up to the
+first position that is neither accepted nor loosely accepted, plus the base rule's recovered (or
+bonus) token there.
+
+Base rule by temperature: greedy → exact match on the target's argmax. T>0 with
+``temperature_rule="rejection"`` → speculative rejection sampling (gate and window apply to its
+rejections; recovered tokens come from the residual). T>0 with ``"two-sample"`` → the reference
+code's rule: draw two samples from the target per position, a draft token matches if it equals
+either, the recovered token is the first sample.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from flyspec.config import FlyConfig, SamplingConfig
+from flyspec.sampling import choose_tokens, logits_to_probs, uniform
+from flyspec.types import Draft, Verdict
+from flyspec.verifiers.base import build_verdict, draft_probs_or_one_hot
+from flyspec.verifiers.exact import exact_accept_mask
+from flyspec.verifiers.rejection import rejection_accept_mask, rejection_next_token
+
+
+def topk_entropy(logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    """``[n, vocab]`` → ``[n]``: entropy (nats) of the top-k full-vocabulary probabilities, not renormalised."""
+    top_log_probs = torch.topk(torch.log_softmax(logits.float(), dim=-1), top_k, dim=-1).values
+    return -(top_log_probs.exp() * top_log_probs).sum(-1)
+
+
+def deferred_window_mask(base_accept: torch.Tensor, window_size: int) -> torch.Tensor:
+    """``[k]`` bool: mismatches whose deferred window is clean and judgeable (see module docstring)."""
+    mismatch = ~base_accept
+    if window_size == 0:
+        return mismatch
+    k = base_accept.shape[0]
+    eligible = torch.zeros_like(base_accept)
+    for j in range(max(0, k - window_size)):  # j <= k - W - 1
+        eligible[j] = mismatch[j] & base_accept[j + 1 : j + window_size].all()
+    return eligible
+
+
+def fly_loose_mask(
+    base_accept: torch.Tensor,  # [k] bool
+    entropy: torch.Tensor,  # [k]
+    window_size: int,
+    entropy_threshold: float,
+) -> torch.Tensor:
+    """``[k]`` bool: positions FLy keeps although the base rule rejects them."""
+    return deferred_window_mask(base_accept, window_size) & (entropy >= entropy_threshold)
+
+
+@dataclass(frozen=True)
+class FlyVerifier:
+    config: FlyConfig = field(default_factory=FlyConfig)
+    name: str = "fly"
+
+    @property
+    def lossless(self) -> bool:
+        return False
+
+    def verify(
+        self,
+        draft: Draft,
+        target_logits: torch.Tensor,
+        sampling: SamplingConfig,
+        generator: torch.Generator | None,
+    ) -> Verdict:
+        k = draft.num_tokens
+        if sampling.greedy:
+            target_tokens = target_logits.argmax(-1)  # [k + 1]
+            base_accept = exact_accept_mask(draft.tokens, target_tokens)
+
+            def next_token(n: int) -> int:
+                return int(target_tokens[n])
+
+        elif self.config.temperature_rule == "two-sample":
+            samples = choose_tokens(target_logits.unsqueeze(0).expand(2, -1, -1), sampling, generator)
+            base_accept = (samples[:, :k] == draft.tokens).any(0)  # [k]
+
+            def next_token(n: int) -> int:
+                return int(samples[0, n])
+
+        else:
+            target_probs = logits_to_probs(target_logits, sampling)  # [k + 1, vocab]
+            draft_probs = draft_probs_or_one_hot(draft, target_probs.shape[-1])
+            base_accept = rejection_accept_mask(draft.tokens, draft_probs, target_probs, uniform((k,), generator))
+
+            def next_token(n: int) -> int:
+                return rejection_next_token(n, target_probs, draft_probs, generator)
+
+        entropy = topk_entropy(target_logits[:k], self.config.entropy_top_k)
+        loose = fly_loose_mask(base_accept, entropy, self.config.window_size, self.config.entropy_threshold)
+        return build_verdict(draft.tokens, base_accept | loose, loose, next_token)

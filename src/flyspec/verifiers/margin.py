@@ -1,0 +1,81 @@
+"""MARS margin-aware verification (arXiv 2601.15498). Lossy.
+
+At a position the base rule rejects, keep the draft token when it is the target's *second*
+choice and the target's top-2 logits are close ("low margin"): the target hardly prefers its top
+choice. Closeness is ``z2 / z1 > logit_ratio`` (default 0.9) when both logits are positive, as in
+the paper. A ratio of logits means nothing when either is <= 0, so there we fall back to the
+probability ratio ``p2 / p1 = exp(z2 - z1) > logit_ratio`` (temperature-free, i.e. a logit gap
+below ``-ln(logit_ratio)`` ≈ 0.105 at the default).
+
+Base rule: exact match when greedy, rejection sampling at T>0 (recovered tokens from the
+residual, so a position the margin rule does not keep is handled losslessly).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from flyspec.config import MarginConfig, SamplingConfig
+from flyspec.sampling import logits_to_probs, uniform
+from flyspec.types import Draft, Verdict
+from flyspec.verifiers.base import build_verdict, draft_probs_or_one_hot
+from flyspec.verifiers.exact import exact_accept_mask
+from flyspec.verifiers.rejection import rejection_accept_mask, rejection_next_token
+
+
+def margin_loose_mask(
+    draft_tokens: torch.Tensor,  # [k]
+    target_logits: torch.Tensor,  # [k (+1), vocab]
+    logit_ratio: float,
+) -> torch.Tensor:
+    """``[k]`` bool: draft token is the target's runner-up and the top-2 margin is small."""
+    k = draft_tokens.shape[0]
+    logits = target_logits[:k].float()
+    top1_token = logits.argmax(-1, keepdim=True)  # the same tie-break as the exact base rule
+    top1_logit = logits.gather(-1, top1_token).squeeze(-1)
+    # runner-up = best token other than the argmax (topk's order of tied logits may differ from argmax's)
+    others = logits.scatter(-1, top1_token, float("-inf"))
+    top2_logit, top2_token = others.max(-1)
+    both_positive = (top1_logit > 0) & (top2_logit > 0)
+    logit_close = top2_logit / torch.where(both_positive, top1_logit, torch.ones_like(top1_logit)) > logit_ratio
+    prob_close = torch.exp(top2_logit - top1_logit) > logit_ratio
+    close = torch.where(both_positive, logit_close, prob_close)
+    return close & (draft_tokens == top2_token)
+
+
+@dataclass(frozen=True)
+class MarginVerifier:
+    config: MarginConfig = field(default_factory=MarginConfig)
+    name: str = "margin"
+
+    @property
+    def lossless(self) -> bool:
+        return False
+
+    def verify(
+        self,
+        draft: Draft,
+        target_logits: torch.Tensor,
+        sampling: SamplingConfig,
+        generator: torch.Generator | None,
+    ) -> Verdict:
+        k = draft.num_tokens
+        if sampling.greedy:
+            target_tokens = target_logits.argmax(-1)
+            base_accept = exact_accept_mask(draft.tokens, target_tokens)
+
+            def next_token(n: int) -> int:
+                return int(target_tokens[n])
+
+        else:
+            target_probs = logits_to_probs(target_logits, sampling)
+            draft_probs = draft_probs_or_one_hot(draft, target_probs.shape[-1])
+            base_accept = rejection_accept_mask(draft.tokens, draft_probs, target_probs, uniform((k,), generator))
+
+            def next_token(n: int) -> int:
+                return rejection_next_token(n, target_probs, draft_probs, generator)
+
+        loose = margin_loose_mask(draft.tokens, target_logits, self.config.logit_ratio) & ~base_accept
+        return build_verdict(draft.tokens, base_accept | loose, loose, next_token)

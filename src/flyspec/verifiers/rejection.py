@@ -1,0 +1,83 @@
+"""Speculative rejection sampling (Leviathan et al. 2023; Chen et al. 2023). Lossless at any T.
+
+Draft token ``d_i`` drawn from ``draft_probs[i]`` is accepted with probability
+``min(1, target_probs[i, d_i] / draft_probs[i, d_i])``. At the first rejection the recovered
+token is sampled from the residual ``normalize(max(0, target_probs[i] - draft_probs[i]))``; when
+all are accepted, the bonus token is sampled from ``target_probs[k]``. N-gram drafts are
+deterministic and count as one-hot draft probabilities. Greedy (T=0) this reduces to exact match,
+which is what runs (no random numbers are drawn).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from flyspec.config import SamplingConfig
+from flyspec.sampling import logits_to_probs, sample, uniform
+from flyspec.types import Draft, Verdict
+from flyspec.verifiers.base import build_verdict, draft_probs_or_one_hot
+from flyspec.verifiers.exact import ExactVerifier
+
+
+def rejection_accept_mask(
+    draft_tokens: torch.Tensor,  # [k]
+    draft_probs: torch.Tensor,  # [k, vocab]
+    target_probs: torch.Tensor,  # [k (+1), vocab]
+    uniforms: torch.Tensor,  # [k] in [0, 1)
+) -> torch.Tensor:
+    """``[k]`` bool: ``u_i < target_probs[i, d_i] / draft_probs[i, d_i]``."""
+    k = draft_tokens.shape[0]
+    index = draft_tokens.unsqueeze(-1)
+    target_p = target_probs[:k].gather(-1, index).squeeze(-1)
+    draft_p = draft_probs.gather(-1, index).squeeze(-1)
+    # A drawn token has draft_p > 0; the clamp only guards against a drafter that lies about it.
+    return uniforms * draft_p.clamp_min(1e-20) < target_p
+
+
+def residual_probs(target_row: torch.Tensor, draft_row: torch.Tensor) -> torch.Tensor:
+    """``normalize(max(0, target - draft))`` (``[vocab]``); the target row when they are equal."""
+    residual = (target_row - draft_row).clamp_min(0)
+    total = residual.sum()
+    return residual / total if total > 0 else target_row
+
+
+def rejection_next_token(
+    position: int,
+    target_probs: torch.Tensor,  # [k + 1, vocab]
+    draft_probs: torch.Tensor,  # [k, vocab]
+    generator: torch.Generator | None,
+) -> int:
+    """Recovered token at a rejected ``position < k`` (residual), bonus token at ``position == k``."""
+    if position == draft_probs.shape[0]:
+        return int(sample(target_probs[position], generator))
+    return int(sample(residual_probs(target_probs[position], draft_probs[position]), generator))
+
+
+@dataclass(frozen=True)
+class RejectionVerifier:
+    name: str = "rejection"
+
+    @property
+    def lossless(self) -> bool:
+        return True
+
+    def verify(
+        self,
+        draft: Draft,
+        target_logits: torch.Tensor,
+        sampling: SamplingConfig,
+        generator: torch.Generator | None,
+    ) -> Verdict:
+        if sampling.greedy:
+            return ExactVerifier().verify(draft, target_logits, sampling, generator)
+        target_probs = logits_to_probs(target_logits, sampling)  # [k + 1, vocab]
+        draft_probs = draft_probs_or_one_hot(draft, target_probs.shape[-1])  # [k, vocab]
+        accept = rejection_accept_mask(draft.tokens, draft_probs, target_probs, uniform((draft.num_tokens,), generator))
+        return build_verdict(
+            draft.tokens,
+            accept,
+            torch.zeros_like(accept),
+            lambda n: rejection_next_token(n, target_probs, draft_probs, generator),
+        )

@@ -1,0 +1,97 @@
+"""Shared fixtures: tiny random Llama models with a small byte-level BPE tokenizer, built offline."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import ByteLevelBPETokenizer
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from flyspec.models import LoadedModel
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+CORPUS = [
+    "The capital of France is Paris. The capital of Italy is Rome.",
+    "def add(a, b):\n    return a + b\n\nprint(add(1, 2))",
+    "Speculative decoding drafts tokens cheaply and verifies them in one forward pass.",
+    "Once upon a time there was a small model that liked to repeat itself again and again.",
+] * 4
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<s>{{ message['role'] }}: {{ message['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant:{% endif %}"
+)
+
+
+def make_tokenizer(chat: bool = True) -> PreTrainedTokenizerFast:
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(
+        CORPUS, vocab_size=300, min_frequency=1, special_tokens=["<s>", "</s>"], show_progress=False
+    )
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, bos_token="<s>", eos_token="</s>")
+    if chat:
+        tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def make_tiny_model(
+    tokenizer: PreTrainedTokenizerFast, seed: int, *, layers: int = 2, hidden: int = 32, name: str = "tiny"
+) -> LoadedModel:
+    """A random float32 Llama with the tokenizer's vocabulary. Same seed → same weights."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(config).to(torch.float32).eval()
+    # Larger logits than the default init, so greedy decoding has clear (non-tied) argmaxes.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    return LoadedModel(model=model, tokenizer=tokenizer, name=f"{name}-seed{seed}")
+
+
+def noisy_copy(loaded: LoadedModel, scale: float, seed: int) -> LoadedModel:
+    """The same architecture and tokenizer with perturbed weights: a draft that is often right."""
+    torch.manual_seed(seed)
+    copy = LlamaForCausalLM(loaded.model.config).to(torch.float32).eval()
+    copy.load_state_dict(loaded.model.state_dict())
+    with torch.no_grad():
+        for parameter in copy.parameters():
+            parameter.add_(scale * parameter.std() * torch.randn_like(parameter))
+    return LoadedModel(model=copy, tokenizer=loaded.tokenizer, name=f"{loaded.name}-noisy{scale}")
+
+
+@pytest.fixture(scope="session")
+def tokenizer() -> PreTrainedTokenizerFast:
+    return make_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tokenizer: PreTrainedTokenizerFast) -> LoadedModel:
+    return make_tiny_model(tokenizer, seed=0, name="tiny-target")
+
+
+@pytest.fixture(scope="session")
+def tiny_draft(tiny_target: LoadedModel) -> LoadedModel:
+    return noisy_copy(tiny_target, scale=0.3, seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, tiny_target: LoadedModel) -> Path:
+    """The tiny target saved as a Hugging Face model directory (for CLI and loader tests)."""
+    directory = tmp_path_factory.mktemp("tiny-model")
+    tiny_target.model.save_pretrained(directory)
+    tiny_target.tokenizer.save_pretrained(directory)
+    return directory
