@@ -5,15 +5,16 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+# Before transformers/huggingface_hub are imported: they read these once, at import.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
 import pytest
 import torch
 from tokenizers import ByteLevelBPETokenizer
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from flyspec.models import LoadedModel
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 CORPUS = [
     "The capital of France is Paris. The capital of Italy is Rome.",

@@ -44,7 +44,12 @@ def _fail(message: str) -> NoReturn:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="flyspec", description="Training-free speculative decoding (FLy, MARS, lossless rules).")
+    parser = _Parser(
+        prog="flyspec",
+        description="Training-free speculative decoding over Hugging Face transformers. Verifiers: "
+        f"{', '.join(LOSSLESS_VERIFIERS)} (lossless); "
+        f"{', '.join(v for v in VERIFIERS if v not in LOSSLESS_VERIFIERS)} (lossy, opt-in).",
+    )
     parser.add_argument("--version", action="version", version=f"flyspec {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     gen = commands.add_parser(

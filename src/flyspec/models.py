@@ -134,7 +134,7 @@ def load_model(name_or_path: str, dtype: str | torch.dtype = "auto", threads: in
     try:
         tokenizer = AutoTokenizer.from_pretrained(hf_dir)
         model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch_dtype)
-    except OSError as error:
+    except (OSError, ValueError) as error:
         raise ModelLoadError(
             f"could not load model {name_or_path!r} ({_first_line(error)}); give a local model directory, "
             f"a .gguf file, one of {', '.join(PACKAGED_MODELS)}, or a hub id with network access"
@@ -215,8 +215,11 @@ def gguf_to_hf_dir(gguf_path: Path) -> Path:
     from safetensors.torch import save_model  # noqa: PLC0415
 
     directory, name = str(gguf_path.parent), gguf_path.name
-    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+        model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    except (OSError, ValueError, KeyError) as error:
+        raise ModelLoadError(f"could not read GGUF file {gguf_path} ({_first_line(error)})") from error
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config  # the saved weights are plain float32
     target.parent.mkdir(parents=True, exist_ok=True)

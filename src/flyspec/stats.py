@@ -29,13 +29,15 @@ class DecodeStats:
         self.num_new_tokens += num_committed
         if verdict is None:  # plain decoding step
             return
-        self.num_accepted += verdict.num_accepted
-        self.num_loose_accepts += len(verdict.loose_positions)
+        # Only what was committed counts: EOS / stop / length may cut a verdict short.
+        accepted = min(verdict.num_accepted, num_committed)
+        self.num_accepted += accepted
+        self.num_loose_accepts += sum(position < num_committed for position in verdict.loose_positions)
         _grow(self.proposed_per_position, num_proposed)
         _grow(self.accepted_per_position, num_proposed)
         for position in range(num_proposed):
             self.proposed_per_position[position] += 1
-        for position in range(verdict.num_accepted):
+        for position in range(accepted):
             self.accepted_per_position[position] += 1
 
     @property
