@@ -21,11 +21,11 @@ demo: setup
 		--verifier fly --compare --max-new-tokens 128
 
 test: setup
-	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
 
 lint: setup
-	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/ruff check .
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

@@ -14,6 +14,7 @@ import argparse
 import datetime
 import platform
 import statistics
+import time
 
 import torch
 
@@ -42,12 +43,28 @@ METHODS = ("plain", "ngram+exact", "ngram+fly")
 
 def cpu_name() -> str:
     try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
     return platform.processor() or "unknown CPU"
+
+
+def forward_time(target, num_tokens: int, context: int = 200, repeats: int = 15) -> float:
+    """Median seconds for one target forward of ``num_tokens`` tokens after ``context`` cached tokens."""
+    from flyspec.target import CachedModel
+
+    runner = CachedModel(target)
+    runner.forward(list(range(1000, 1000 + context)), logits_to_keep=1)
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        runner.forward(list(range(2000, 2000 + num_tokens)))
+        times.append(time.perf_counter() - started)
+        runner.crop_to(context)
+    return statistics.median(times)
 
 
 def main() -> None:
@@ -92,11 +109,14 @@ def main() -> None:
         )
 
     plain_rate = sum(rows["plain"]["tokens"]) / sum(rows["plain"]["time"])
+    t1, tk = forward_time(target, 1), forward_time(target, config.num_draft_tokens + 1)
     print(f"Date: {datetime.date.today().isoformat()}  ")
     print(f"Machine: {cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}  ")
-    print(f"Target: {args.target}, dtype {str(target.dtype).removeprefix('torch.')}, greedy (T=0), "
-          f"k={config.num_draft_tokens}, max_new_tokens={args.max_new_tokens}, {len(PROMPTS)} prompts, "
-          f"repeats={args.repeats} (median time per prompt)\n")
+    print(
+        f"Target: {args.target}, dtype {str(target.dtype).removeprefix('torch.')}, greedy (T=0), "
+        f"k={config.num_draft_tokens}, max_new_tokens={args.max_new_tokens}, {len(PROMPTS)} prompts, "
+        f"repeats={args.repeats} (median time per prompt)\n"
+    )
     print("| method | lossless | tokens | tokens/s | τ (tokens/forward) | speedup vs plain | identical to plain |")
     print("|---|---|---|---|---|---|---|")
     for method in METHODS:
@@ -104,8 +124,15 @@ def main() -> None:
         rate = sum(row["tokens"]) / sum(row["time"])
         tau = sum(row["tokens"]) / sum(row["forwards"])
         lossless = "no (lossy)" if method == "ngram+fly" else "yes"
-        print(f"| {method} | {lossless} | {sum(row['tokens'])} | {rate:.1f} | {tau:.2f} | {rate / plain_rate:.2f}x "
-              f"| {sum(row['identical'])}/{len(row['identical'])} prompts |")
+        print(
+            f"| {method} | {lossless} | {sum(row['tokens'])} | {rate:.1f} | {tau:.2f} | {rate / plain_rate:.2f}x "
+            f"| {sum(row['identical'])}/{len(row['identical'])} prompts |"
+        )
+    print(
+        f"\nTarget forward after 200 cached tokens: t(1) = {t1 * 1000:.1f} ms, "
+        f"t(k+1={config.num_draft_tokens + 1}) = {tk * 1000:.1f} ms, ratio {tk / t1:.2f}. "
+        f"The τ-limit of a method is τ × t(1)/t(k+1) (every forward at full k+1 tokens)."
+    )
     print("\nPer prompt: τ of n-gram+exact and n-gram+FLy, FLy's loose accepts, FLy identical to plain\n")
     print("| prompt | tokens | τ exact | τ FLy | loose accepts | FLy identical |")
     print("|---|---|---|---|---|---|")

@@ -7,7 +7,6 @@ the speculative loop, so only the drafting and verification differ.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import torch
@@ -31,10 +30,7 @@ class PlainDecoder(Decoder):
         stopper: Stopper,
         stats: DecodeStats,
     ) -> Iterator[Step]:
-        started = time.perf_counter()
-        self.target.start(prompt_ids)
-        stats.prefill_time_s = time.perf_counter() - started
-        token_ids = list(prompt_ids)
+        token_ids = self._prefill(prompt_ids, stats)
         no_draft = torch.empty(0, dtype=torch.long)
         while not stopper.finished:
             logits = self.target.score(token_ids[-1], no_draft)  # [1, vocab]

@@ -80,6 +80,13 @@ class Decoder:
     def validate(self, config: DecodeConfig) -> None:
         """Checks that need the decode config together with the decoder's components."""
 
+    def _prefill(self, prompt_ids: list[int], stats: DecodeStats) -> list[int]:
+        """Start the target (and any per-request state) on a prompt; return the committed tokens."""
+        started = time.perf_counter()
+        self.target.start(prompt_ids)
+        stats.prefill_time_s = time.perf_counter() - started
+        return list(prompt_ids)
+
     def _steps(
         self,
         prompt_ids: list[int],
@@ -118,11 +125,8 @@ class SpeculativeDecoder(Decoder):
         stopper: Stopper,
         stats: DecodeStats,
     ) -> Iterator[Step]:
-        started = time.perf_counter()
-        self.target.start(prompt_ids)
         self.drafter.reset(prompt_ids)
-        stats.prefill_time_s = time.perf_counter() - started
-        token_ids = list(prompt_ids)
+        token_ids = self._prefill(prompt_ids, stats)
         while not stopper.finished:
             # never draft past the length limit: the last slot is the recovered/bonus token
             budget = min(config.num_draft_tokens, stopper.remaining - 1)

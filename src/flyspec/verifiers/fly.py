@@ -34,11 +34,10 @@ from dataclasses import dataclass, field
 import torch
 
 from flyspec.config import FlyConfig, SamplingConfig
-from flyspec.sampling import choose_tokens, logits_to_probs, uniform
+from flyspec.sampling import choose_tokens
 from flyspec.types import Draft, Verdict
-from flyspec.verifiers.base import build_verdict, draft_probs_or_one_hot
-from flyspec.verifiers.exact import exact_accept_mask
-from flyspec.verifiers.rejection import rejection_accept_mask, rejection_next_token
+from flyspec.verifiers.base import build_verdict
+from flyspec.verifiers.rejection import strict_base_rule
 
 
 def topk_entropy(logits: torch.Tensor, top_k: int) -> torch.Tensor:
@@ -86,27 +85,14 @@ class FlyVerifier:
         generator: torch.Generator | None,
     ) -> Verdict:
         k = draft.num_tokens
-        if sampling.greedy:
-            target_tokens = target_logits.argmax(-1)  # [k + 1]
-            base_accept = exact_accept_mask(draft.tokens, target_tokens)
-
-            def next_token(n: int) -> int:
-                return int(target_tokens[n])
-
-        elif self.config.temperature_rule == "two-sample":
-            samples = choose_tokens(target_logits.unsqueeze(0).expand(2, -1, -1), sampling, generator)
+        if sampling.greedy or self.config.temperature_rule == "rejection":
+            base_accept, next_token = strict_base_rule(draft, target_logits, sampling, generator)
+        else:  # the reference code's two-sample rule
+            samples = choose_tokens(target_logits.unsqueeze(0).expand(2, -1, -1), sampling, generator)  # [2, k + 1]
             base_accept = (samples[:, :k] == draft.tokens).any(0)  # [k]
 
             def next_token(n: int) -> int:
                 return int(samples[0, n])
-
-        else:
-            target_probs = logits_to_probs(target_logits, sampling)  # [k + 1, vocab]
-            draft_probs = draft_probs_or_one_hot(draft, target_probs.shape[-1])
-            base_accept = rejection_accept_mask(draft.tokens, draft_probs, target_probs, uniform((k,), generator))
-
-            def next_token(n: int) -> int:
-                return rejection_next_token(n, target_probs, draft_probs, generator)
 
         entropy = topk_entropy(target_logits[:k], self.config.entropy_top_k)
         loose = fly_loose_mask(base_accept, entropy, self.config.window_size, self.config.entropy_threshold)

@@ -18,11 +18,9 @@ from dataclasses import dataclass, field
 import torch
 
 from flyspec.config import MarginConfig, SamplingConfig
-from flyspec.sampling import logits_to_probs, uniform
 from flyspec.types import Draft, Verdict
-from flyspec.verifiers.base import build_verdict, draft_probs_or_one_hot
-from flyspec.verifiers.exact import exact_accept_mask
-from flyspec.verifiers.rejection import rejection_accept_mask, rejection_next_token
+from flyspec.verifiers.base import build_verdict
+from flyspec.verifiers.rejection import strict_base_rule
 
 
 def margin_loose_mask(
@@ -61,21 +59,6 @@ class MarginVerifier:
         sampling: SamplingConfig,
         generator: torch.Generator | None,
     ) -> Verdict:
-        k = draft.num_tokens
-        if sampling.greedy:
-            target_tokens = target_logits.argmax(-1)
-            base_accept = exact_accept_mask(draft.tokens, target_tokens)
-
-            def next_token(n: int) -> int:
-                return int(target_tokens[n])
-
-        else:
-            target_probs = logits_to_probs(target_logits, sampling)
-            draft_probs = draft_probs_or_one_hot(draft, target_probs.shape[-1])
-            base_accept = rejection_accept_mask(draft.tokens, draft_probs, target_probs, uniform((k,), generator))
-
-            def next_token(n: int) -> int:
-                return rejection_next_token(n, target_probs, draft_probs, generator)
-
+        base_accept, next_token = strict_base_rule(draft, target_logits, sampling, generator)
         loose = margin_loose_mask(draft.tokens, target_logits, self.config.logit_ratio) & ~base_accept
         return build_verdict(draft.tokens, base_accept | loose, loose, next_token)

@@ -10,6 +10,7 @@ which is what runs (no random numbers are drawn).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +19,7 @@ from flyspec.config import SamplingConfig
 from flyspec.sampling import logits_to_probs, sample, uniform
 from flyspec.types import Draft, Verdict
 from flyspec.verifiers.base import build_verdict, draft_probs_or_one_hot
-from flyspec.verifiers.exact import ExactVerifier
+from flyspec.verifiers.exact import exact_accept_mask
 
 
 def rejection_accept_mask(
@@ -55,6 +56,24 @@ def rejection_next_token(
     return int(sample(residual_probs(target_probs[position], draft_probs[position]), generator))
 
 
+def strict_base_rule(
+    draft: Draft,
+    target_logits: torch.Tensor,  # [k + 1, vocab]
+    sampling: SamplingConfig,
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, Callable[[int], int]]:
+    """The lossless rule the lossy verifiers relax: exact match on the argmax when greedy,
+    rejection sampling at T>0. Returns the ``[k]`` acceptance mask and ``position -> token``
+    for the recovered (residual) or bonus token."""
+    if sampling.greedy:
+        target_tokens = target_logits.argmax(-1)  # [k + 1]
+        return exact_accept_mask(draft.tokens, target_tokens), lambda n: int(target_tokens[n])
+    target_probs = logits_to_probs(target_logits, sampling)  # [k + 1, vocab]
+    draft_probs = draft_probs_or_one_hot(draft, target_probs.shape[-1])  # [k, vocab]
+    accept = rejection_accept_mask(draft.tokens, draft_probs, target_probs, uniform((draft.num_tokens,), generator))
+    return accept, lambda n: rejection_next_token(n, target_probs, draft_probs, generator)
+
+
 @dataclass(frozen=True)
 class RejectionVerifier:
     name: str = "rejection"
@@ -70,14 +89,5 @@ class RejectionVerifier:
         sampling: SamplingConfig,
         generator: torch.Generator | None,
     ) -> Verdict:
-        if sampling.greedy:
-            return ExactVerifier().verify(draft, target_logits, sampling, generator)
-        target_probs = logits_to_probs(target_logits, sampling)  # [k + 1, vocab]
-        draft_probs = draft_probs_or_one_hot(draft, target_probs.shape[-1])  # [k, vocab]
-        accept = rejection_accept_mask(draft.tokens, draft_probs, target_probs, uniform((draft.num_tokens,), generator))
-        return build_verdict(
-            draft.tokens,
-            accept,
-            torch.zeros_like(accept),
-            lambda n: rejection_next_token(n, target_probs, draft_probs, generator),
-        )
+        accept, next_token = strict_base_rule(draft, target_logits, sampling, generator)
+        return build_verdict(draft.tokens, accept, torch.zeros_like(accept), next_token)
