@@ -252,3 +252,37 @@ def test_draft_shapes(tiny_target: LoadedModel, tiny_draft: LoadedModel) -> None
     drafter.rollback(len(context) + 2)
     assert drafter.runner.cached_length == len(context) + 1
     assert dataclasses.is_dataclass(draft)
+
+
+def test_sliding_window_caches_roll_back_losslessly(tokenizer) -> None:
+    """Gemma-3-style sliding-window layers (window 8 ≪ context) keep the cache invariant and identity."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        sliding_window=8,
+        layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"],
+        max_position_embeddings=512,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    model = Gemma3ForCausalLM(config).to(torch.float32).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    target = LoadedModel(model=model, tokenizer=tokenizer, name="tiny-gemma3")
+    config_decode = DecodeConfig(num_draft_tokens=6, max_new_tokens=40, ignore_eos=True)
+    prompt = PROMPTS[2] + " " + PROMPTS[0]  # longer than the window
+    assert len(target.encode_prompt(prompt, use_chat=False)) > 2 * config.sliding_window
+    expected = plain_tokens(target, prompt, config_decode)
+    for drafter in (NgramDrafter(), DraftModelDrafter(target), multilevel_drafter(target)):
+        result = SpeculativeDecoder(target, drafter, make_verifier("exact"), config_decode).generate(
+            prompt, use_chat=False
+        )
+        assert result.token_ids == expected, drafter.name
