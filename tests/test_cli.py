@@ -260,3 +260,14 @@ def test_help_names_every_verifier(capsys: pytest.CaptureFixture[str], argv: lis
     assert out.startswith("usage: flyspec")
     missing = [name for name in VERIFIERS if name not in out]
     assert not missing, f"help does not mention {missing}"
+
+
+def test_compare_shows_plain_text_when_a_lossy_output_differs(capsys: pytest.CaptureFixture[str],
+                                                              tiny_model_dir: Path) -> None:
+    lossy = ["--verifier", "fly", "--window-size", "0", "--entropy-threshold", "0", "--max-new-tokens", "30"]
+    record = run_json(capsys, tiny_model_dir, "--compare", *lossy)
+    assert record["num_loose_accepts"] > 0 and not record["identical_to_baseline"]
+    out, err = run_cli(capsys, tiny_model_dir, "--compare", *lossy)
+    header = "--- plain decoding (differs from the fly output above) ---"
+    assert out == f"{record['text']}\n\n{header}\n{record['baseline_text']}\n"
+    assert "LOSSY" in err and "identical to plain decoding: no" in err

@@ -208,6 +208,8 @@ def _generate(args: argparse.Namespace) -> int:
             print()
         else:
             print(result.text)
+        if baseline is not None and not record["identical_to_baseline"]:
+            print(f"\n--- plain decoding (differs from the {args.verifier} output above) ---\n{baseline.text}")
         _print_summary(record)
     return 0
 
