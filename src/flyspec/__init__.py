@@ -4,7 +4,7 @@ Quick start::
 
     import flyspec
     result = flyspec.generate("Explain KV caches.", verifier="fly")   # lossy: opt-in
-    print(result.text, result.stats.mean_acceptance_length)
+    text, tau = result.text, result.stats.mean_acceptance_length
 """
 
 from flyspec.api import build_decoder, generate, generate_plain, make_generator
