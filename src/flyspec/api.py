@@ -92,18 +92,25 @@ def generate(
     return decoder.generate(prompt, generator=make_generator(seed), use_chat=use_chat)
 
 
-def generate_plain(prompt: Prompt, target: ModelRef = DEFAULT_MODEL, **options) -> GenerationResult:
+def generate_plain(
+    prompt: Prompt,
+    target: ModelRef = DEFAULT_MODEL,
+    *,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    use_chat: bool | None = None,
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+    stop: tuple[str, ...] = (),
+    dtype: str | torch.dtype = "auto",
+) -> GenerationResult:
     """Plain autoregressive decoding with the same options as :func:`generate` (no drafter/verifier)."""
-    sampling = SamplingConfig(options.pop("temperature", 0.0), options.pop("top_k", 0), options.pop("top_p", 1.0))
-    generator = make_generator(options.pop("seed", None))
-    use_chat = options.pop("use_chat", None)
     config = DecodeConfig(
-        max_new_tokens=options.pop("max_new_tokens", DEFAULT_MAX_NEW_TOKENS),
-        stop_strings=tuple(options.pop("stop", ())),
-        sampling=sampling,
+        max_new_tokens=max_new_tokens, stop_strings=tuple(stop), sampling=SamplingConfig(temperature, top_k, top_p)
     )
-    decoder = PlainDecoder(resolve_model(target, options.pop("dtype", "auto")), config)
-    return decoder.generate(prompt, generator=generator, use_chat=use_chat)
+    decoder = PlainDecoder(resolve_model(target, dtype), config)
+    return decoder.generate(prompt, generator=make_generator(seed), use_chat=use_chat)
 
 
 def make_generator(seed: int | None) -> torch.Generator:

@@ -96,6 +96,8 @@ class DraftModelDrafter:
         self.runner.crop_to(min(self.runner.cached_length, num_committed - 1))
 
 
-def multilevel_drafter(draft: LoadedModel, num_ngram_tokens: int = 6, ngram: NgramConfig | None = None):
+def multilevel_drafter(
+    draft: LoadedModel, num_ngram_tokens: int = 6, ngram: NgramConfig | None = None
+) -> DraftModelDrafter:
     """FLy's multi-level drafter: n-gram → draft model (defaults from the FLy reference config)."""
     return DraftModelDrafter(draft, num_ngram_tokens=num_ngram_tokens, ngram=ngram or NgramConfig(), name="multilevel")
