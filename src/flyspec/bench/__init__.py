@@ -1,0 +1,1 @@
+"""`flyspec bench`: Spec-Bench speed benchmark with peers, τ-limit analysis, tables and plots."""

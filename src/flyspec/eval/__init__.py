@@ -1,0 +1,1 @@
+"""`flyspec eval`: quality retention of the lossy verifiers against plain decoding."""

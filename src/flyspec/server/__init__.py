@@ -1,0 +1,1 @@
+"""`flyspec serve`: an OpenAI-compatible server over the speculative decoders."""
