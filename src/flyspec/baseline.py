@@ -7,6 +7,7 @@ the speculative loop, so only the drafting and verification differ.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import torch
@@ -33,7 +34,9 @@ class PlainDecoder(Decoder):
         token_ids = self._prefill(prompt_ids, stats)
         no_draft = torch.empty(0, dtype=torch.long)
         while not stopper.finished:
+            started = time.perf_counter()
             logits = self.target.score(token_ids[-1], no_draft)  # [1, vocab]
+            stats.target_time_s += time.perf_counter() - started
             committed = stopper.commit([int(choose_tokens(logits[0], config.sampling, generator))])
             token_ids += committed
             stats.observe(0, None, len(committed))

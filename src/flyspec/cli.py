@@ -10,6 +10,7 @@ import importlib
 import importlib.util
 import json
 import logging
+import shlex
 import sys
 from typing import Any
 
@@ -80,7 +81,9 @@ def _add_generate_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
+    args.command_line = "flyspec " + shlex.join(argv)
     verbose = getattr(args, "verbose", False)
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(message)s")
     if not verbose:

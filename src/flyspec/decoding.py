@@ -130,8 +130,12 @@ class SpeculativeDecoder(Decoder):
         while not stopper.finished:
             # never draft past the length limit: the last slot is the recovered/bonus token
             budget = min(config.num_draft_tokens, stopper.remaining - 1)
+            started = time.perf_counter()
             draft = self.drafter.propose(token_ids, budget, config.sampling, generator) if budget > 0 else Draft.empty()
+            drafted = time.perf_counter()
             target_logits = self.target.score(token_ids[-1], draft.tokens)  # [k + 1, vocab]
+            stats.draft_time_s += drafted - started
+            stats.target_time_s += time.perf_counter() - drafted
             verdict = self.verifier.verify(draft, target_logits, config.sampling, generator)
             committed = stopper.commit(verdict.tokens)
             token_ids += committed

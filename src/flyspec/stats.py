@@ -19,8 +19,10 @@ class DecodeStats:
     num_new_tokens: int = 0  # committed (after EOS / stop / length truncation)
     proposed_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
-    wall_time_s: float = 0.0
+    wall_time_s: float = 0.0  # prefill included
     prefill_time_s: float = 0.0
+    target_time_s: float = 0.0  # in target verification forwards (after prefill)
+    draft_time_s: float = 0.0  # in Drafter.propose (model forwards for model drafters, lookups for n-gram)
 
     def observe(self, num_proposed: int, verdict: Verdict | None, num_committed: int) -> None:
         """Record one target forward that proposed ``num_proposed`` drafts and committed tokens."""
@@ -50,6 +52,11 @@ class DecodeStats:
         return self.num_accepted / self.num_proposed if self.num_proposed else 0.0
 
     @property
+    def other_time_s(self) -> float:
+        """Engine time outside prefill, target forwards and drafting: verification, commit, rollback, stop checks."""
+        return max(0.0, self.wall_time_s - self.prefill_time_s - self.target_time_s - self.draft_time_s)
+
+    @property
     def tokens_per_s(self) -> float:
         return self.num_new_tokens / self.wall_time_s if self.wall_time_s > 0 else 0.0
 
@@ -66,6 +73,9 @@ class DecodeStats:
             "proposed_per_position": list(self.proposed_per_position),
             "wall_time_s": self.wall_time_s,
             "prefill_time_s": self.prefill_time_s,
+            "target_time_s": self.target_time_s,
+            "draft_time_s": self.draft_time_s,
+            "other_time_s": self.other_time_s,
             "tokens_per_s": self.tokens_per_s,
         }
 

@@ -1,0 +1,193 @@
+"""``flyspec bench``: every method on the same prompts in one run, with peers, τ-limits and plots."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+from pathlib import Path
+from typing import Any
+
+from flyspec.cli_options import add_model_options, add_speculation_options
+
+QUICK_LIMIT = 2
+QUICK_MAX_NEW_TOKENS = 48
+DEFAULT_MAX_NEW_TOKENS = 128
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "bench",
+        help="benchmark speedup and acceptance on Spec-Bench (or your prompts), with peers",
+        description="Run plain decoding, flyspec's speculative methods and peer implementations (transformers "
+        "generate: plain, prompt lookup, assisted; llama.cpp when installed) on the same prompts in one run, "
+        "interleaved per prompt. Writes results.json (every record), report.md and PNG plots to --out. "
+        "Speedup = method tokens/s ÷ plain decoding tokens/s over the same prompts. Lossy methods (fly, margin, "
+        "typical) are labelled; measure their quality with `flyspec eval`.",
+    )
+    parser.set_defaults(handler=run)
+    data = parser.add_argument_group("prompts")
+    data.add_argument(
+        "--dataset", help='JSONL of prompts: Spec-Bench records or {"prompt": ...} (default: vendored Spec-Bench)'
+    )
+    data.add_argument("--categories", help="comma-separated categories to run (default: all in the dataset)")
+    data.add_argument("--limit", type=int, help="first N prompts per category (default: all; --quick: 2)")
+    data.add_argument("--skip-bad-lines", action="store_true", help="skip malformed JSONL lines (default: stop)")
+    run_group = parser.add_argument_group("run")
+    run_group.add_argument(
+        "--methods",
+        help="comma-separated: baseline, <ngram|draft|multilevel>+<verifier>, hf-plain, hf-lookup, hf-assisted, "
+        "llamacpp-plain, llamacpp-lookup (default: baseline, ngram+{exact,fly,margin,typical}, hf-plain, hf-lookup; "
+        "with --draft-model also draft+exact, draft+fly, multilevel+fly, hf-assisted)",
+    )
+    run_group.add_argument("--repeats", type=int, default=1, help="runs per prompt and method; medians reported")
+    run_group.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the warm-up generations")
+    run_group.add_argument(
+        "--max-new-tokens",
+        type=int,
+        help=f"per turn (default {DEFAULT_MAX_NEW_TOKENS}; --quick: {QUICK_MAX_NEW_TOKENS})",
+    )
+    run_group.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    run_group.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    run_group.add_argument("--top-k", type=int, default=0, help="0 = off")
+    run_group.add_argument("--seed", type=int, default=0, help="base seed (prompt i uses seed + i)")
+    run_group.add_argument(
+        "--hf-lookup-tokens", type=int, default=10, help="transformers prompt_lookup_num_tokens (default 10)"
+    )
+    run_group.add_argument(
+        "--quick", action="store_true", help="a few-minute run: --limit 2 and --max-new-tokens 48 unless given"
+    )
+    add_model_options(parser)
+    add_speculation_options(parser, components=False)
+    out = parser.add_argument_group("output")
+    out.add_argument("--out", default="bench-results", help="output directory (default bench-results)")
+    out.add_argument("--no-plots", dest="plots", action="store_false", help="skip the PNG plots")
+    out.add_argument("-v", "--verbose", action="store_true", help="log model loading")
+
+
+def run(args: argparse.Namespace) -> int:
+    # Heavy imports only when benchmarking (keeps `flyspec generate` quick to start).
+    from flyspec.api import resolve_model  # noqa: PLC0415
+    from flyspec.bench.data import load_prompts  # noqa: PLC0415
+    from flyspec.bench.harness import BenchSettings, forward_times, make_runners, run_bench  # noqa: PLC0415
+    from flyspec.bench.live import LiveView  # noqa: PLC0415
+    from flyspec.bench.methods import parse_methods  # noqa: PLC0415
+    from flyspec.bench.runners import RunSettings, conversation_ids  # noqa: PLC0415
+    from flyspec.cli_options import speculation_options  # noqa: PLC0415
+    from flyspec.config import ConfigError, SamplingConfig  # noqa: PLC0415
+    from flyspec.models import set_threads  # noqa: PLC0415
+
+    limit = args.limit if args.limit is not None else (QUICK_LIMIT if args.quick else None)
+    max_new_tokens = args.max_new_tokens or (QUICK_MAX_NEW_TOKENS if args.quick else DEFAULT_MAX_NEW_TOKENS)
+    if args.repeats < 1 or max_new_tokens < 1 or args.hf_lookup_tokens < 1:
+        raise ConfigError("--repeats, --max-new-tokens and --hf-lookup-tokens must be >= 1")
+    methods = parse_methods(args.methods, has_draft_model=args.draft_model is not None)
+    categories = tuple(c.strip() for c in (args.categories or "").split(",") if c.strip())
+    prompts = load_prompts(args.dataset, categories=categories, limit=limit, skip_bad_lines=args.skip_bad_lines)
+    sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
+    speculation = speculation_options(args)
+    out_dir = _prepare_out_dir(Path(args.out))
+
+    set_threads(args.threads)
+    target = resolve_model(args.target, args.dtype)
+    draft = resolve_model(args.draft_model, args.dtype) if args.draft_model else None
+    settings = RunSettings(sampling, speculation, args.use_chat, args.hf_lookup_tokens)
+    runners = make_runners(methods, target, draft, settings)
+
+    k = speculation["num_draft_tokens"]
+    context = conversation_ids(target, prompts[0].turns[:1], [], args.use_chat)
+    context = (context * (1 + 200 // len(context)))[:200]  # a typical mid-generation context length
+    times = forward_times(target, context, (1, k + 1))
+    meta = _meta(args, target, prompts, max_new_tokens, k, limit)
+    meta.update(forward_context=len(context), forward_times_ms={str(size): 1000 * t for size, t in times.items()})
+
+    records_path = out_dir / "records.jsonl"
+    bench = BenchSettings(max_new_tokens, args.repeats, args.warmup, args.seed)
+    with records_path.open("w", encoding="utf-8") as sink, LiveView(len(prompts), k) as view:
+
+        def on_record(record: dict) -> None:
+            sink.write(json.dumps(record, ensure_ascii=False) + "\n")
+            sink.flush()
+            view.add(record)
+
+        try:
+            records = run_bench(prompts, runners, target, bench, args.use_chat, on_record, view.prompt_done)
+        except KeyboardInterrupt:
+            records = view.records
+            meta["interrupted"] = True
+    _write_outputs(out_dir, meta, records, times, k, args.plots, view.console)
+    return 130 if meta.get("interrupted") else 0
+
+
+def _prepare_out_dir(path: Path) -> Path:
+    from flyspec.config import ConfigError  # noqa: PLC0415
+
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ConfigError(f"cannot create output directory {str(path)!r}: {error.strerror}") from None
+    if not os.access(path, os.W_OK):
+        raise ConfigError(f"output directory {str(path)!r} is not writable")
+    return path
+
+
+def _write_outputs(
+    out_dir: Path, meta: dict, records: list[dict], times: dict[int, float], k: int, plots: bool, console: Any
+) -> None:
+    from flyspec.bench.live import speedup_table  # noqa: PLC0415
+    from flyspec.bench.report import markdown_report, write_json, write_plots  # noqa: PLC0415
+    from flyspec.bench.summary import summarize  # noqa: PLC0415
+
+    if not records:
+        console.print("no measurements to report")
+        return
+    summary = summarize(records, times, k)
+    write_json(out_dir / "results.json", meta, summary, records)
+    (out_dir / "report.md").write_text(markdown_report(meta, summary), encoding="utf-8")
+    written = [out_dir / "results.json", out_dir / "report.md", out_dir / "records.jsonl"]
+    if plots:
+        written += write_plots(out_dir, summary)
+    console.print(speedup_table(summary))
+    console.print("wrote " + ", ".join(str(path) for path in written))
+
+
+def _meta(
+    args: argparse.Namespace, target: Any, prompts: list, max_new_tokens: int, k: int, limit: int | None
+) -> dict[str, Any]:
+    import torch  # noqa: PLC0415
+    import transformers  # noqa: PLC0415
+
+    from flyspec import __version__  # noqa: PLC0415
+
+    return {
+        "date": datetime.date.today().isoformat(),
+        "command": getattr(args, "command_line", None),
+        "machine": f"{_cpu_name()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, "
+        f"{platform.system()}; torch {torch.__version__}, transformers {transformers.__version__}, "
+        f"flyspec {__version__}",
+        "target": target.name,
+        "dtype": str(target.dtype).removeprefix("torch."),
+        "draft_model": args.draft_model,
+        "dataset": args.dataset or "Spec-Bench (vendored)",
+        "categories": list(dict.fromkeys(prompt.category for prompt in prompts)),
+        "limit_per_category": limit,
+        "num_prompts": len(prompts),
+        "max_new_tokens": max_new_tokens,
+        "num_draft_tokens": k,
+        "temperature": args.temperature,
+        "repeats": args.repeats,
+        "warmup": args.warmup,
+    }
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"

@@ -1,0 +1,135 @@
+"""Benchmark prompts: the vendored Spec-Bench set, or a user's own JSONL.
+
+Accepted record shapes, one JSON object per line:
+
+* Spec-Bench: ``{"question_id": ..., "category": ..., "turns": ["...", ...]}`` (``reference`` ignored);
+* plain: ``{"prompt": "..."}`` with optional ``"id"`` and ``"category"`` (default ``custom``).
+
+A record with several turns is run as a chat, turn after turn, each turn seeing the model's own
+earlier answers (as Spec-Bench runs MT-bench).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from flyspec.config import ConfigError
+
+logger = logging.getLogger(__name__)
+
+SPEC_BENCH_CATEGORIES = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
+# Spec-Bench labels its MT-bench prompts (ids 81-160) with MT-bench's own subcategories.
+_MT_BENCH_SUBCATEGORIES = frozenset(
+    ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
+)
+
+
+class DatasetError(ConfigError):
+    """A benchmark dataset that cannot be read (the message names the file and line)."""
+
+
+@dataclass(frozen=True)
+class BenchPrompt:
+    """One benchmark item: a single prompt, or the user turns of a multi-turn chat."""
+
+    id: str
+    category: str
+    turns: tuple[str, ...]
+
+
+def spec_bench_path() -> Path:
+    """The vendored Spec-Bench ``question.jsonl``."""
+    return Path(str(resources.files("flyspec.bench") / "data" / "spec_bench" / "question.jsonl"))
+
+
+def load_prompts(
+    path: str | Path | None = None,
+    *,
+    categories: tuple[str, ...] = (),
+    limit: int | None = None,
+    skip_bad_lines: bool = False,
+) -> list[BenchPrompt]:
+    """Read prompts, keep the asked categories (all if empty), the first ``limit`` per category.
+
+    A malformed line raises :class:`DatasetError` naming the file and line, or with
+    ``skip_bad_lines`` is logged as a warning and skipped (the count is logged too).
+    """
+    if limit is not None and limit < 1:
+        raise DatasetError(f"--limit must be >= 1 (got {limit})")
+    file = Path(path) if path is not None else spec_bench_path()
+    if not file.is_file():
+        raise DatasetError(f"dataset file {str(file)!r} does not exist; give a JSONL file of prompts")
+    prompts, skipped = _read(file, skip_bad_lines)
+    if skipped:
+        logger.warning("%s: skipped %d malformed line(s)", file, skipped)
+    present = list(dict.fromkeys(prompt.category for prompt in prompts))
+    unknown = [category for category in categories if category not in present]
+    if unknown:
+        raise DatasetError(
+            f"unknown categor{'y' if len(unknown) == 1 else 'ies'} {', '.join(unknown)} in {file.name}; "
+            f"it has: {', '.join(present)}"
+        )
+    counts: dict[str, int] = {}
+    chosen = []
+    for prompt in prompts:
+        if categories and prompt.category not in categories:
+            continue
+        if limit is not None and counts.get(prompt.category, 0) >= limit:
+            continue
+        counts[prompt.category] = counts.get(prompt.category, 0) + 1
+        chosen.append(prompt)
+    if not chosen:
+        raise DatasetError(f"{file} has no prompts to run")
+    return chosen
+
+
+def _read(file: Path, skip_bad_lines: bool) -> tuple[list[BenchPrompt], int]:
+    prompts: list[BenchPrompt] = []
+    skipped = 0
+    seen: set[str] = set()
+    with file.open(encoding="utf-8") as lines:
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                prompt = parse_record(json.loads(line), default_id=str(number))
+                if prompt.id in seen:
+                    raise ValueError(f"duplicate id {prompt.id!r}")
+            except (json.JSONDecodeError, ValueError, TypeError) as error:
+                message = f"{file}:{number}: {error}"
+                if not skip_bad_lines:
+                    raise DatasetError(f"{message} (fix the line, or pass --skip-bad-lines to skip it)") from None
+                logger.warning("skipping malformed line %s", message)
+                skipped += 1
+                continue
+            seen.add(prompt.id)
+            prompts.append(prompt)
+    return prompts, skipped
+
+
+def parse_record(record: Any, default_id: str) -> BenchPrompt:
+    """One JSON record → :class:`BenchPrompt`; ``ValueError`` says what is wrong with it."""
+    if not isinstance(record, dict):
+        raise ValueError(f"expected a JSON object, got {type(record).__name__}")
+    if "turns" in record:
+        turns = record["turns"]
+        if not isinstance(turns, list) or not turns:
+            raise ValueError("'turns' must be a non-empty list of strings")
+    elif "prompt" in record:
+        turns = [record["prompt"]]
+    else:
+        raise ValueError("a record needs a 'prompt' string or a 'turns' list")
+    if not all(isinstance(turn, str) and turn.strip() for turn in turns):
+        raise ValueError("every prompt/turn must be a non-empty string")
+    category = record.get("category", "custom")
+    if not isinstance(category, str) or not category:
+        raise ValueError("'category' must be a non-empty string")
+    if category in _MT_BENCH_SUBCATEGORIES:
+        category = "mt_bench"
+    identifier = record.get("question_id", record.get("id", default_id))
+    return BenchPrompt(id=str(identifier), category=category, turns=tuple(turns))

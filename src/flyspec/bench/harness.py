@@ -1,0 +1,152 @@
+"""The benchmark loop: warm up, then every method on every prompt, interleaved per prompt.
+
+Interleaving (prompt by prompt, with the method order rotated each time) makes machine drift
+and thermal effects hit every method alike, instead of favouring whichever ran first.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from flyspec.bench.data import BenchPrompt
+from flyspec.bench.methods import BASELINE, Method
+from flyspec.bench.runners import FlyspecRunner, HFGenerateRunner, PromptOutput, Runner, RunSettings, run_prompt
+from flyspec.models import LoadedModel
+from flyspec.target import CachedModel
+
+logger = logging.getLogger(__name__)
+
+WARMUP_TOKENS = 8
+Record = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    max_new_tokens: int = 128
+    repeats: int = 1
+    warmup: bool = True
+    seed: int = 0
+
+
+def make_runners(
+    methods: list[Method], target: LoadedModel, draft: LoadedModel | None, settings: RunSettings
+) -> dict[str, Runner]:
+    """One runner per method (``ConfigError`` if a method cannot run here)."""
+    runners: dict[str, Runner] = {}
+    for method in methods:
+        if method.name.startswith("hf-"):
+            runners[method.name] = HFGenerateRunner(method, target, draft, settings)
+        elif method.name.startswith("llamacpp-"):
+            from flyspec.bench.llamacpp import LlamaCppRunner  # noqa: PLC0415 - optional dependency
+
+            runners[method.name] = LlamaCppRunner(method, target, settings)
+        else:
+            runners[method.name] = FlyspecRunner(method, target, draft, settings)
+    return runners
+
+
+def run_bench(
+    prompts: list[BenchPrompt],
+    runners: dict[str, Runner],
+    target: LoadedModel,
+    settings: BenchSettings,
+    use_chat: bool | None,
+    on_record: Callable[[Record], None],
+    on_prompt_done: Callable[[], None] = lambda: None,
+) -> list[Record]:
+    """Run everything; ``on_record`` gets each record as soon as it exists (incremental output)."""
+    names = list(runners)
+    if settings.warmup:
+        warmup = BenchPrompt("warmup", "warmup", ("Hello! Say something short.",))
+        for name in names:
+            run_prompt(runners[name], target, warmup, WARMUP_TOKENS, settings.seed, use_chat)
+    records: list[Record] = []
+    for index, prompt in enumerate(prompts):
+        for repeat in range(settings.repeats):
+            shift = (index * settings.repeats + repeat) % len(names)
+            outputs = {}
+            for name in names[shift:] + names[:shift]:
+                outputs[name] = run_prompt(
+                    runners[name], target, prompt, settings.max_new_tokens, settings.seed + index, use_chat
+                )
+            for name in names:
+                record = make_record(prompt, runners[name].method, repeat, outputs[name], outputs[BASELINE])
+                records.append(record)
+                on_record(record)
+        on_prompt_done()
+    return records
+
+
+def make_record(
+    prompt: BenchPrompt, method: Method, repeat: int, output: PromptOutput, baseline: PromptOutput
+) -> Record:
+    """One (prompt, method, repeat) measurement; counters a peer does not expose are ``None``."""
+    turns = output.turns
+    num_new_tokens = sum(len(turn.token_ids) for turn in turns)
+    wall = sum(turn.wall_time_s for turn in turns)
+    record: Record = {
+        "prompt_id": prompt.id,
+        "category": prompt.category,
+        "method": method.name,
+        "lossless": method.lossless,
+        "repeat": repeat,
+        "num_turns": len(turns),
+        "num_prompt_tokens": output.num_prompt_tokens,
+        "num_new_tokens": num_new_tokens,
+        "wall_time_s": wall,
+        "tokens_per_s": num_new_tokens / wall if wall > 0 else 0.0,
+        "identical_to_baseline": output.token_ids == baseline.token_ids,
+        "texts": output.texts,
+    }
+    for key in (
+        "num_target_forwards",
+        "num_proposed",
+        "num_accepted",
+        "num_loose_accepts",
+        "prefill_time_s",
+        "target_time_s",
+        "draft_time_s",
+    ):
+        values = [getattr(turn, key) for turn in turns]
+        record[key] = None if any(value is None for value in values) else sum(values)
+    forwards = record["num_target_forwards"]
+    record["mean_acceptance_length"] = num_new_tokens / forwards if forwards else None
+    record["accepted_per_position"] = _sum_lists([turn.accepted_per_position for turn in turns])
+    record["proposed_per_position"] = _sum_lists([turn.proposed_per_position for turn in turns])
+    return record
+
+
+def _sum_lists(lists: list[list[int]]) -> list[int]:
+    total = [0] * max((len(values) for values in lists), default=0)
+    for values in lists:
+        for position, value in enumerate(values):
+            total[position] += value
+    return total
+
+
+def forward_times(
+    target: LoadedModel, context: list[int], sizes: tuple[int, ...], repeats: int = 9
+) -> dict[int, float]:
+    """Median seconds of one target forward of each size after ``context`` cached tokens.
+
+    The τ-limit of a method is τ × t(1) / t(k+1): its speedup if every step cost one
+    (k+1)-token forward and nothing else (no drafting, no engine overhead).
+    """
+    runner = CachedModel(target)
+    runner.forward(context, logits_to_keep=1)
+    times: dict[int, float] = {}
+    probe = (context * (1 + max(sizes) // max(len(context), 1)))[: max(sizes)]
+    for size in sizes:
+        samples = []
+        for _ in range(repeats + 1):  # the first is a warm-up
+            started = time.perf_counter()
+            runner.forward(probe[:size])
+            samples.append(time.perf_counter() - started)
+            runner.crop_to(len(context))
+        times[size] = statistics.median(samples[1:])
+    return times

@@ -1,0 +1,65 @@
+"""Peer: llama.cpp through llama-cpp-python, plain and with prompt lookup decoding.
+
+Optional (``pip install 'flyspec[llamacpp]'``). It runs the GGUF file itself, so its weights are
+the quantized originals that flyspec dequantizes to float32: same model, different arithmetic
+(quantized kernels), so outputs are compared with flyspec's by re-encoding the text, and its own
+speedup is reported against ``llamacpp-plain``.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from flyspec.bench.methods import Method
+from flyspec.bench.runners import RunSettings, TurnOutput
+from flyspec.config import ConfigError
+from flyspec.models import LoadedModel, find_gguf
+
+N_CTX = 4096
+
+
+class LlamaCppRunner:
+    """``llamacpp-plain`` or ``llamacpp-lookup`` (``LlamaPromptLookupDecoding``)."""
+
+    def __init__(self, method: Method, target: LoadedModel, settings: RunSettings) -> None:
+        try:
+            from llama_cpp import Llama  # noqa: PLC0415 - optional dependency
+            from llama_cpp.llama_speculative import LlamaPromptLookupDecoding  # noqa: PLC0415
+        except ImportError:
+            raise ConfigError(
+                f"{method.name} needs llama-cpp-python: pip install 'flyspec[llamacpp]' (or drop it from --methods)"
+            ) from None
+        gguf = find_gguf(target.name)
+        if gguf is None:
+            raise ConfigError(
+                f"{method.name} needs a GGUF target (a packaged name or a .gguf file), not {target.name!r}"
+            )
+        self.method = method
+        self.target = target
+        self.sampling = settings.sampling
+        draft = (
+            LlamaPromptLookupDecoding(num_pred_tokens=settings.hf_lookup_tokens) if "lookup" in method.name else None
+        )
+        self.llm = Llama(
+            model_path=str(gguf), n_ctx=N_CTX, n_threads=torch.get_num_threads(), draft_model=draft, verbose=False
+        )
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, seed: int) -> TurnOutput:
+        self.llm.reset()
+        started = time.perf_counter()
+        completion = self.llm.create_completion(
+            prompt=prompt_ids,
+            max_tokens=max_new_tokens,
+            temperature=self.sampling.temperature,
+            top_p=self.sampling.top_p,
+            top_k=self.sampling.top_k or 1_000_000,
+            seed=seed,
+        )
+        wall = time.perf_counter() - started
+        choice = completion["choices"][0]  # type: ignore[index]
+        token_ids = self.target.tokenizer.encode(choice["text"], add_special_tokens=False)
+        if choice["finish_reason"] == "stop" and self.target.eos_token_ids:
+            token_ids.append(min(self.target.eos_token_ids))
+        return TurnOutput(token_ids, choice["text"], wall)

@@ -1,0 +1,86 @@
+"""Benchmark method names: ours (``drafter+verifier``, ``baseline``) and peers.
+
+``baseline`` is flyspec's plain autoregressive decoding, the denominator of every speedup.
+Our speculative methods are ``<drafter>+<verifier>`` with drafter ``ngram``, ``draft``
+(a separate draft model) or ``multilevel`` (n-gram → draft model → target), and any verifier.
+Peers run in the same process on the same prompt ids and weights:
+
+* ``hf-plain``: transformers ``generate()`` greedy;
+* ``hf-lookup``: ``generate(prompt_lookup_num_tokens=...)`` (prompt lookup decoding);
+* ``hf-assisted``: ``generate(assistant_model=...)`` (needs ``--draft-model``);
+* ``llamacpp-plain`` / ``llamacpp-lookup``: llama-cpp-python on the GGUF file, plain and with
+  ``LlamaPromptLookupDecoding`` (optional extra ``flyspec[llamacpp]``; GGUF targets only).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from flyspec.config import ConfigError
+from flyspec.verifiers.registry import LOSSLESS_VERIFIERS, VERIFIERS
+
+BASELINE = "baseline"
+DRAFTER_ALIASES = {"ngram": "ngram", "draft": "draft-model", "multilevel": "multilevel"}
+PEERS = ("hf-plain", "hf-lookup", "hf-assisted", "llamacpp-plain", "llamacpp-lookup")
+# The plain decoding each peer's own speedup is measured against.
+PEER_PLAIN = {"hf-lookup": "hf-plain", "hf-assisted": "hf-plain", "llamacpp-lookup": "llamacpp-plain"}
+
+DEFAULT_METHODS = ("baseline", "ngram+exact", "ngram+fly", "ngram+margin", "ngram+typical", "hf-plain", "hf-lookup")
+DEFAULT_DRAFT_METHODS = ("draft+exact", "draft+fly", "multilevel+fly", "hf-assisted")
+
+
+@dataclass(frozen=True)
+class Method:
+    """A parsed method name."""
+
+    name: str
+    drafter: str | None = None  # registry name; None for baseline and peers
+    verifier: str | None = None
+    peer: bool = False
+
+    @property
+    def lossless(self) -> bool:
+        return self.verifier is None or self.verifier in LOSSLESS_VERIFIERS
+
+    @property
+    def needs_draft_model(self) -> bool:
+        return self.drafter in ("draft-model", "multilevel") or self.name == "hf-assisted"
+
+
+def parse_method(name: str) -> Method:
+    """``baseline``, a peer name, or ``<drafter>+<verifier>``; ``ConfigError`` lists the choices."""
+    name = name.strip()
+    if name == BASELINE:
+        return Method(name)
+    if name in PEERS:
+        return Method(name, peer=True)
+    drafter, plus, verifier = name.partition("+")
+    if plus and drafter in DRAFTER_ALIASES and verifier in VERIFIERS:
+        return Method(name, DRAFTER_ALIASES[drafter], verifier)
+    raise ConfigError(
+        f"unknown method {name!r}; use baseline, <drafter>+<verifier> with drafter in "
+        f"{'/'.join(DRAFTER_ALIASES)} and verifier in {'/'.join(VERIFIERS)}, or a peer: {', '.join(PEERS)}"
+    )
+
+
+def parse_methods(spec: str | None, *, has_draft_model: bool) -> list[Method]:
+    """A comma-separated list (default: ours and HF peers; draft-model methods with a draft model).
+
+    ``baseline`` is always run (first), since every speedup is relative to it.
+    """
+    if spec is None:
+        names = list(DEFAULT_METHODS) + (list(DEFAULT_DRAFT_METHODS) if has_draft_model else [])
+    else:
+        names = [name.strip() for name in spec.split(",") if name.strip()]
+        if not names:
+            raise ConfigError("--methods is empty; give a comma-separated list such as baseline,ngram+fly")
+    methods = [parse_method(name) for name in names]
+    duplicates = sorted({m.name for m in methods if sum(o.name == m.name for o in methods) > 1})
+    if duplicates:
+        raise ConfigError(f"method(s) listed twice in --methods: {', '.join(duplicates)}")
+    missing_draft = [m.name for m in methods if m.needs_draft_model and not has_draft_model]
+    if missing_draft:
+        raise ConfigError(f"{', '.join(missing_draft)} need(s) a draft model: pass --draft-model")
+    if all(m.name != BASELINE for m in methods):
+        methods.insert(0, Method(BASELINE))
+    return sorted(methods, key=lambda m: m.name != BASELINE)

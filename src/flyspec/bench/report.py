@@ -1,0 +1,147 @@
+"""Benchmark outputs: a JSON file of everything, a Markdown report, and PNG plots."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from flyspec.bench.summary import OVERALL, check_targets
+
+LOSSY_NOTE = "lossy: output may differ from plain decoding"
+
+
+def write_json(path: Path, meta: dict[str, Any], summary: dict[str, Any], records: list[dict]) -> None:
+    payload = {"meta": meta, "summary": summary, "targets": check_targets(summary[OVERALL]), "records": records}
+    path.write_text(json.dumps(payload, indent=1, ensure_ascii=False))
+
+
+def _fmt(value: float | None, pattern: str = "{:.2f}") -> str:
+    return "–" if value is None else pattern.format(value)
+
+
+def overall_table(overall: dict[str, dict]) -> list[str]:
+    lines = [
+        "| method | lossless | tok/s | speedup (min–max) | τ | τ-limit | % of limit | identical | loose accepts "
+        "| target / draft / other ms per step |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for method, figures in overall.items():
+        spread = ""
+        if figures["speedup_min"] is not None and len(figures["speedup_per_repeat"]) > 1:
+            spread = f" ({figures['speedup_min']:.2f}–{figures['speedup_max']:.2f})"
+        own = figures.get("speedup_vs_own_plain")
+        own_note = f"; {own:.2f}x vs its own plain" if own is not None else ""
+        steps = (figures["target_ms_per_step"], figures["draft_ms_per_step"], figures["other_ms_per_step"])
+        lines.append(
+            f"| {method} | {'yes' if figures['lossless'] else 'no'} | {figures['tokens_per_s']:.1f} "
+            f"| {_fmt(figures['speedup'], '{:.2f}x')}{spread}{own_note} | {_fmt(figures['tau'])} "
+            f"| {_fmt(figures['tau_limit'], '{:.2f}x')} | {_fmt(figures['fraction_of_limit'], '{:.0%}')} "
+            f"| {figures['num_identical']}/{figures['num_prompts']} | {_fmt(figures['num_loose_accepts'], '{}')} "
+            f"| {' / '.join(_fmt(value, '{:.1f}') for value in steps)} |"
+        )
+    return lines
+
+
+def category_table(summary: dict[str, dict]) -> list[str]:
+    categories = [name for name in summary if name != OVERALL]
+    methods = list(summary[OVERALL])
+    lines = [
+        "| method | " + " | ".join(categories) + " | overall |",
+        "|---|" + "---|" * (len(categories) + 1),
+    ]
+    for method in methods:
+        cells = []
+        for category in [*categories, OVERALL]:
+            figures = summary[category].get(method)
+            cells.append(
+                "–" if figures is None else f"{_fmt(figures['speedup'], '{:.2f}x')} (τ {_fmt(figures['tau'])})"
+            )
+        lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def markdown_report(meta: dict[str, Any], summary: dict[str, Any]) -> str:
+    times = meta.get("forward_times_ms") or {}
+    k = meta["num_draft_tokens"]
+    lines = [
+        f"# flyspec bench — {meta['date']}",
+        "",
+        f"- Command: `{meta['command']}`",
+        f"- Machine: {meta['machine']}",
+        f"- Target: {meta['target']} ({meta['dtype']}); draft model: {meta['draft_model'] or 'none'}",
+        f"- Prompts: {meta['num_prompts']} from {meta['dataset']} ({', '.join(meta['categories'])}); "
+        f"max_new_tokens {meta['max_new_tokens']}, k = {k}, temperature {meta['temperature']}, "
+        f"repeats {meta['repeats']}, warm-up {'yes' if meta['warmup'] else 'no'}; methods interleaved per prompt",
+        f"- Target forward after {meta.get('forward_context', '?')} cached tokens: t(1) = "
+        f"{_fmt(times.get('1'), '{:.1f}')} ms, t(k+1 = {k + 1}) = {_fmt(times.get(str(k + 1)), '{:.1f}')} ms",
+        f"- Speedup = method tokens/s ÷ baseline (flyspec plain decoding) tokens/s over the same prompts; "
+        f"lossy methods ({LOSSY_NOTE}) are marked lossless = no; their quality is measured by `flyspec eval`.",
+        "",
+        "## Overall",
+        "",
+        *overall_table(summary[OVERALL]),
+        "",
+        "## Speedup by category",
+        "",
+        *category_table(summary),
+    ]
+    checks = check_targets(summary[OVERALL])
+    if checks:
+        lines += ["", "## Targets", "", "| target | goal | measured | met |", "|---|---|---|---|"]
+        for check in checks:
+            lines.append(
+                f"| {check['target']} | ≥ {check['goal']} | {_fmt(check['measured'])} | "
+                f"{'yes' if check['met'] else 'no'} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def write_plots(directory: Path, summary: dict[str, Any]) -> list[Path]:
+    """speedup_by_category.png, tau_by_method.png, acceptance_by_position.png."""
+    import matplotlib  # noqa: PLC0415 - heavy; only when writing plots
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    overall = summary[OVERALL]
+    methods = [method for method in overall if method != "baseline"]
+    categories = [name for name in summary if name != OVERALL]
+    paths = [
+        directory / name for name in ("speedup_by_category.png", "tau_by_method.png", "acceptance_by_position.png")
+    ]
+
+    figure, axes = plt.subplots(figsize=(max(6, 1.2 * len(categories) * max(1, len(methods)) / 3), 4))
+    width = 0.8 / max(1, len(methods))
+    for index, method in enumerate(methods):
+        values = [(summary[c].get(method) or {}).get("speedup") or 0.0 for c in [*categories, OVERALL]]
+        axes.bar([x + index * width for x in range(len(values))], values, width, label=method)
+    axes.set_xticks([x + 0.4 - width / 2 for x in range(len(categories) + 1)], [*categories, OVERALL], rotation=20)
+    axes.axhline(1.0, color="black", linewidth=0.8)
+    axes.set_ylabel("speedup over plain decoding")
+    axes.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(paths[0], dpi=120)
+    plt.close(figure)
+
+    figure, axes = plt.subplots(figsize=(6, 4))
+    with_tau = [method for method in methods if overall[method]["tau"] is not None]
+    axes.bar(with_tau, [overall[method]["tau"] for method in with_tau])
+    axes.set_ylabel("τ (tokens per target forward)")
+    axes.tick_params(axis="x", rotation=20)
+    figure.tight_layout()
+    figure.savefig(paths[1], dpi=120)
+    plt.close(figure)
+
+    figure, axes = plt.subplots(figsize=(6, 4))
+    for method in with_tau:
+        rates = overall[method]["acceptance_by_position"]
+        axes.plot(range(1, len(rates) + 1), rates, marker="o", label=method)
+    axes.set_xlabel("draft position")
+    axes.set_ylabel("accepted ÷ proposed")
+    axes.set_ylim(0, 1.05)
+    axes.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(paths[2], dpi=120)
+    plt.close(figure)
+    return paths

@@ -1,0 +1,198 @@
+"""One runner per benchmark method: generate for a (possibly multi-turn) prompt, return what it measured.
+
+Every runner gets the same prompt token ids (encoded once by flyspec, chat template applied),
+so methods differ only in how they decode. A multi-turn prompt is run as a chat: each turn
+sees the method's own earlier answers (Spec-Bench's MT-bench protocol).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from transformers import GenerationConfig
+
+from flyspec.api import build_decoder, make_generator
+from flyspec.baseline import PlainDecoder
+from flyspec.bench.data import BenchPrompt
+from flyspec.bench.methods import Method
+from flyspec.config import DecodeConfig, SamplingConfig
+from flyspec.decoding import Decoder
+from flyspec.models import LoadedModel
+
+
+@dataclass
+class TurnOutput:
+    """One generation's tokens, text and counters (``None`` where a peer does not expose them)."""
+
+    token_ids: list[int]
+    text: str
+    wall_time_s: float
+    num_target_forwards: int | None = None
+    num_proposed: int | None = None
+    num_accepted: int | None = None
+    num_loose_accepts: int | None = None
+    accepted_per_position: list[int] = field(default_factory=list)
+    proposed_per_position: list[int] = field(default_factory=list)
+    prefill_time_s: float | None = None
+    target_time_s: float | None = None
+    draft_time_s: float | None = None
+
+
+Generate = Callable[[list[int], int, int], TurnOutput]  # (prompt ids, max new tokens, seed) → output
+
+
+class Runner(Protocol):
+    method: Method
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, seed: int) -> TurnOutput: ...
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """What every runner shares: sampling, draft length and the verifier/drafter options."""
+
+    sampling: SamplingConfig
+    speculation: dict  # build_decoder keyword arguments (num_draft_tokens, fly, margin, ...)
+    use_chat: bool | None = None
+    hf_lookup_tokens: int = 10
+
+
+class FlyspecRunner:
+    """``baseline`` (flyspec's plain decoding) or a speculative ``drafter+verifier``."""
+
+    def __init__(self, method: Method, target: LoadedModel, draft: LoadedModel | None, settings: RunSettings):
+        self.method = method
+        self.sampling = settings.sampling
+        self.decoder: Decoder
+        if method.drafter is None:
+            self.decoder = PlainDecoder(target, DecodeConfig(sampling=settings.sampling))
+        else:
+            assert method.verifier is not None
+            self.decoder = build_decoder(
+                target, method.drafter, method.verifier, draft, sampling=settings.sampling, **settings.speculation
+            )
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, seed: int) -> TurnOutput:
+        config = DecodeConfig(
+            num_draft_tokens=self.decoder.config.num_draft_tokens,
+            max_new_tokens=max_new_tokens,
+            sampling=self.sampling,
+        )
+        result = self.decoder.generate(prompt_ids, config=config, generator=make_generator(seed))
+        stats = result.stats
+        speculative = self.method.drafter is not None
+        return TurnOutput(
+            token_ids=result.token_ids,
+            text=result.text,
+            wall_time_s=stats.wall_time_s,
+            num_target_forwards=stats.num_target_forwards,
+            num_proposed=stats.num_proposed,
+            num_accepted=stats.num_accepted,
+            num_loose_accepts=stats.num_loose_accepts,
+            accepted_per_position=list(stats.accepted_per_position) if speculative else [],
+            proposed_per_position=list(stats.proposed_per_position) if speculative else [],
+            prefill_time_s=stats.prefill_time_s,
+            target_time_s=stats.target_time_s,
+            draft_time_s=stats.draft_time_s,
+        )
+
+
+class HFGenerateRunner:
+    """transformers ``generate()``: plain, prompt lookup, or assisted by a draft model."""
+
+    def __init__(self, method: Method, target: LoadedModel, draft: LoadedModel | None, settings: RunSettings):
+        self.method = method
+        self.target = target
+        self.sampling = settings.sampling
+        eos = sorted(target.eos_token_ids)
+        self.options: dict = {"eos_token_id": eos, "pad_token_id": eos[0] if eos else 0}
+        if method.name == "hf-lookup":
+            self.options["prompt_lookup_num_tokens"] = settings.hf_lookup_tokens
+        elif method.name == "hf-assisted":
+            assert draft is not None
+            self.assistant = draft.model
+            self.options["num_assistant_tokens"] = settings.speculation.get("num_draft_tokens", 15)
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, seed: int) -> TurnOutput:
+        greedy = self.sampling.greedy
+        config = GenerationConfig(
+            max_new_tokens=max_new_tokens,
+            do_sample=not greedy,
+            **({} if greedy else self._sampling_options()),
+            **self.options,
+        )
+        device = next(self.target.model.parameters()).device
+        inputs = torch.tensor([prompt_ids], dtype=torch.long, device=device)
+        extra = {"assistant_model": self.assistant} if self.method.name == "hf-assisted" else {}
+        torch.manual_seed(seed)
+        started = time.perf_counter()
+        with torch.inference_mode():
+            output = self.target.model.generate(
+                inputs, attention_mask=torch.ones_like(inputs), generation_config=config, **extra
+            )
+        wall = time.perf_counter() - started
+        new_tokens = _cut_at_eos(output[0, len(prompt_ids) :].tolist(), self.target.eos_token_ids)
+        return TurnOutput(new_tokens, self.target.decode(new_tokens), wall)
+
+    def _sampling_options(self) -> dict:
+        top_k = self.sampling.top_k or None
+        return {"temperature": self.sampling.temperature, "top_p": self.sampling.top_p, "top_k": top_k}
+
+
+def _cut_at_eos(token_ids: list[int], eos_token_ids: frozenset[int]) -> list[int]:
+    for index, token in enumerate(token_ids):
+        if token in eos_token_ids:
+            return token_ids[: index + 1]
+    return token_ids
+
+
+@dataclass
+class PromptOutput:
+    """A whole benchmark prompt (all turns) for one method: summed counters, joined tokens."""
+
+    turns: list[TurnOutput]
+    num_prompt_tokens: int
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [token for turn in self.turns for token in turn.token_ids]
+
+    @property
+    def texts(self) -> list[str]:
+        return [turn.text for turn in self.turns]
+
+
+def run_prompt(
+    runner: Runner, target: LoadedModel, prompt: BenchPrompt, max_new_tokens: int, seed: int, use_chat: bool | None
+) -> PromptOutput:
+    """Run every turn of ``prompt``; later turns see this method's own earlier answers."""
+    answers: list[str] = []
+    turns: list[TurnOutput] = []
+    num_prompt_tokens = 0
+    for index in range(len(prompt.turns)):
+        prompt_ids = conversation_ids(target, prompt.turns[: index + 1], answers, use_chat)
+        num_prompt_tokens += len(prompt_ids)
+        output = runner.generate(prompt_ids, max_new_tokens, seed + index)
+        turns.append(output)
+        answers.append(output.text)
+    return PromptOutput(turns, num_prompt_tokens)
+
+
+def conversation_ids(
+    target: LoadedModel, turns: tuple[str, ...], answers: list[str], use_chat: bool | None
+) -> list[int]:
+    """Prompt ids for the last of ``turns`` after the earlier turns and their ``answers``."""
+    chat = target.has_chat_template if use_chat is None else use_chat
+    if chat:
+        messages = []
+        for turn, answer in zip(turns, [*answers, None], strict=False):
+            messages.append({"role": "user", "content": turn})
+            if answer is not None:
+                messages.append({"role": "assistant", "content": answer})
+        return target.encode_prompt(messages, True)
+    text = "".join(f"{turn}\n{answer}\n\n" for turn, answer in zip(turns, answers, strict=False)) + turns[-1]
+    return target.encode_prompt(text, False)

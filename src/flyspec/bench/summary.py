@@ -1,0 +1,161 @@
+"""Aggregate benchmark records into per-method, per-category figures.
+
+Definitions (all over the same prompts, in the same run):
+
+* ``tokens_per_s`` of a method in one repeat = Σ new tokens ÷ Σ wall time over the prompts;
+* ``speedup`` = that rate ÷ the baseline's rate in the same repeat; with several repeats the
+  reported figure is the median over repeats, with the min and max as the spread;
+* ``tau`` (τ) = Σ new tokens ÷ Σ target forwards (bonus/recovered tokens included);
+* ``tau_limit`` = τ × t(1) / t(k+1): the speedup if every step cost exactly one (k+1)-token
+  target forward and nothing else; ``fraction_of_limit`` = speedup ÷ tau_limit;
+* ``target_ms_per_step`` / ``draft_ms_per_step`` / ``other_ms_per_step``: time per target forward
+  spent in verification forwards, in drafting, and in the engine's own work (verification rule,
+  commit, cache rollback, stop checks, detokenisation) — the last is the engine overhead.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from flyspec.bench.methods import BASELINE, PEER_PLAIN
+
+Record = dict[str, Any]
+OVERALL = "overall"
+
+
+def summarize(records: list[Record], forward_times: dict[int, float] | None, num_draft_tokens: int) -> dict[str, Any]:
+    """``{"overall": {method: figures}, "<category>": {...}}`` plus nothing else."""
+    categories = list(dict.fromkeys(record["category"] for record in records))
+    summary = {OVERALL: _summarize_group(records, forward_times, num_draft_tokens)}
+    for category in categories:
+        group = [record for record in records if record["category"] == category]
+        summary[category] = _summarize_group(group, forward_times, num_draft_tokens)
+    return summary
+
+
+def _summarize_group(records: list[Record], forward_times: dict[int, float] | None, k: int) -> dict[str, dict]:
+    methods = list(dict.fromkeys(record["method"] for record in records))
+    rates = {method: _rates_per_repeat(records, method) for method in methods}
+    figures: dict[str, dict] = {}
+    for method in methods:
+        mine = [record for record in records if record["method"] == method]
+        figures[method] = _figures(mine, rates, method, forward_times, k)
+    return figures
+
+
+def _rates_per_repeat(records: list[Record], method: str) -> dict[int, float]:
+    tokens: dict[int, int] = {}
+    times: dict[int, float] = {}
+    for record in records:
+        if record["method"] == method:
+            tokens[record["repeat"]] = tokens.get(record["repeat"], 0) + record["num_new_tokens"]
+            times[record["repeat"]] = times.get(record["repeat"], 0.0) + record["wall_time_s"]
+    return {repeat: tokens[repeat] / times[repeat] if times[repeat] > 0 else 0.0 for repeat in tokens}
+
+
+def _speedups(rates: dict[str, dict[int, float]], method: str, reference: str) -> list[float]:
+    return [
+        rate / rates[reference][repeat]
+        for repeat, rate in sorted(rates[method].items())
+        if rates[reference].get(repeat)
+    ]
+
+
+def _figures(
+    mine: list[Record], rates: dict[str, dict[int, float]], method: str, forward_times: dict[int, float] | None, k: int
+) -> dict[str, Any]:
+    first = [record for record in mine if record["repeat"] == 0]
+    speedups = _speedups(rates, method, BASELINE) if BASELINE in rates else []
+    tokens = sum(record["num_new_tokens"] for record in mine)
+    forwards = _total(mine, "num_target_forwards")
+    tau = tokens / forwards if forwards else None
+    limit = None
+    if tau is not None and forward_times and 1 in forward_times and k + 1 in forward_times and method != BASELINE:
+        limit = tau * forward_times[1] / forward_times[k + 1]
+    speedup = statistics.median(speedups) if speedups else None
+    figures: dict[str, Any] = {
+        "lossless": first[0]["lossless"] if first else None,
+        "num_prompts": len(first),
+        "num_new_tokens": sum(record["num_new_tokens"] for record in first),
+        "tokens_per_s": statistics.median(rates[method].values()),
+        "tokens_per_s_per_repeat": [rates[method][repeat] for repeat in sorted(rates[method])],
+        "speedup": speedup,
+        "speedup_per_repeat": speedups,
+        "speedup_min": min(speedups) if speedups else None,
+        "speedup_max": max(speedups) if speedups else None,
+        "tau": tau,
+        "tau_limit": limit,
+        "fraction_of_limit": speedup / limit if speedup is not None and limit else None,
+        "num_target_forwards": forwards,
+        "num_loose_accepts": _total(mine, "num_loose_accepts"),
+        "num_identical": sum(record["identical_to_baseline"] for record in first),
+        "acceptance_by_position": _acceptance_by_position(mine),
+    }
+    figures.update(_per_step_ms(mine, forwards))
+    plain = PEER_PLAIN.get(method)
+    if plain in rates:
+        own = _speedups(rates, method, plain)
+        figures["speedup_vs_own_plain"] = statistics.median(own) if own else None
+    return figures
+
+
+def _total(records: list[Record], key: str) -> int | None:
+    values = [record[key] for record in records]
+    return None if any(value is None for value in values) else sum(values)
+
+
+def _acceptance_by_position(records: list[Record]) -> list[float]:
+    accepted: list[int] = []
+    proposed: list[int] = []
+    for record in records:
+        for counts, values in (
+            (accepted, record["accepted_per_position"]),
+            (proposed, record["proposed_per_position"]),
+        ):
+            counts.extend([0] * (len(values) - len(counts)))
+            for position, value in enumerate(values):
+                counts[position] += value
+    return [a / p if p else 0.0 for a, p in zip(accepted, proposed, strict=False)]
+
+
+def _per_step_ms(records: list[Record], forwards: int | None) -> dict[str, float | None]:
+    keys = ("target_time_s", "draft_time_s", "prefill_time_s")
+    if not forwards or any(record[key] is None for record in records for key in keys):
+        return {"target_ms_per_step": None, "draft_ms_per_step": None, "other_ms_per_step": None}
+    target = sum(record["target_time_s"] for record in records)
+    draft = sum(record["draft_time_s"] for record in records)
+    prefill = sum(record["prefill_time_s"] for record in records)
+    wall = sum(record["wall_time_s"] for record in records)
+    return {
+        "target_ms_per_step": 1000 * target / forwards,
+        "draft_ms_per_step": 1000 * draft / forwards,
+        "other_ms_per_step": 1000 * max(0.0, wall - prefill - target - draft) / forwards,
+    }
+
+
+# Targets from the bench issue, checked in the report (reported, never asserted in tests).
+TARGETS = (
+    ("n-gram+FLy speedup over plain decoding", "ngram+fly", None, 2.5),
+    ("n-gram+FLy speedup over n-gram+exact", "ngram+fly", "ngram+exact", 1.3),
+    ("n-gram+FLy speedup ÷ transformers prompt-lookup speedup", "ngram+fly", "hf-lookup", 1.5),
+)
+
+
+def check_targets(overall: dict[str, dict]) -> list[dict[str, Any]]:
+    """Each target that the run's methods allow to check: measured value, goal, met or short by."""
+    checks = []
+    for label, method, reference, goal in TARGETS:
+        if method not in overall or (reference and reference not in overall):
+            continue
+        value = overall[method]["speedup"]
+        if reference is not None:
+            base = overall[reference]["speedup"]
+            value = value / base if value is not None and base else None
+        checks.append({"target": label, "goal": goal, "measured": value})
+    fly = overall.get("ngram+fly")
+    if fly and fly.get("fraction_of_limit") is not None:
+        checks.append({"target": "n-gram+FLy speedup ÷ its τ-limit", "goal": 0.9, "measured": fly["fraction_of_limit"]})
+    for check in checks:
+        check["met"] = check["measured"] is not None and check["measured"] >= check["goal"]
+    return checks

@@ -1,0 +1,273 @@
+"""``flyspec bench``: dataset reading, method parsing, summary arithmetic, and a quick end-to-end run.
+
+The end-to-end run uses the tiny random model saved as a directory (float32), 2 categories × 2
+prompts (one of them a two-turn chat), and checks the three outputs and their consistency.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from flyspec.bench.data import SPEC_BENCH_CATEGORIES, DatasetError, load_prompts, spec_bench_path
+from flyspec.bench.methods import parse_methods
+from flyspec.bench.summary import OVERALL, summarize
+from flyspec.cli import main
+from flyspec.config import ConfigError
+
+PROMPTS = [
+    {"id": "a1", "category": "alpha", "prompt": "The capital of France is Paris. The capital of"},
+    {"id": "a2", "category": "alpha", "prompt": "def add(a, b):\n    return a + b\n\nprint(add("},
+    {"id": "b1", "category": "beta", "turns": ["Speculative decoding drafts tokens", "Once upon a time there"]},
+    {"id": "b2", "category": "beta", "prompt": "Once upon a time there was a small model that"},
+]
+METHODS = "baseline,ngram+exact,ngram+fly,ngram+rejection,hf-plain,hf-lookup"
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    path.write_text("".join((row if isinstance(row, str) else json.dumps(row)) + "\n" for row in rows))
+    return path
+
+
+def usage_error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("flyspec: error: "), lines
+    return lines[0]
+
+
+# --- data -----------------------------------------------------------------------------------
+
+
+def test_vendored_spec_bench_has_six_categories_of_80() -> None:
+    prompts = load_prompts()
+    assert len(prompts) == 480
+    counts = {category: sum(p.category == category for p in prompts) for category in SPEC_BENCH_CATEGORIES}
+    assert counts == dict.fromkeys(SPEC_BENCH_CATEGORIES, 80)
+    assert {len(p.turns) for p in prompts if p.category == "mt_bench"} == {2}
+    assert (spec_bench_path().parent / "LICENSE").is_file()
+
+
+def test_limit_per_category_and_category_filter() -> None:
+    prompts = load_prompts(categories=("qa", "rag"), limit=3)
+    assert [p.category for p in prompts] == ["qa"] * 3 + ["rag"] * 3
+
+
+def test_malformed_line_names_file_and_line(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "p.jsonl", [PROMPTS[0], "{not json", {"text": "no prompt"}, PROMPTS[1]])
+    with pytest.raises(DatasetError, match=r"p\.jsonl:2: .*--skip-bad-lines"):
+        load_prompts(path)
+    kept = load_prompts(path, skip_bad_lines=True)
+    assert [p.id for p in kept] == ["a1", "a2"]
+
+
+@pytest.mark.parametrize(
+    ("row", "message"),
+    [
+        ({"turns": []}, "non-empty list"),
+        ({"prompt": ""}, "non-empty string"),
+        ({"prompt": 3}, "non-empty string"),
+        ([1, 2], "JSON object"),
+        ({"prompt": "x", "category": ""}, "category"),
+    ],
+)
+def test_bad_records_are_reported(tmp_path: Path, row: object, message: str) -> None:
+    path = write_jsonl(tmp_path / "p.jsonl", [row])
+    with pytest.raises(DatasetError, match=message):
+        load_prompts(path)
+
+
+def test_missing_file_unknown_category_bad_limit(tmp_path: Path) -> None:
+    with pytest.raises(DatasetError, match="does not exist"):
+        load_prompts(tmp_path / "nope.jsonl")
+    with pytest.raises(DatasetError, match="unknown category poetry.*it has: mt_bench"):
+        load_prompts(categories=("poetry",))
+    with pytest.raises(DatasetError, match="--limit"):
+        load_prompts(limit=0)
+
+
+# --- methods ----------------------------------------------------------------------------------
+
+
+def test_methods_parse_and_baseline_is_always_first() -> None:
+    methods = parse_methods("ngram+fly,hf-lookup", has_draft_model=False)
+    assert [m.name for m in methods] == ["baseline", "ngram+fly", "hf-lookup"]
+    assert methods[1].drafter == "ngram" and methods[1].verifier == "fly" and not methods[1].lossless
+    assert parse_methods("draft+exact", has_draft_model=True)[1].drafter == "draft-model"
+    defaults = [m.name for m in parse_methods(None, has_draft_model=True)]
+    assert "multilevel+fly" in defaults and "hf-assisted" in defaults
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("ngram+nope", "unknown method 'ngram\\+nope'"),
+        ("speedy", "unknown method"),
+        ("draft+fly", "need\\(s\\) a draft model"),
+        ("hf-assisted", "need\\(s\\) a draft model"),
+        ("ngram+fly,ngram+fly", "listed twice"),
+        (" , ", "empty"),
+    ],
+)
+def test_bad_methods(spec: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_methods(spec, has_draft_model=False)
+
+
+# --- summary arithmetic -------------------------------------------------------------------------
+
+
+def _record(method: str, category: str, repeat: int, tokens: int, seconds: float, forwards: int | None) -> dict:
+    return {
+        "prompt_id": category + str(tokens),
+        "category": category,
+        "method": method,
+        "lossless": True,
+        "repeat": repeat,
+        "num_new_tokens": tokens,
+        "wall_time_s": seconds,
+        "num_target_forwards": forwards,
+        "num_loose_accepts": 0 if forwards else None,
+        "identical_to_baseline": True,
+        "accepted_per_position": [],
+        "proposed_per_position": [],
+        "target_time_s": None,
+        "draft_time_s": None,
+        "prefill_time_s": None,
+    }
+
+
+def test_speedup_is_the_median_over_repeats_of_rate_ratios() -> None:
+    records = []
+    # repeat 0: baseline 100 tok / 10 s, fast 100 tok / 4 s → 2.5x; repeat 1: 10 s vs 5 s → 2x; repeat 2: 3x
+    for repeat, (base_s, fast_s) in enumerate([(10.0, 4.0), (10.0, 5.0), (9.0, 3.0)]):
+        records.append(_record("baseline", "c", repeat, 100, base_s, 100))
+        records.append(_record("ngram+exact", "c", repeat, 100, fast_s, 40))
+    summary = summarize(records, {1: 0.05, 16: 0.1}, num_draft_tokens=15)
+    fast = summary[OVERALL]["ngram+exact"]
+    assert fast["speedup_per_repeat"] == pytest.approx([2.5, 2.0, 3.0])
+    assert fast["speedup"] == pytest.approx(2.5)
+    assert (fast["speedup_min"], fast["speedup_max"]) == pytest.approx((2.0, 3.0))
+    assert fast["tau"] == pytest.approx(300 / 120)
+    assert fast["tau_limit"] == pytest.approx(2.5 * 0.05 / 0.1)
+    assert fast["fraction_of_limit"] == pytest.approx(2.5 / 1.25)
+    assert summary["c"]["ngram+exact"]["speedup"] == pytest.approx(2.5)
+
+
+# --- end to end -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Path:
+    directory = tmp_path_factory.mktemp("bench")
+    dataset = write_jsonl(directory / "prompts.jsonl", PROMPTS)
+    out = directory / "out"
+    argv = [
+        "bench",
+        "--quick",
+        "--dataset",
+        str(dataset),
+        "--target",
+        str(tiny_model_dir),
+        "--dtype",
+        "float32",
+        "--methods",
+        METHODS,
+        "--max-new-tokens",
+        "20",
+        "--out",
+        str(out),
+    ]
+    assert main(argv) == 0
+    return out
+
+
+def test_quick_bench_writes_all_outputs(bench_run: Path) -> None:
+    for name in (
+        "results.json",
+        "report.md",
+        "records.jsonl",
+        "speedup_by_category.png",
+        "tau_by_method.png",
+        "acceptance_by_position.png",
+    ):
+        assert (bench_run / name).stat().st_size > 0, name
+    report = (bench_run / "report.md").read_text()
+    assert "| ngram+fly | no |" in report and "| ngram+exact | yes |" in report
+    assert "## Speedup by category" in report and "alpha" in report and "beta" in report
+
+
+def test_quick_bench_records_are_consistent(bench_run: Path) -> None:
+    results = json.loads((bench_run / "results.json").read_text())
+    records = results["records"]
+    lines = (bench_run / "records.jsonl").read_text().splitlines()
+    assert [json.loads(line) for line in lines] == records  # the incremental file has everything
+    methods = METHODS.split(",")
+    assert len(records) == len(PROMPTS) * len(methods)
+    assert {r["method"] for r in records} == set(methods)
+    assert results["meta"]["dtype"] == "float32" and results["meta"]["categories"] == ["alpha", "beta"]
+    assert {r["num_turns"] for r in records if r["prompt_id"] == "b1"} == {2}
+    overall = results["summary"][OVERALL]
+    base_rate = sum(r["num_new_tokens"] for r in records if r["method"] == "baseline") / sum(
+        r["wall_time_s"] for r in records if r["method"] == "baseline"
+    )
+    for method in methods:
+        mine = [r for r in records if r["method"] == method]
+        rate = sum(r["num_new_tokens"] for r in mine) / sum(r["wall_time_s"] for r in mine)
+        figures = overall[method]
+        assert figures["tokens_per_s"] == pytest.approx(rate)
+        assert figures["speedup"] == pytest.approx(rate / base_rate)
+        assert figures["speedup"] == pytest.approx(figures["tokens_per_s"] / overall["baseline"]["tokens_per_s"])
+        for record in mine:
+            assert record["tokens_per_s"] == pytest.approx(record["num_new_tokens"] / record["wall_time_s"])
+            if record["num_target_forwards"] is not None:
+                assert record["mean_acceptance_length"] == pytest.approx(
+                    record["num_new_tokens"] / record["num_target_forwards"]
+                )
+    # lossless methods reproduce plain decoding token for token in float32 (peers included)
+    for record in records:
+        if record["lossless"]:
+            assert record["identical_to_baseline"], (record["method"], record["prompt_id"])
+    assert overall["ngram+exact"]["tau"] > 1.0  # the tiny model repeats itself: some drafts are accepted
+    assert overall["baseline"]["tau"] == pytest.approx(1.0)
+    assert overall["hf-lookup"]["speedup_vs_own_plain"] is not None
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--methods", "ngram+wrong"], "unknown method"),
+        (["--methods", "draft+fly"], "draft model"),
+        (["--categories", "nope"], "unknown category"),
+        (["--dataset", "/nonexistent/prompts.jsonl"], "does not exist"),
+        (["--repeats", "0"], "must be >= 1"),
+        (["--window-size", "-1"], "window_size"),
+        (["--methods", "llamacpp-lookup"], "llama"),
+    ],
+)
+def test_bad_bench_input_exits_2(
+    capsys: pytest.CaptureFixture[str], tiny_model_dir: Path, tmp_path: Path, extra: list[str], message: str
+) -> None:
+    argv = [
+        "bench",
+        "--target",
+        str(tiny_model_dir),
+        "--dtype",
+        "float32",
+        "--limit",
+        "1",
+        "--out",
+        str(tmp_path / "out"),
+        *extra,
+    ]
+    assert message in usage_error(capsys, argv)
+
+
+def test_malformed_dataset_line_exits_2_with_line_number(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    dataset = write_jsonl(tmp_path / "bad.jsonl", [PROMPTS[0], "{oops"])
+    line = usage_error(capsys, ["bench", "--dataset", str(dataset), "--out", str(tmp_path / "out")])
+    assert "bad.jsonl:2" in line
