@@ -156,6 +156,18 @@ def test_speedup_is_the_median_over_repeats_of_rate_ratios() -> None:
     assert fast["tau_limit"] == pytest.approx(2.5 * 0.05 / 0.1)
     assert fast["fraction_of_limit"] == pytest.approx(2.5 / 1.25)
     assert summary["c"]["ngram+exact"]["speedup"] == pytest.approx(2.5)
+    # no drafts recorded → every step a 1-token forward → cost limit = tokens / forwards
+    assert fast["cost_limit"] == pytest.approx(300 / 120)
+
+
+def test_cost_limit_charges_each_step_its_actual_forward_size() -> None:
+    base = _record("baseline", "c", 0, 10, 1.0, 10)
+    # 4 forwards: drafts proposed 2, 2, 1, 0 → forward sizes 3, 3, 2, 1; 10 tokens committed
+    fast = _record("ngram+exact", "c", 0, 10, 0.5, 4) | {"proposed_per_position": [3, 2]}
+    times = {1: 0.010, 2: 0.012, 3: 0.015, 16: 0.05}
+    figures = summarize([base, fast], times, num_draft_tokens=15)[OVERALL]["ngram+exact"]
+    assert figures["cost_limit"] == pytest.approx(10 * 0.010 / (2 * 0.015 + 0.012 + 0.010))
+    assert figures["tau_limit"] == pytest.approx(2.5 * 0.010 / 0.05)
 
 
 # --- end to end -----------------------------------------------------------------------------------

@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
     k = speculation["num_draft_tokens"]
     context = conversation_ids(target, prompts[0].turns[:1], [], args.use_chat)
     context = (context * (1 + 200 // len(context)))[:200]  # a typical mid-generation context length
-    times = forward_times(target, context, (1, k + 1))
+    times = forward_times(target, context, tuple(range(1, k + 2)), repeats=3 if args.quick else 7)
     meta = _meta(args, target, prompts, max_new_tokens, k, limit)
     meta.update(forward_context=len(context), forward_times_ms={str(size): 1000 * t for size, t in times.items()})
 

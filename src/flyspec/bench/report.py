@@ -22,9 +22,9 @@ def _fmt(value: float | None, pattern: str = "{:.2f}") -> str:
 
 def overall_table(overall: dict[str, dict]) -> list[str]:
     lines = [
-        "| method | lossless | tok/s | speedup (min–max) | τ | τ-limit | % of limit | identical | loose accepts "
-        "| target / draft / other ms per step |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| method | lossless | tok/s | speedup (min–max) | τ | τ-limit | % of τ-limit | cost limit | % of cost limit "
+        "| identical | loose accepts | target / draft / other ms per step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for method, figures in overall.items():
         spread = ""
@@ -37,6 +37,7 @@ def overall_table(overall: dict[str, dict]) -> list[str]:
             f"| {method} | {'yes' if figures['lossless'] else 'no'} | {figures['tokens_per_s']:.1f} "
             f"| {_fmt(figures['speedup'], '{:.2f}x')}{spread}{own_note} | {_fmt(figures['tau'])} "
             f"| {_fmt(figures['tau_limit'], '{:.2f}x')} | {_fmt(figures['fraction_of_limit'], '{:.0%}')} "
+            f"| {_fmt(figures['cost_limit'], '{:.2f}x')} | {_fmt(figures['fraction_of_cost_limit'], '{:.0%}')} "
             f"| {figures['num_identical']}/{figures['num_prompts']} | {_fmt(figures['num_loose_accepts'], '{}')} "
             f"| {' / '.join(_fmt(value, '{:.1f}') for value in steps)} |"
         )
@@ -77,6 +78,9 @@ def markdown_report(meta: dict[str, Any], summary: dict[str, Any]) -> str:
         f"{_fmt(times.get('1'), '{:.1f}')} ms, t(k+1 = {k + 1}) = {_fmt(times.get(str(k + 1)), '{:.1f}')} ms",
         f"- Speedup = method tokens/s ÷ baseline (flyspec plain decoding) tokens/s over the same prompts; "
         f"lossy methods ({LOSSY_NOTE}) are marked lossless = no; their quality is measured by `flyspec eval`.",
+        "- τ-limit = τ × t(1)/t(k+1) (every step one full (k+1)-token forward); cost limit = the same with each "
+        "step charged the forward of its actual size t(1 + drafts proposed). Per-step times split the wall time "
+        "into target verification forwards, drafting, and the engine's own work (other = overhead).",
         "",
         "## Overall",
         "",

@@ -8,6 +8,8 @@ Definitions (all over the same prompts, in the same run):
 * ``tau`` (τ) = Σ new tokens ÷ Σ target forwards (bonus/recovered tokens included);
 * ``tau_limit`` = τ × t(1) / t(k+1): the speedup if every step cost exactly one (k+1)-token
   target forward and nothing else; ``fraction_of_limit`` = speedup ÷ tau_limit;
+* ``cost_limit``: the same with each step charged the forward of its actual size, t(1 + drafts
+  proposed) — the tighter bound when the drafter often proposes fewer than k tokens;
 * ``target_ms_per_step`` / ``draft_ms_per_step`` / ``other_ms_per_step``: time per target forward
   spent in verification forwards, in drafting, and in the engine's own work (verification rule,
   commit, cache rollback, stop checks, detokenisation) — the last is the engine overhead.
@@ -74,6 +76,7 @@ def _figures(
     if tau is not None and forward_times and 1 in forward_times and k + 1 in forward_times and method != BASELINE:
         limit = tau * forward_times[1] / forward_times[k + 1]
     speedup = statistics.median(speedups) if speedups else None
+    cost_limit = _cost_limit(mine, tokens, forwards, forward_times) if method != BASELINE else None
     figures: dict[str, Any] = {
         "lossless": first[0]["lossless"] if first else None,
         "num_prompts": len(first),
@@ -87,6 +90,8 @@ def _figures(
         "tau": tau,
         "tau_limit": limit,
         "fraction_of_limit": speedup / limit if speedup is not None and limit else None,
+        "cost_limit": cost_limit,
+        "fraction_of_cost_limit": speedup / cost_limit if speedup is not None and cost_limit else None,
         "num_target_forwards": forwards,
         "num_loose_accepts": _total(mine, "num_loose_accepts"),
         "num_identical": sum(record["identical_to_baseline"] for record in first),
@@ -98,6 +103,31 @@ def _figures(
         own = _speedups(rates, method, plain)
         figures["speedup_vs_own_plain"] = statistics.median(own) if own else None
     return figures
+
+
+def _cost_limit(
+    records: list[Record], tokens: int, forwards: int | None, forward_times: dict[int, float] | None
+) -> float | None:
+    """Speedup if each step cost exactly one target forward of its actual size (1 + drafts proposed).
+
+    Tighter than the τ-limit when drafters propose fewer than k tokens (an n-gram miss proposes
+    none): plain decoding's cost is tokens × t(1); the method's is Σ over steps of t(1 + n).
+    """
+    if not forwards or not forward_times:
+        return None
+    proposed = [0] * max((len(r["proposed_per_position"]) for r in records), default=0)
+    for record in records:
+        for position, count in enumerate(record["proposed_per_position"]):
+            proposed[position] += count
+    # steps with at least n drafts = proposed[n - 1]; with exactly n = that minus those with n + 1
+    at_least = [forwards, *proposed, 0]
+    cost = 0.0
+    for size in range(len(at_least) - 1):
+        steps = at_least[size] - at_least[size + 1]
+        if steps and size + 1 not in forward_times:
+            return None
+        cost += steps * forward_times.get(size + 1, 0.0)
+    return tokens * forward_times[1] / cost if cost > 0 else None
 
 
 def _total(records: list[Record], key: str) -> int | None:
