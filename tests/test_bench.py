@@ -283,3 +283,21 @@ def test_malformed_dataset_line_exits_2_with_line_number(capsys: pytest.CaptureF
     dataset = write_jsonl(tmp_path / "bad.jsonl", [PROMPTS[0], "{oops"])
     line = usage_error(capsys, ["bench", "--dataset", str(dataset), "--out", str(tmp_path / "out")])
     assert "bad.jsonl:2" in line
+
+
+def test_draft_model_methods_and_hf_assisted(tmp_path: Path, tiny_model_dir: Path, tiny_draft) -> None:
+    draft_dir = tmp_path / "draft"
+    tiny_draft.model.save_pretrained(draft_dir)
+    tiny_draft.tokenizer.save_pretrained(draft_dir)
+    dataset = write_jsonl(tmp_path / "prompts.jsonl", PROMPTS[:2])
+    out = tmp_path / "out"
+    argv = ["bench", "--dataset", str(dataset), "--target", str(tiny_model_dir), "--draft-model", str(draft_dir),
+            "--dtype", "float32", "--methods", "baseline,draft+exact,multilevel+exact,draft+fly,hf-assisted",
+            "--max-new-tokens", "16", "--no-plots", "--no-warmup", "--out", str(out)]
+    assert main(argv) == 0
+    records = json.loads((out / "results.json").read_text())["records"]
+    assert len(records) == 2 * 5
+    for record in records:
+        if record["lossless"]:
+            assert record["identical_to_baseline"], (record["method"], record["prompt_id"])
+    assert not (out / "tau_by_method.png").exists()
