@@ -301,3 +301,38 @@ def test_draft_model_methods_and_hf_assisted(tmp_path: Path, tiny_model_dir: Pat
         if record["lossless"]:
             assert record["identical_to_baseline"], (record["method"], record["prompt_id"])
     assert not (out / "tau_by_method.png").exists()
+
+
+def test_a_failing_peer_is_dropped_and_the_run_completes(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    from flyspec.bench.runners import HFGenerateRunner
+
+    original = HFGenerateRunner.generate
+    calls = {"n": 0}
+
+    def flaky(self, prompt_ids, max_new_tokens, seed):  # hf-lookup fails on its third call (2nd real prompt)
+        if self.method.name == "hf-lookup":
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise RuntimeError("peer exploded")
+        return original(self, prompt_ids, max_new_tokens, seed)
+
+    monkeypatch.setattr(HFGenerateRunner, "generate", flaky)
+    dataset = write_jsonl(tmp_path / "prompts.jsonl", [PROMPTS[0], PROMPTS[1], PROMPTS[3]])
+    out = tmp_path / "out"
+    argv = ["bench", "--dataset", str(dataset), "--target", str(tiny_model_dir), "--dtype", "float32",
+            "--methods", "baseline,ngram+exact,hf-lookup", "--max-new-tokens", "12", "--no-plots", "--out", str(out)]
+    assert main(argv) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert "peer exploded" in results["meta"]["failed_peers"]["hf-lookup"]
+    methods = [r["method"] for r in results["records"]]
+    assert methods.count("baseline") == 3 and methods.count("ngram+exact") == 3 and methods.count("hf-lookup") == 1
+    # the dropped peer's speedup is over the one prompt it completed
+    records = results["records"]
+    first = records[0]["prompt_id"]
+    lookup = next(r for r in records if r["method"] == "hf-lookup")
+    base = next(r for r in records if r["method"] == "baseline" and r["prompt_id"] == first)
+    assert lookup["prompt_id"] == first
+    assert results["summary"][OVERALL]["hf-lookup"]["speedup"] == pytest.approx(
+        lookup["tokens_per_s"] / base["tokens_per_s"])

@@ -92,6 +92,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.handler(args)
     except ConfigError as error:
         fail(str(error))
+    except KeyboardInterrupt:
+        print("flyspec: interrupted", file=sys.stderr)
+        return 130
 
 
 def _generate(args: argparse.Namespace) -> int:

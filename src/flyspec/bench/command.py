@@ -112,13 +112,16 @@ def run(args: argparse.Namespace) -> int:
             sink.flush()
             view.add(record)
 
+        failures: dict[str, str] = {}
+        meta["failed_peers"] = failures
         try:
-            records = run_bench(prompts, runners, target, bench, args.use_chat, on_record, view.prompt_done)
-        except KeyboardInterrupt:
-            records = view.records
-            meta["interrupted"] = True
-    _write_outputs(out_dir, meta, records, times, k, args.plots, view.console)
-    return 130 if meta.get("interrupted") else 0
+            run_bench(prompts, runners, target, bench, args.use_chat, on_record, view.prompt_done, failures)
+        except BaseException:
+            meta["interrupted"] = True  # write what was measured, then re-raise
+            raise
+        finally:
+            _write_outputs(out_dir, meta, view.records, times, k, args.plots, view.console)
+    return 0
 
 
 def _prepare_out_dir(path: Path) -> Path:

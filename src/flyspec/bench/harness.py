@@ -58,28 +58,68 @@ def run_bench(
     use_chat: bool | None,
     on_record: Callable[[Record], None],
     on_prompt_done: Callable[[], None] = lambda: None,
+    failures: dict[str, str] | None = None,
 ) -> list[Record]:
-    """Run everything; ``on_record`` gets each record as soon as it exists (incremental output)."""
+    """Run everything; ``on_record`` gets each record as soon as it exists (incremental output).
+
+    A peer that raises is dropped for the rest of the run (its error goes into ``failures``; its
+    earlier records stay, and its speedup is computed over the prompts it completed). A failure
+    of flyspec's own methods is a bug and propagates.
+    """
+    failures = {} if failures is None else failures
     names = list(runners)
     if settings.warmup:
         warmup = BenchPrompt("warmup", "warmup", ("Hello! Say something short.",))
-        for name in names:
-            run_prompt(runners[name], target, warmup, WARMUP_TOKENS, settings.seed, use_chat)
+        for name in list(names):
+            _run_or_drop(names, failures, runners[name], target, warmup, WARMUP_TOKENS, settings.seed, use_chat)
     records: list[Record] = []
     for index, prompt in enumerate(prompts):
         for repeat in range(settings.repeats):
             shift = (index * settings.repeats + repeat) % len(names)
             outputs = {}
             for name in names[shift:] + names[:shift]:
-                outputs[name] = run_prompt(
-                    runners[name], target, prompt, settings.max_new_tokens, settings.seed + index, use_chat
+                output = _run_or_drop(
+                    names,
+                    failures,
+                    runners[name],
+                    target,
+                    prompt,
+                    settings.max_new_tokens,
+                    settings.seed + index,
+                    use_chat,
                 )
-            for name in names:
+                if output is not None:
+                    outputs[name] = output
+            for name in [name for name in names if name in outputs]:
                 record = make_record(prompt, runners[name].method, repeat, outputs[name], outputs[BASELINE])
                 records.append(record)
                 on_record(record)
         on_prompt_done()
     return records
+
+
+def _run_or_drop(
+    names: list[str],
+    failures: dict[str, str],
+    runner: Runner,
+    target: LoadedModel,
+    prompt: BenchPrompt,
+    max_new_tokens: int,
+    seed: int,
+    use_chat: bool | None,
+) -> PromptOutput | None:
+    if not runner.method.peer:
+        return run_prompt(runner, target, prompt, max_new_tokens, seed, use_chat)
+    try:
+        return run_prompt(runner, target, prompt, max_new_tokens, seed, use_chat)
+    except Exception as error:  # noqa: BLE001 - a peer's failure must not lose the run
+        message = f"{type(error).__name__}: {error}"
+        logger.warning(
+            "peer %s failed on prompt %s and is dropped from the run: %s", runner.method.name, prompt.id, message
+        )
+        failures[runner.method.name] = f"prompt {prompt.id}: {message}"
+        names.remove(runner.method.name)
+        return None
 
 
 def make_record(

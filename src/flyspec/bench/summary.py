@@ -38,19 +38,21 @@ def summarize(records: list[Record], forward_times: dict[int, float] | None, num
 
 def _summarize_group(records: list[Record], forward_times: dict[int, float] | None, k: int) -> dict[str, dict]:
     methods = list(dict.fromkeys(record["method"] for record in records))
-    rates = {method: _rates_per_repeat(records, method) for method in methods}
     figures: dict[str, dict] = {}
     for method in methods:
         mine = [record for record in records if record["method"] == method]
+        # rates over the prompts this method completed (all of them, unless a peer was dropped)
+        prompts = {(record["prompt_id"], record["repeat"]) for record in mine}
+        rates = {other: _rates_per_repeat(records, other, prompts) for other in methods}
         figures[method] = _figures(mine, rates, method, forward_times, k)
     return figures
 
 
-def _rates_per_repeat(records: list[Record], method: str) -> dict[int, float]:
+def _rates_per_repeat(records: list[Record], method: str, prompts: set[tuple[str, int]]) -> dict[int, float]:
     tokens: dict[int, int] = {}
     times: dict[int, float] = {}
     for record in records:
-        if record["method"] == method:
+        if record["method"] == method and (record["prompt_id"], record["repeat"]) in prompts:
             tokens[record["repeat"]] = tokens.get(record["repeat"], 0) + record["num_new_tokens"]
             times[record["repeat"]] = times.get(record["repeat"], 0.0) + record["wall_time_s"]
     return {repeat: tokens[repeat] / times[repeat] if times[repeat] > 0 else 0.0 for repeat in tokens}
