@@ -42,8 +42,16 @@ class LlamaCppRunner:
         draft = (
             LlamaPromptLookupDecoding(num_pred_tokens=settings.hf_lookup_tokens) if "lookup" in method.name else None
         )
+        # With a draft model llama-cpp-python keeps logits for every position it evaluates; without
+        # logits_all its score buffer has only n_batch rows and a prompt past 512 tokens fails
+        # ("could not broadcast ... into shape (0,)").
         self.llm = Llama(
-            model_path=str(gguf), n_ctx=N_CTX, n_threads=torch.get_num_threads(), draft_model=draft, verbose=False
+            model_path=str(gguf),
+            n_ctx=N_CTX,
+            n_threads=torch.get_num_threads(),
+            draft_model=draft,
+            logits_all=draft is not None,
+            verbose=False,
         )
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, seed: int) -> TurnOutput:
