@@ -336,3 +336,14 @@ def test_a_failing_peer_is_dropped_and_the_run_completes(
     assert lookup["prompt_id"] == first
     assert results["summary"][OVERALL]["hf-lookup"]["speedup"] == pytest.approx(
         lookup["tokens_per_s"] / base["tokens_per_s"])
+
+
+def test_in_run_limit_uses_the_forward_costs_measured_in_the_run() -> None:
+    timing = {"prefill_time_s": 0.1, "draft_time_s": 0.0}
+    base = _record("baseline", "c", 0, 100, 5.1, 100) | timing | {"target_time_s": 5.0}  # 50 ms per step
+    fast = _record("ngram+exact", "c", 0, 100, 4.1, 40) | timing | {"target_time_s": 4.0}  # 100 ms per step
+    figures = summarize([base, fast], None, num_draft_tokens=15)[OVERALL]["ngram+exact"]
+    assert figures["target_ms_per_step"] == pytest.approx(100.0)
+    assert figures["in_run_limit"] == pytest.approx(2.5 * 50 / 100)
+    assert figures["fraction_of_in_run_limit"] == pytest.approx((100 / 4.1) / (100 / 5.1) / 1.25)
+    assert figures["other_ms_per_step"] == pytest.approx(0.0, abs=1e-9)

@@ -139,7 +139,6 @@ def _prepare_out_dir(path: Path) -> Path:
 def _write_outputs(
     out_dir: Path, meta: dict, records: list[dict], times: dict[int, float], k: int, plots: bool, console: Any
 ) -> None:
-    from flyspec.bench.live import speedup_table  # noqa: PLC0415
     from flyspec.bench.report import markdown_report, write_json, write_plots  # noqa: PLC0415
     from flyspec.bench.summary import summarize  # noqa: PLC0415
 
@@ -152,7 +151,6 @@ def _write_outputs(
     written = [out_dir / "results.json", out_dir / "report.md", out_dir / "records.jsonl"]
     if plots:
         written += write_plots(out_dir, summary)
-    console.print(speedup_table(summary))
     console.print("wrote " + ", ".join(str(path) for path in written))
 
 

@@ -38,6 +38,8 @@ class LiveView:
 
     def __init__(self, total_prompts: int, num_draft_tokens: int, console: Console | None = None) -> None:
         self.console = console or Console(stderr=True)
+        if not self.console.is_terminal:
+            self.console.width = max(self.console.width, 160)  # logs: no wrapping of the wide table
         self.num_draft_tokens = num_draft_tokens
         self.records: list[dict] = []
         self.progress = Progress(

@@ -10,6 +10,9 @@ Definitions (all over the same prompts, in the same run):
   target forward and nothing else; ``fraction_of_limit`` = speedup ÷ tau_limit;
 * ``cost_limit``: the same with each step charged the forward of its actual size, t(1 + drafts
   proposed) — the tighter bound when the drafter often proposes fewer than k tokens;
+* ``in_run_limit`` = τ × (baseline's target ms per step) ÷ (the method's target ms per step): the
+  speedup if drafting and the engine's own work were free, from forward times measured inside
+  this run (so machine load during the separate t(1)/t(k+1) measurement does not skew it);
 * ``target_ms_per_step`` / ``draft_ms_per_step`` / ``other_ms_per_step``: time per target forward
   spent in verification forwards, in drafting, and in the engine's own work (verification rule,
   commit, cache rollback, stop checks, detokenisation) — the last is the engine overhead.
@@ -45,6 +48,12 @@ def _summarize_group(records: list[Record], forward_times: dict[int, float] | No
         prompts = {(record["prompt_id"], record["repeat"]) for record in mine}
         rates = {other: _rates_per_repeat(records, other, prompts) for other in methods}
         figures[method] = _figures(mine, rates, method, forward_times, k)
+    base_step = (figures.get(BASELINE) or {}).get("target_ms_per_step")
+    for method, entry in figures.items():
+        step, tau = entry["target_ms_per_step"], entry["tau"]
+        bound = tau * base_step / step if base_step and step and tau and method != BASELINE else None
+        entry["in_run_limit"] = bound
+        entry["fraction_of_in_run_limit"] = entry["speedup"] / bound if bound and entry["speedup"] else None
     return figures
 
 
