@@ -12,6 +12,7 @@ from flyspec.config import (
     DEFAULT_NUM_DRAFT_TOKENS,
     DecodeConfig,
     FlyConfig,
+    GuardConfig,
     MarginConfig,
     NgramConfig,
     SamplingConfig,
@@ -21,7 +22,8 @@ from flyspec.decoding import Prompt, SpeculativeDecoder
 from flyspec.drafters.registry import make_drafter
 from flyspec.models import DEFAULT_MODEL, LoadedModel, load_model, resolve_dtype, set_threads
 from flyspec.types import GenerationResult
-from flyspec.verifiers.registry import make_verifier
+from flyspec.verifiers.guard import protected_mask
+from flyspec.verifiers.registry import LOSSLESS_VERIFIERS, make_verifier
 
 ModelRef = str | LoadedModel
 
@@ -54,16 +56,35 @@ def build_decoder(
     ngram: NgramConfig | None = None,
     num_ngram_tokens: int = 6,
     dtype: str | torch.dtype = "auto",
+    guard: GuardConfig | None = None,
 ) -> SpeculativeDecoder:
-    """A :class:`SpeculativeDecoder` from component names (the CLI, bench and server use this)."""
+    """A :class:`SpeculativeDecoder` from component names (the CLI, bench and server use this).
+
+    ``guard`` protects token classes from loose acceptance (lossy verifiers only; see ``verifiers/guard.py``).
+    """
     config = DecodeConfig(num_draft_tokens, max_new_tokens, tuple(stop), sampling or SamplingConfig())
-    verifier_obj = make_verifier(verifier, fly=fly, margin=margin, typical=typical)
+    make_verifier(verifier)  # an unknown name fails before any model is loaded
     target_model = resolve_model(target, dtype)
+    verifier_obj = make_verifier(
+        verifier, fly=fly, margin=margin, typical=typical, protected=_guard_mask(target_model, guard, verifier)
+    )
     draft = resolve_model(draft_model, dtype) if draft_model is not None else None
     drafter_obj = make_drafter(
         drafter, target=target_model, draft_model=draft, ngram=ngram, num_ngram_tokens=num_ngram_tokens
     )
     return SpeculativeDecoder(target_model, drafter_obj, verifier_obj, config)
+
+
+def _guard_mask(target: LoadedModel, guard: GuardConfig | None, verifier: str) -> torch.Tensor | None:
+    """The ``[vocab]`` protected-token mask for a lossy verifier, or None (no guard, or nothing to guard)."""
+    if guard is None or not guard.protect or verifier in LOSSLESS_VERIFIERS:
+        return None
+    return _cached_mask(target.tokenizer, guard.protect, int(getattr(target.model.config, "vocab_size", 0) or 0))
+
+
+@functools.lru_cache(maxsize=8)
+def _cached_mask(tokenizer: object, protect: tuple[str, ...], vocab_size: int) -> torch.Tensor:
+    return protected_mask(tokenizer, protect, vocab_size)  # type: ignore[arg-type]
 
 
 def generate(

@@ -13,7 +13,9 @@ from typing import Any, NoReturn
 
 from flyspec.config import (
     DEFAULT_NUM_DRAFT_TOKENS,
+    PROTECT_CLASSES,
     FlyConfig,
+    GuardConfig,
     MarginConfig,
     NgramConfig,
     TypicalConfig,
@@ -109,6 +111,14 @@ def add_speculation_options(parser: argparse.ArgumentParser, *, components: bool
         default=_MARGIN.logit_ratio,
         help=f"MARS: accept the runner-up when z2/z1 > this (default {_MARGIN.logit_ratio})",
     )
+    spec.add_argument(
+        "--protect",
+        action="append",
+        default=[],
+        choices=PROTECT_CLASSES,
+        help="lossy verifiers: never loosely accept a mismatch whose draft or target token has a digit "
+        "(digits) or an identifier character (identifiers, for code); repeatable; off by default",
+    )
     spec.add_argument("--typical-epsilon", type=float, default=_TYPICAL.epsilon, help="typical acceptance epsilon")
     spec.add_argument("--typical-delta", type=float, default=_TYPICAL.delta, help="typical acceptance delta")
     spec.add_argument("--max-ngram", type=int, default=_NGRAM.max_ngram, help="longest n-gram to look up")
@@ -133,6 +143,7 @@ def speculation_options(args: argparse.Namespace) -> dict[str, Any]:
         "typical": TypicalConfig(args.typical_epsilon, args.typical_delta),
         "ngram": NgramConfig(args.max_ngram, args.min_ngram),
         "num_ngram_tokens": args.num_ngram_tokens,
+        "guard": GuardConfig(tuple(dict.fromkeys(args.protect))),
     }
 
 

@@ -111,6 +111,27 @@ class TypicalConfig:
         _require(0 < self.delta <= 1, f"delta must be in (0, 1] (got {self.delta})")
 
 
+PROTECT_CLASSES = ("digits", "identifiers")
+
+
+@dataclass(frozen=True)
+class GuardConfig:
+    """Protected-token guard for the lossy verifiers (see ``verifiers/guard.py``).
+
+    ``protect`` names token classes that are never loosely accepted: a mismatch whose draft token
+    or target top token belongs to a class is judged strictly. ``()`` (the default) disables it.
+    """
+
+    protect: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in self.protect:
+            _require(
+                name in PROTECT_CLASSES,
+                f"unknown protected token class {name!r}; choose from: {', '.join(PROTECT_CLASSES)}",
+            )
+
+
 @dataclass(frozen=True)
 class DecodeConfig:
     """One generation: draft length, length limit, stop strings and sampling."""

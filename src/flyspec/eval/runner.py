@@ -1,0 +1,278 @@
+"""Run plain decoding and each method on the same prompts, score them, write one record per output.
+
+Records go to ``<out>/records.jsonl`` as they are made (one JSON line each, flushed), so an
+interrupted run keeps everything it measured; ``resume=True`` skips outputs already recorded.
+Plain decoding's outputs are also cached in ``<cache_dir>/baseline.jsonl`` keyed by model,
+dtype, task, item, prompt, token limit and prompt format, and reused by later runs with the
+same configuration (their timings then come from the run that made them: ``baseline_cached``).
+The loop is item-major (plain, then every method, for one item) so a partial run stays paired.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from flyspec.api import build_decoder, make_generator
+from flyspec.baseline import PlainDecoder
+from flyspec.config import ConfigError, DecodeConfig, GuardConfig
+from flyspec.decoding import Decoder
+from flyspec.eval import fidelity
+from flyspec.eval.data import EvalItem, LoadReport
+from flyspec.eval.methods import BASELINE, Method
+from flyspec.eval.tasks import PROMPT_FORMAT, Task, load_items
+from flyspec.models import LoadedModel
+from flyspec.types import GenerationResult
+
+logger = logging.getLogger(__name__)
+
+RECORDS_FILE = "records.jsonl"
+Progress = Callable[[str], None]  # called once per finished output with a short description
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """What to evaluate. ``speculation`` holds :func:`flyspec.api.build_decoder` keyword arguments."""
+
+    tasks: tuple[Task, ...]
+    methods: tuple[Method, ...]
+    out_dir: Path
+    limit: int | None = None
+    max_new_tokens: int | None = None  # None: each task's default
+    drafter: str = "ngram"
+    speculation: dict[str, Any] = field(default_factory=dict)
+    use_chat: bool | None = None
+    similarity: bool = True
+    skip_bad_lines: bool = False
+    cache_dir: Path | None = None  # None: no baseline cache
+    resume: bool = False
+
+
+def load_all_items(config: EvalConfig, report: LoadReport) -> dict[str, list[EvalItem]]:
+    """Every task's items, read before any model is loaded so that data errors come first."""
+    return {task.name: load_items(task, config.limit, config.skip_bad_lines, report) for task in config.tasks}
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """Records of a (possibly interrupted) run; a torn last line is ignored."""
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            logger.warning("ignoring an incomplete line in %s", path)
+    return records
+
+
+def _record_key(task: str, method: str, item_id: str) -> str:
+    return f"{task}\t{method}\t{item_id}"
+
+
+class JsonlWriter:
+    """Appends one JSON object per line and flushes each, so nothing measured is lost."""
+
+    def __init__(self, path: Path, *, append: bool) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.handle = path.open("a" if append else "w", encoding="utf-8")
+
+    def write(self, record: dict[str, Any]) -> None:
+        self.handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+        self.handle.flush()
+
+    def close(self) -> None:
+        self.handle.close()
+
+
+class BaselineCache:
+    """Plain decoding outputs keyed by everything that determines them."""
+
+    def __init__(self, directory: Path | None) -> None:
+        self.path = directory / "baseline.jsonl" if directory else None
+        self.entries = {entry["key"]: entry for entry in read_records(self.path)} if self.path else {}
+        self.writer = JsonlWriter(self.path, append=True) if self.path else None
+
+    @staticmethod
+    def key(loaded: LoadedModel, task: Task, item_id: str, prompt_ids: list[int], max_new_tokens: int) -> str:
+        fields = [loaded.name, str(loaded.dtype), task.name, item_id, max_new_tokens, task.stop, PROMPT_FORMAT]
+        return hashlib.sha256(json.dumps([*fields, prompt_ids]).encode()).hexdigest()
+
+    def get(self, key: str) -> dict[str, Any] | None:
+        return self.entries.get(key)
+
+    def put(self, key: str, entry: dict[str, Any]) -> None:
+        self.entries[key] = {"key": key, **entry}
+        if self.writer:
+            self.writer.write(self.entries[key])
+
+    def close(self) -> None:
+        if self.writer:
+            self.writer.close()
+
+
+@dataclass
+class Output:
+    """One generation, as stored (a cached baseline has no live GenerationResult)."""
+
+    text: str
+    token_ids: list[int]
+    loose_token_indices: list[int]
+    stats: dict[str, Any]
+    finish_reason: str
+    cached: bool = False
+
+    @staticmethod
+    def of(result: GenerationResult) -> Output:
+        return Output(
+            result.text,
+            result.token_ids,
+            list(result.loose_token_indices),
+            result.stats.to_dict(),
+            result.finish_reason,
+        )
+
+
+@dataclass(frozen=True)
+class ItemRun:
+    """One item in progress: its task, its prompt ids and plain decoding's output (the reference)."""
+
+    task: Task
+    item: EvalItem
+    prompt_ids: list[int]
+    plain: Output
+
+
+class EvalRunner:
+    """Runs the configured tasks × (plain + methods) on one loaded target model."""
+
+    def __init__(self, config: EvalConfig, loaded: LoadedModel, items: dict[str, list[EvalItem]]) -> None:
+        self.config = config
+        self.loaded = loaded
+        self.items = items
+        self.cache = BaselineCache(config.cache_dir)
+        records_path = config.out_dir / RECORDS_FILE
+        self.done = {
+            _record_key(r["task"], r["method"], r["item_id"]) for r in read_records(records_path) if config.resume
+        }
+        self.writer = JsonlWriter(records_path, append=config.resume)
+        self.skipped: list[str] = []  # items that could not run (and why)
+
+    @property
+    def total_outputs(self) -> int:
+        return sum(len(items) for items in self.items.values()) * (1 + len(self.config.methods))
+
+    def run(self, progress: Progress | None = None) -> None:
+        try:
+            for task in self.config.tasks:
+                self._run_task(task, progress or (lambda description: None))
+        finally:
+            self.writer.close()
+            self.cache.close()
+
+    def _max_new_tokens(self, task: Task) -> int:
+        return self.config.max_new_tokens or task.max_new_tokens
+
+    def _decoders(self, task: Task) -> dict[str, Decoder]:
+        max_new_tokens = self._max_new_tokens(task)
+        plain_config = DecodeConfig(max_new_tokens=max_new_tokens, stop_strings=task.stop)
+        decoders: dict[str, Decoder] = {BASELINE: PlainDecoder(self.loaded, plain_config)}
+        for method in self.config.methods:
+            decoders[method.name] = build_decoder(
+                self.loaded,
+                self.config.drafter,
+                method.verifier,
+                max_new_tokens=max_new_tokens,
+                stop=task.stop,
+                guard=GuardConfig(method.protect(task.kind)),
+                **self.config.speculation,
+            )
+        for decoder in decoders.values():  # warm-up: the first call pays one-off costs
+            decoder.generate("Hello", config=DecodeConfig(max_new_tokens=2), use_chat=self.config.use_chat)
+        return decoders
+
+    def _run_task(self, task: Task, progress: Progress) -> None:
+        decoders = self._decoders(task)
+        for item in self.items[task.name]:
+            try:
+                prompt_ids = self.loaded.encode_prompt(task.prompt(item), self.config.use_chat)
+                plain = self._plain_output(task, item, decoders[BASELINE], prompt_ids)
+            except ConfigError as error:  # e.g. a prompt longer than the model's context window
+                logger.warning("skipping %s %s: %s", task.name, item.id, error)
+                self.skipped.append(f"{task.name} {item.id}: {error}")
+                for _ in range(1 + len(self.config.methods)):
+                    progress(f"{task.name} {item.id} skipped")
+                continue
+            run = ItemRun(task, item, prompt_ids, plain)
+            self._write(run, None, plain)
+            progress(f"{task.name} {item.id} plain")
+            for method in self.config.methods:
+                if _record_key(task.name, method.name, item.id) not in self.done:
+                    result = decoders[method.name].generate(prompt_ids, generator=make_generator(0))
+                    self._write(run, method, Output.of(result))
+                progress(f"{task.name} {item.id} {method.name}")
+
+    def _plain_output(self, task: Task, item: EvalItem, decoder: Decoder, prompt_ids: list[int]) -> Output:
+        key = BaselineCache.key(self.loaded, task, item.id, prompt_ids, self._max_new_tokens(task))
+        entry = self.cache.get(key)
+        if entry is not None:
+            return Output(**{**entry["output"], "cached": True})
+        output = Output.of(decoder.generate(prompt_ids, generator=make_generator(0)))
+        self.cache.put(key, {"task": task.name, "item_id": item.id, "output": output.__dict__})
+        return output
+
+    def _write(self, run: ItemRun, method: Method | None, output: Output) -> None:
+        """Score one output, compare it with plain decoding's, and append its record."""
+        name = method.name if method else BASELINE
+        key = _record_key(run.task.name, name, run.item.id)
+        if key in self.done:
+            return
+        score = run.task.score(run.item, output.text)
+        record = {
+            "task": run.task.name,
+            "task_kind": run.task.kind,
+            "item_id": run.item.id,
+            "method": name,
+            "verifier": method.verifier if method else BASELINE,
+            "protect": list(method.protect(run.task.kind)) if method else [],
+            "lossless": method.lossless if method else True,
+            "scores": score.values,
+            "score_detail": score.detail,
+            "text": output.text,
+            "token_ids": output.token_ids,
+            "loose_token_indices": output.loose_token_indices,
+            "finish_reason": output.finish_reason,
+            "baseline_cached": output.cached,
+            "stats": output.stats,
+            "fidelity": self._fidelity(output, run.plain, run.prompt_ids),
+        }
+        if method is not None and output.token_ids != run.plain.token_ids:
+            record["segments"] = fidelity.highlight_segments(self.loaded, output.token_ids, output.loose_token_indices)
+        self.writer.write(record)
+        self.done.add(key)
+
+    def _fidelity(self, output: Output, plain: Output, prompt_ids: list[int]) -> dict[str, Any]:
+        identical = output.token_ids == plain.token_ids
+        similarity = None
+        if self.config.similarity or identical:
+            similarity = fidelity.semantic_similarity(output.text, plain.text)
+        return {
+            "identical": identical,
+            "similarity": similarity,
+            "token_agreement": fidelity.token_agreement(output.token_ids, plain.token_ids),
+            "common_prefix": fidelity.common_prefix(output.token_ids, plain.token_ids),
+            "log_likelihood": fidelity.mean_log_likelihood(self.loaded, prompt_ids, output.token_ids),
+        }
+
+
+def iter_pairs(records: list[dict[str, Any]]) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
+    """``(plain record, method record)`` for every method output whose item also has a plain record."""
+    plain = {(r["task"], r["item_id"]): r for r in records if r["method"] == BASELINE}
+    for record in records:
+        if record["method"] != BASELINE and (record["task"], record["item_id"]) in plain:
+            yield plain[(record["task"], record["item_id"])], record

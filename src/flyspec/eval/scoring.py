@@ -1,0 +1,136 @@
+"""Per-item task metrics. Every score is in [0, 1] (chrF, BLEU are sacrebleu's 0-100 divided by 100)."""
+
+from __future__ import annotations
+
+import functools
+import re
+import string
+from decimal import Decimal, InvalidOperation
+from typing import Any
+
+# A number: optional sign, thousands groups or plain digits, optional decimals.
+_NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
+_ANSWER_MARKERS = (re.compile(r"####"), re.compile(r"answer is", re.IGNORECASE), re.compile(r"\\boxed\{"))
+_CODE_BLOCK = re.compile(r"```[ \t]*(?:python|py|Python)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL)
+
+
+def normalize_number(text: str) -> Decimal | None:
+    """``"$1,234.50"`` → ``Decimal("1234.50")``; commas, ``$`` and a trailing ``.`` are dropped."""
+    cleaned = text.strip().replace(",", "").replace("$", "").rstrip(".")
+    try:
+        return Decimal(cleaned)
+    except InvalidOperation:
+        return None
+
+
+def parse_final_number(text: str) -> Decimal | None:
+    """The model's final numeric answer.
+
+    After the last answer marker (``####``, "answer is", ``\\boxed{``) the first number there;
+    without a marker, the last number in the text. ``None`` when there is no number.
+    """
+    for marker in _ANSWER_MARKERS:
+        matches = list(marker.finditer(text))
+        if matches:
+            found = _NUMBER.search(text, matches[-1].end())
+            if found:
+                return normalize_number(found.group())
+    numbers = _NUMBER.findall(text)
+    return normalize_number(numbers[-1]) if numbers else None
+
+
+def numeric_match(output: str, reference: str) -> float:
+    """1.0 when the parsed final number equals the reference number (``1.50 == 1.5``)."""
+    predicted, expected = parse_final_number(output), normalize_number(reference)
+    return float(predicted is not None and expected is not None and predicted == expected)
+
+
+def normalize_answer(text: str) -> str:
+    """SQuAD-style: lower case, no punctuation, no articles, single spaces."""
+    text = "".join(char for char in text.lower() if char not in string.punctuation)
+    text = re.sub(r"\b(a|an|the)\b", " ", text)
+    return " ".join(text.split())
+
+
+def flatten_answers(reference: Any) -> list[str]:
+    """Spec-Bench nests acceptable answers (``[["a", "b"]]``); a custom task may give a string."""
+    if isinstance(reference, str):
+        return [reference]
+    answers: list[str] = []
+    for entry in reference or []:
+        answers.extend(flatten_answers(entry))
+    return answers
+
+
+def contains_answer(output: str, reference: Any) -> float:
+    """1.0 when any acceptable answer occurs (normalized) in the output."""
+    normalized = f" {normalize_answer(output)} "
+    answers = [normalize_answer(answer) for answer in flatten_answers(reference)]
+    return float(any(answer and f" {answer} " in normalized for answer in answers))
+
+
+def exact_answer(output: str, reference: Any) -> float:
+    normalized = normalize_answer(output)
+    return float(any(normalized == normalize_answer(answer) for answer in flatten_answers(reference)))
+
+
+def chrf(output: str, reference: Any) -> float:
+    import sacrebleu  # noqa: PLC0415 - heavy, only for translation
+
+    return sacrebleu.sentence_chrf(output, flatten_answers(reference)).score / 100
+
+
+def bleu(output: str, reference: Any) -> float:
+    import sacrebleu  # noqa: PLC0415
+
+    return sacrebleu.sentence_bleu(output, flatten_answers(reference)).score / 100
+
+
+@functools.lru_cache(maxsize=1)
+def _rouge_scorer() -> Any:
+    from rouge_score import rouge_scorer  # noqa: PLC0415
+
+    return rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
+
+
+def rouge_l(output: str, reference: Any) -> float:
+    """ROUGE-L F1 against the reference (the best one when there are several)."""
+    return max(_rouge_scorer().score(answer, output)["rougeL"].fmeasure for answer in flatten_answers(reference))
+
+
+METRICS = {
+    "numeric": numeric_match,
+    "contains": contains_answer,
+    "exact": exact_answer,
+    "chrf": chrf,
+    "bleu": bleu,
+    "rouge-l": rouge_l,
+}
+
+
+def extract_code(output: str, entry_point: str) -> str:
+    """The code in a chat model's answer.
+
+    Fenced blocks (```python or bare ```; an unclosed last block, cut by the length limit, counts)
+    are searched for one that defines ``entry_point``; failing that the first block is used;
+    without any fence the whole output is taken as code.
+    """
+    blocks = _CODE_BLOCK.findall(output)
+    for block in blocks:
+        if re.search(rf"\bdef\s+{re.escape(entry_point)}\s*\(", block):
+            return block
+    return blocks[0] if blocks else output
+
+
+def humaneval_program(problem: dict[str, Any], output: str) -> str:
+    """Problem prompt + the model's code + the unit tests + ``check(entry_point)``.
+
+    The problem prompt comes first so its imports and helper functions exist. A completion that
+    redefines the function replaces the prompt's stub (a docstring-only body, valid Python); one
+    that does not is taken as the function's body and appended to the prompt.
+    """
+    entry_point = problem["entry_point"]
+    code = extract_code(output, entry_point)
+    defines = re.search(rf"\bdef\s+{re.escape(entry_point)}\s*\(", code) is not None
+    solution = f"{problem['prompt']}\n\n{code}" if defines else f"{problem['prompt']}{code}"
+    return f"{solution}\n\n{problem['test']}\n\ncheck({entry_point})\n"

@@ -1,0 +1,117 @@
+"""Records → per task × method summary: scores, retention with CI, fidelity, speed, guard effect."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+
+from flyspec.eval.runner import iter_pairs
+from flyspec.eval.stats import DEFAULT_FLOOR, DEFAULT_RESAMPLES, retention
+
+
+def _mean(values: list[float | None]) -> float | None:
+    present = [value for value in values if value is not None]
+    return float(np.mean(present)) if present else None
+
+
+def _speed(records: list[dict[str, Any]]) -> float:
+    """Tokens per second over the whole set: total new tokens / total wall time."""
+    seconds = sum(r["stats"]["wall_time_s"] for r in records)
+    return sum(r["stats"]["num_new_tokens"] for r in records) / seconds if seconds > 0 else 0.0
+
+
+def _method_summary(
+    pairs: list[tuple[dict[str, Any], dict[str, Any]]], metrics: list[str], floor: float, resamples: int
+) -> dict[str, Any]:
+    plains, outputs = [p for p, _ in pairs], [m for _, m in pairs]
+    scores = {
+        metric: retention(
+            [m["scores"][metric] for m in outputs],
+            [p["scores"][metric] for p in plains],
+            floor=floor,
+            resamples=resamples,
+        ).to_dict()
+        for metric in metrics
+    }
+    plain_speed, method_speed = _speed(plains), _speed(outputs)
+    new_tokens = sum(m["stats"]["num_new_tokens"] for m in outputs)
+    forwards = sum(m["stats"]["num_target_forwards"] for m in outputs)
+    return {
+        "num_items": len(pairs),
+        "lossless": outputs[0]["lossless"],
+        "protect": outputs[0]["protect"],
+        "scores": scores,
+        "fidelity": {
+            "identical": float(np.mean([m["fidelity"]["identical"] for m in outputs])),
+            "similarity": _mean([m["fidelity"]["similarity"] for m in outputs]),
+            "token_agreement": _mean([m["fidelity"]["token_agreement"] for m in outputs]),
+            "log_likelihood": _mean([m["fidelity"]["log_likelihood"] for m in outputs]),
+            "plain_log_likelihood": _mean([p["fidelity"]["log_likelihood"] for p in plains]),
+        },
+        "speed": {
+            "tokens_per_s": method_speed,
+            "plain_tokens_per_s": plain_speed,
+            "speedup": method_speed / plain_speed if plain_speed > 0 else None,
+            "mean_acceptance_length": new_tokens / forwards if forwards else None,
+            "loose_accepts_per_100_tokens": 100 * sum(m["stats"]["num_loose_accepts"] for m in outputs) / new_tokens
+            if new_tokens
+            else 0.0,
+            "plain_cached": sum(p["baseline_cached"] for p in plains),
+        },
+        "failures": sorted({m["score_detail"].split(":")[0] for m in outputs if m["score_detail"]} - {"passed"}),
+    }
+
+
+def summarize(
+    records: list[dict[str, Any]],
+    task_metrics: dict[str, list[str]],
+    *,
+    floor: float = DEFAULT_FLOOR,
+    resamples: int = DEFAULT_RESAMPLES,
+) -> dict[str, Any]:
+    """``{"tasks": {task: {"metrics", "num_items", "methods": {method: ...}}}, "guard": [...]}``."""
+    grouped: dict[str, dict[str, list[tuple[dict[str, Any], dict[str, Any]]]]] = defaultdict(lambda: defaultdict(list))
+    for plain, record in iter_pairs(records):
+        grouped[record["task"]][record["method"]].append((plain, record))
+    overall: dict[str, list[tuple[dict[str, Any], dict[str, Any]]]] = defaultdict(list)
+    tasks: dict[str, Any] = {}
+    for task, by_method in grouped.items():
+        for method, pairs in by_method.items():
+            overall[method].extend(pairs)
+        metrics = task_metrics.get(task, [])
+        tasks[task] = {
+            "metrics": metrics,
+            "methods": {
+                method: _method_summary(pairs, metrics, floor, resamples) for method, pairs in by_method.items()
+            },
+        }
+    # every task pooled: fidelity and speed only (task metrics differ, so no pooled retention)
+    pooled = {method: _method_summary(pairs, [], floor, resamples) for method, pairs in overall.items()}
+    return {"floor": floor, "resamples": resamples, "tasks": tasks, "all_tasks": pooled, "guard": guard_effect(tasks)}
+
+
+def guard_effect(tasks: dict[str, Any]) -> list[dict[str, Any]]:
+    """For each ``V+guard`` method beside ``V``: primary-metric retention gained and speed lost."""
+    rows = []
+    for task, summary in tasks.items():
+        methods = summary["methods"]
+        primary = summary["metrics"][0] if summary["metrics"] else None
+        for name, guarded in methods.items():
+            base_name = name.split("+")[0]
+            if "+" not in name or base_name not in methods:
+                continue
+            unguarded = methods[base_name]
+            row: dict[str, Any] = {"task": task, "method": name, "versus": base_name, "metric": primary}
+            if primary is not None:
+                row["retention"] = guarded["scores"][primary]["retention"]
+                row["versus_retention"] = unguarded["scores"][primary]["retention"]
+            row["similarity"] = guarded["fidelity"]["similarity"]
+            row["versus_similarity"] = unguarded["fidelity"]["similarity"]
+            row["speedup"] = guarded["speed"]["speedup"]
+            row["versus_speedup"] = unguarded["speed"]["speedup"]
+            row["loose_per_100"] = guarded["speed"]["loose_accepts_per_100_tokens"]
+            row["versus_loose_per_100"] = unguarded["speed"]["loose_accepts_per_100_tokens"]
+            rows.append(row)
+    return rows

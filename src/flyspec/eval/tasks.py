@@ -1,0 +1,185 @@
+"""Evaluation tasks: which items, how each is prompted, how an output is scored.
+
+=============  ==========================================  =========================  ========
+task           prompt (chat template applied)              metrics (first = primary)  kind
+=============  ==========================================  =========================  ========
+humaneval      instruction + the function stub, fenced     pass@1 (sandboxed tests)   code
+gsm8k          question + "step by step ... The answer is"  numeric (final number)     text
+translation    Spec-Bench prompt (de→en)                   chrf, bleu                 text
+summarization  Spec-Bench prompt ("Summarize: ...")        rouge-l (vs highlights)    text
+rag            Spec-Bench prompt (passages + question)     contains (any answer)      text
+qa             Spec-Bench prompt (Natural Questions)       none: fidelity only        text
+custom         the file's ``prompt``                       ``--metric``               text
+=============  ==========================================  =========================  ========
+
+``PROMPT_FORMAT`` is part of the baseline cache key: bump it whenever a prompt changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from flyspec.config import ConfigError
+from flyspec.eval import data
+from flyspec.eval.data import EvalItem, LoadReport
+from flyspec.eval.sandbox import SandboxLimits, run_program
+from flyspec.eval.scoring import METRICS, humaneval_program
+
+PROMPT_FORMAT = 1
+HUMANEVAL_INSTRUCTION = (
+    "Complete the following Python function. Reply with the complete function, including the signature, "
+    "in a single ```python code block.\n\n```python\n{prompt}```"
+)
+GSM8K_INSTRUCTION = '{question}\nSolve the problem step by step, then end with the line "The answer is <number>."'
+
+
+@dataclass(frozen=True)
+class Score:
+    """Metric values for one output, and a short note (e.g. why a HumanEval sample failed)."""
+
+    values: dict[str, float]
+    detail: str = ""
+
+
+Scorer = Callable[[EvalItem, str], Score]
+Loader = Callable[[int | None, bool, LoadReport], list[EvalItem]]
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str
+    kind: str  # "code" or "text": the guard protects identifiers on code tasks
+    metrics: tuple[str, ...]  # empty: fidelity only
+    max_new_tokens: int
+    load: Loader
+    prompt: Callable[[EvalItem], str]
+    score: Scorer
+    stop: tuple[str, ...] = ()  # stop strings (HumanEval: the end of the first code block)
+
+    @property
+    def primary_metric(self) -> str | None:
+        return self.metrics[0] if self.metrics else None
+
+
+def _score_humaneval(limits: SandboxLimits) -> Scorer:
+    def score(item: EvalItem, output: str) -> Score:
+        result = run_program(humaneval_program(item.extra, output), limits)
+        detail = result.status if result.passed else f"{result.status}: {result.detail.splitlines()[-1:]}"
+        return Score({"pass@1": float(result.passed)}, detail)
+
+    return score
+
+
+def _metric_scorer(metrics: tuple[str, ...]) -> Scorer:
+    def score(item: EvalItem, output: str) -> Score:
+        return Score({name: METRICS[name](output, item.reference) for name in metrics})
+
+    return score
+
+
+def _no_score(item: EvalItem, output: str) -> Score:
+    return Score({})
+
+
+def _spec_bench(category: str, needs_reference: bool) -> Loader:
+    def load(limit: int | None, skip: bool, report: LoadReport) -> list[EvalItem]:
+        path = data.spec_bench_path()
+        return data.load_spec_bench(path, category, limit, skip, report, needs_reference=needs_reference)
+
+    return load
+
+
+def builtin_tasks(sandbox: SandboxLimits | None = None) -> dict[str, Task]:
+    """The packaged tasks, by name."""
+    limits = sandbox or SandboxLimits()
+    humaneval_file = data.data_path("humaneval", "HumanEval.jsonl.gz")
+    gsm8k_file = data.data_path("gsm8k", "test.jsonl")
+    tasks = [
+        Task(
+            "humaneval",
+            "code",
+            ("pass@1",),
+            256,
+            lambda limit, skip, report: data.load_humaneval(humaneval_file, limit, skip, report),
+            lambda item: HUMANEVAL_INSTRUCTION.format(prompt=item.prompt),
+            _score_humaneval(limits),
+            stop=("\n```\n",),
+        ),
+        Task(
+            "gsm8k",
+            "text",
+            ("numeric",),
+            192,
+            lambda limit, skip, report: data.load_gsm8k(gsm8k_file, limit, skip, report),
+            lambda item: GSM8K_INSTRUCTION.format(question=item.prompt),
+            _metric_scorer(("numeric",)),
+        ),
+        Task(
+            "translation",
+            "text",
+            ("chrf", "bleu"),
+            64,
+            _spec_bench("translation", True),
+            _as_is,
+            _metric_scorer(("chrf", "bleu")),
+        ),
+        Task(
+            "summarization",
+            "text",
+            ("rouge-l",),
+            96,
+            _spec_bench("summarization", True),
+            _as_is,
+            _metric_scorer(("rouge-l",)),
+        ),
+        Task("rag", "text", ("contains",), 64, _spec_bench("rag", True), _as_is, _metric_scorer(("contains",))),
+        Task("qa", "text", (), 96, _spec_bench("qa", False), _as_is, _no_score),
+    ]
+    return {task.name: task for task in tasks}
+
+
+DEFAULT_TASKS = ("humaneval", "gsm8k", "translation", "summarization", "rag")
+
+
+def _as_is(item: EvalItem) -> str:
+    return item.prompt
+
+
+def custom_task(path: Path, metric: str, max_new_tokens: int = 256) -> Task:
+    """A JSONL file of ``{"prompt", "reference"}`` records scored with ``metric``."""
+    if metric not in METRICS:
+        raise ConfigError(f"unknown metric {metric!r}; choose one of: {', '.join(METRICS)}")
+    return Task(
+        path.stem,
+        "text",
+        (metric,),
+        max_new_tokens,
+        lambda limit, skip, report: data.load_custom(path, limit, skip, report),
+        _as_is,
+        _metric_scorer((metric,)),
+    )
+
+
+def resolve_tasks(names: list[str], sandbox: SandboxLimits | None = None) -> list[Task]:
+    """Tasks by name, in the given order; an unknown name is a :class:`ConfigError`."""
+    available = builtin_tasks(sandbox)
+    unknown = [name for name in names if name not in available]
+    if unknown:
+        raise ConfigError(
+            f"unknown task {unknown[0]!r}; choose from: {', '.join(available)} (or --task-file FILE.jsonl)"
+        )
+    return [available[name] for name in dict.fromkeys(names)]
+
+
+def load_items(task: Task, limit: int | None, skip_bad_lines: bool, report: LoadReport) -> list[EvalItem]:
+    items = task.load(limit, skip_bad_lines, report)
+    if not items:
+        raise ConfigError(f"task {task.name!r} has no usable items")
+    return items
+
+
+def as_dict(task: Task) -> dict[str, Any]:
+    return {"name": task.name, "kind": task.kind, "metrics": list(task.metrics), "max_new_tokens": task.max_new_tokens}

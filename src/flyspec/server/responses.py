@@ -1,0 +1,121 @@
+"""Response bodies and stream chunks in the OpenAI formats, plus flyspec's additions.
+
+Additions (extra fields, which OpenAI clients keep and ignore): ``usage`` carries
+``num_target_forwards``, ``mean_acceptance_length`` and ``num_loose_accepts`` beside the standard
+token counts, and a top-level ``flyspec`` object says which drafter and verifier ran and whether
+that verifier is lossless.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from flyspec.types import GenerationResult
+
+Kind = Literal["completion", "chat"]
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
+DONE = "data: [DONE]\n\n"
+
+
+def new_request_id(kind: Kind) -> str:
+    return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+
+
+def usage(result: GenerationResult) -> dict[str, Any]:
+    """Standard token counts plus the speculative decoding statistics of this request."""
+    stats = result.stats
+    prompt_tokens, completion_tokens = len(result.prompt_token_ids), result.num_new_tokens
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "num_target_forwards": stats.num_target_forwards,
+        "mean_acceptance_length": round(stats.mean_acceptance_length, 4),
+        "num_loose_accepts": stats.num_loose_accepts,
+    }
+
+
+def sse(data: dict[str, Any]) -> str:
+    """One server-sent event carrying a JSON object."""
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+@dataclass
+class ResponseBuilder:
+    """Builds every body and chunk of one response, so they share its id, model and ``created`` time."""
+
+    kind: Kind
+    model: str
+    flyspec: dict[str, Any]
+    include_usage: bool = False
+    request_id: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        self.request_id = self.request_id or new_request_id(self.kind)
+
+    def body(self, result: GenerationResult) -> dict[str, Any]:
+        """The non-streamed response."""
+        finish_reason = FINISH_REASONS.get(result.finish_reason, "stop")
+        if self.kind == "chat":
+            choice: dict[str, Any] = {
+                "index": 0,
+                "message": {"role": "assistant", "content": result.text},
+                "logprobs": None,
+                "finish_reason": finish_reason,
+            }
+        else:
+            choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": finish_reason}
+        return {
+            **self._envelope("chat.completion" if self.kind == "chat" else "text_completion"),
+            "choices": [choice],
+            "usage": usage(result),
+            "flyspec": self.flyspec,
+        }
+
+    def first_chunks(self) -> list[str]:
+        """Chunks before any text: chat streams open with the assistant role."""
+        if self.kind != "chat":
+            return []
+        return [self._chunk({"role": "assistant", "content": ""}, None, flyspec=True)]
+
+    def piece_chunk(self, text: str) -> str:
+        return self._chunk({"content": text} if self.kind == "chat" else text, None)
+
+    def last_chunks(self, result: GenerationResult) -> list[str]:
+        """The chunk with ``finish_reason``, the usage chunk when asked for, and ``[DONE]``."""
+        finish_reason = FINISH_REASONS.get(result.finish_reason, "stop")
+        chunks = [self._chunk({} if self.kind == "chat" else "", finish_reason, flyspec=True)]
+        if self.include_usage:
+            chunks.append(sse({**self._chunk_envelope(), "choices": [], "usage": usage(result)}))
+        return [*chunks, DONE]
+
+    def headers(self) -> dict[str, str]:
+        return {
+            "x-request-id": self.request_id,
+            "x-flyspec-verifier": str(self.flyspec["verifier"]),
+            "x-flyspec-lossless": "true" if self.flyspec["lossless"] else "false",
+        }
+
+    def _envelope(self, obj: str) -> dict[str, Any]:
+        return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model}
+
+    def _chunk_envelope(self) -> dict[str, Any]:
+        envelope = self._envelope("chat.completion.chunk" if self.kind == "chat" else "text_completion")
+        if self.include_usage:
+            envelope["usage"] = None  # as OpenAI: null on every chunk but the last
+        return envelope
+
+    def _chunk(self, content: Any, finish_reason: str | None, *, flyspec: bool = False) -> str:
+        if self.kind == "chat":
+            choice = {"index": 0, "delta": content, "logprobs": None, "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "text": content, "logprobs": None, "finish_reason": finish_reason}
+        chunk = {**self._chunk_envelope(), "choices": [choice]}
+        if flyspec:
+            chunk["flyspec"] = self.flyspec
+        return sse(chunk)

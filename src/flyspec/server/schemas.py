@@ -1,0 +1,152 @@
+"""Request bodies of the OpenAI-compatible endpoints (pydantic; the only pydantic in flyspec).
+
+Validation is strict (no string-to-number coercion) and unknown fields are rejected, as the
+OpenAI API does. Standard fields that flyspec cannot honour are listed in
+:data:`UNSUPPORTED_FIELDS`: sending them with a non-default value is a 400 naming the field,
+never a silent ignore. Harmless bookkeeping fields (``user``, ``metadata``, ``store``,
+``service_tier``, ``parallel_tool_calls``) are accepted and ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from flyspec.config import PROTECT_CLASSES
+from flyspec.drafters.registry import DRAFTERS
+from flyspec.verifiers.registry import VERIFIERS
+
+MAX_DRAFT_TOKENS = 64
+MAX_STOP_STRINGS = 4  # as the OpenAI API
+SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed accepts
+
+# field → the values that mean "not used" (accepted and dropped); anything else is a 400.
+UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
+    "n": (None, 1),
+    "best_of": (None, 1),
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "logit_bias": (None, {}),
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+    "prediction": (None,),
+    "reasoning_effort": (None,),
+    "web_search_options": (None,),
+}
+IGNORED_FIELDS = ("user", "metadata", "store", "service_tier", "parallel_tool_calls")
+
+PositiveTokens = Annotated[int, Field(ge=1)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class SpeculativeOptions(_Strict):
+    """Per-request speculative settings (extra body field ``speculative``); omitted = server default."""
+
+    verifier: Literal[VERIFIERS] | None = None  # type: ignore[valid-type]
+    drafter: Literal[DRAFTERS] | None = None  # type: ignore[valid-type]
+    num_draft_tokens: Annotated[int, Field(ge=1, le=MAX_DRAFT_TOKENS)] | None = None
+    window_size: Annotated[int, Field(ge=0, le=MAX_DRAFT_TOKENS)] | None = None
+    entropy_threshold: Annotated[float, Field(ge=0)] | None = None
+    fly_temperature_rule: Literal["rejection", "two-sample"] | None = None
+    margin_ratio: Annotated[float, Field(gt=0, lt=1)] | None = None
+    typical_epsilon: Annotated[float, Field(gt=0, le=1)] | None = None
+    typical_delta: Annotated[float, Field(gt=0, le=1)] | None = None
+    protect: list[Literal[PROTECT_CLASSES]] | None = None  # type: ignore[valid-type]
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _GenerationRequest(_Strict):
+    """Fields shared by completions and chat completions."""
+
+    model: str | None = None  # omitted = the served model
+    max_tokens: PositiveTokens | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] = 1.0  # the OpenAI default
+    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
+    top_k: Annotated[int, Field(ge=0)] = 0  # extension (as vLLM): 0 = off
+    seed: Annotated[int, Field(ge=SEED_RANGE[0], le=SEED_RANGE[1])] | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    speculative: SpeculativeOptions | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        strings = [stop] if isinstance(stop, str) else stop or []
+        if len(strings) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed (got {len(strings)})")
+        if not all(strings):
+            raise ValueError("stop strings must be non-empty")
+        return stop
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_GenerationRequest):
+    """``POST /v1/completions``: raw text (no chat template), or one prompt as token ids."""
+
+    prompt: str | list[Annotated[int, Field(ge=0)]] | list[str]
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, prompt: str | list[int] | list[str]) -> str | list[int]:
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            if len(prompt) != 1:
+                raise ValueError(f"one prompt per request is supported (got {len(prompt)}); send them separately")
+            prompt = prompt[0]
+        if not prompt or (isinstance(prompt, str) and not prompt.strip()):
+            raise ValueError("the prompt is empty; give some text to continue")
+        return prompt  # type: ignore[return-value]
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def as_template_message(self) -> dict[str, str]:
+        """``{role, content}`` for the chat template; ``developer`` is the newer name of ``system``."""
+        content = self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    """``POST /v1/chat/completions``: messages rendered with the model's chat template."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: PositiveTokens | None = None  # the newer name of max_tokens
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
