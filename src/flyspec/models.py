@@ -15,6 +15,7 @@ import hashlib
 import importlib.util
 import logging
 import os
+import platform
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -95,6 +96,17 @@ class LoadedModel:
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
+def cpu_name() -> str:
+    """The CPU model name (for benchmark and evaluation reports)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
 
 
 def default_dtype() -> torch.dtype:

@@ -161,11 +161,12 @@ def _meta(
     import transformers  # noqa: PLC0415
 
     from flyspec import __version__  # noqa: PLC0415
+    from flyspec.models import cpu_name  # noqa: PLC0415
 
     return {
         "date": datetime.date.today().isoformat(),
         "command": getattr(args, "command_line", None),
-        "machine": f"{_cpu_name()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, "
+        "machine": f"{cpu_name()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, "
         f"{platform.system()}; torch {torch.__version__}, transformers {transformers.__version__}, "
         f"flyspec {__version__}",
         "target": target.name,
@@ -181,14 +182,3 @@ def _meta(
         "repeats": args.repeats,
         "warmup": args.warmup,
     }
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"

@@ -112,6 +112,7 @@ def _meta(args: argparse.Namespace, config: Any, loaded: Any, skipped: list[str]
     import torch  # noqa: PLC0415
 
     from flyspec import __version__  # noqa: PLC0415
+    from flyspec.models import cpu_name  # noqa: PLC0415
 
     return {
         "command": "flyspec " + shlex.join(sys.argv[1:]),
@@ -121,7 +122,7 @@ def _meta(args: argparse.Namespace, config: Any, loaded: Any, skipped: list[str]
         "drafter": config.drafter,
         "methods": ", ".join(method.name for method in config.methods),
         "limit per task": config.limit,
-        "machine": f"{_cpu_name()}, {torch.get_num_threads()} torch threads, {platform.system()}",
+        "machine": f"{cpu_name()}, {torch.get_num_threads()} torch threads, {platform.system()}",
         "versions": f"flyspec {__version__}, torch {torch.__version__}",
         "skipped data lines": len(skipped),
         "task_metrics": {task.name: list(task.metrics) for task in config.tasks},
@@ -138,16 +139,6 @@ def _write_meta(config: Any, meta: dict[str, Any]) -> None:
         meta["task_metrics"] = {**earlier.get("task_metrics", {}), **meta["task_metrics"]}
         meta["earlier commands"] = [*earlier.get("earlier commands", []), earlier.get("command", "")]
     path.write_text(json.dumps(meta, indent=2))
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def _report(out_dir: Path, floor: float, resamples: int) -> Path:
