@@ -79,11 +79,11 @@ def markdown_report(meta: dict[str, Any], summary: dict[str, Any]) -> str:
         f"{_fmt(times.get('1'), '{:.1f}')} ms, t(k+1 = {k + 1}) = {_fmt(times.get(str(k + 1)), '{:.1f}')} ms",
         f"- Speedup = method tokens/s ÷ baseline (flyspec plain decoding) tokens/s over the same prompts; "
         f"lossy methods ({LOSSY_NOTE}) are marked lossless = no; their quality is measured by `flyspec eval`.",
-        "- τ-limit = τ × t(1)/t(k+1) (every step one full (k+1)-token forward); cost limit = the same with each "
-        "step charged the forward of its actual size t(1 + drafts proposed); in-run limit = τ × baseline's target ms "
-        "per step ÷ the method's (forward costs measured inside the run: the speedup if drafting and engine "
-        "work were free). Per-step times split the wall time into target verification forwards, drafting, and "
-        "the engine's own work (other = overhead).",
+        "- τ-limit = τ × t(1)/t(k+1) (every step one full (k+1)-token forward); cost limit = the same with "
+        "each step charged the forward of its actual size t(1 + drafts proposed); in-run limit = the speedup if "
+        "drafting and engine work were free (tokens per second of prefill + target-forward time, measured inside "
+        "the run, relative to the baseline's). Per-step times split the wall time into target verification "
+        "forwards, drafting, and the engine's own work (other = overhead).",
         "",
         "## Overall",
         "",

@@ -10,9 +10,10 @@ Definitions (all over the same prompts, in the same run):
   target forward and nothing else; ``fraction_of_limit`` = speedup ÷ tau_limit;
 * ``cost_limit``: the same with each step charged the forward of its actual size, t(1 + drafts
   proposed) — the tighter bound when the drafter often proposes fewer than k tokens;
-* ``in_run_limit`` = τ × (baseline's target ms per step) ÷ (the method's target ms per step): the
-  speedup if drafting and the engine's own work were free, from forward times measured inside
-  this run (so machine load during the separate t(1)/t(k+1) measurement does not skew it);
+* ``in_run_limit``: the speedup if drafting and the engine's own work were free — tokens per
+  second of model compute (prefill + target forwards, timed inside this run) relative to the
+  baseline's; unlike the τ-limit it is not skewed by machine load during the separate
+  t(1)/t(k+1) measurement, and measured speedup ÷ it is the share lost to drafting and overhead;
 * ``target_ms_per_step`` / ``draft_ms_per_step`` / ``other_ms_per_step``: time per target forward
   spent in verification forwards, in drafting, and in the engine's own work (verification rule,
   commit, cache rollback, stop checks, detokenisation) — the last is the engine overhead.
@@ -48,13 +49,21 @@ def _summarize_group(records: list[Record], forward_times: dict[int, float] | No
         prompts = {(record["prompt_id"], record["repeat"]) for record in mine}
         rates = {other: _rates_per_repeat(records, other, prompts) for other in methods}
         figures[method] = _figures(mine, rates, method, forward_times, k)
-    base_step = (figures.get(BASELINE) or {}).get("target_ms_per_step")
+    compute_rates = {method: _compute_rate([r for r in records if r["method"] == method]) for method in methods}
     for method, entry in figures.items():
-        step, tau = entry["target_ms_per_step"], entry["tau"]
-        bound = tau * base_step / step if base_step and step and tau and method != BASELINE else None
+        rate, base = compute_rates[method], compute_rates.get(BASELINE)
+        bound = rate / base if rate and base and method != BASELINE else None
         entry["in_run_limit"] = bound
         entry["fraction_of_in_run_limit"] = entry["speedup"] / bound if bound and entry["speedup"] else None
     return figures
+
+
+def _compute_rate(records: list[Record]) -> float | None:
+    """Tokens per second of model compute only (prefill + target forwards; drafting and engine work excluded)."""
+    if not records or any(r["target_time_s"] is None or r["prefill_time_s"] is None for r in records):
+        return None
+    compute = sum(r["target_time_s"] + r["prefill_time_s"] for r in records)
+    return sum(r["num_new_tokens"] for r in records) / compute if compute > 0 else None
 
 
 def _rates_per_repeat(records: list[Record], method: str, prompts: set[tuple[str, int]]) -> dict[int, float]:
