@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import json
 import logging
 import shlex
@@ -45,8 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, parser_class=ErrorParser)
     _add_generate_parser(commands)
     for name in _COMMAND_MODULES:
-        if importlib.util.find_spec(name) is not None:
-            importlib.import_module(name).add_parser(commands)
+        importlib.import_module(name).add_parser(commands)
     return parser
 
 
