@@ -11,23 +11,30 @@ import json
 import logging
 import shlex
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 from flyspec import __version__
 from flyspec.api import build_decoder, make_generator
 from flyspec.baseline import PlainDecoder
-from flyspec.cli_options import (
-    ErrorParser,
-    add_model_options,
-    add_speculation_options,
-    fail,
-    quiet_transformers,
-    speculation_options,
-)
+from flyspec.cli_options import add_model_options, add_speculation_options, quiet_transformers, speculation_options
 from flyspec.config import DEFAULT_MAX_NEW_TOKENS, ConfigError, DecodeConfig, SamplingConfig
 from flyspec.models import set_threads
 from flyspec.types import GenerationResult
 from flyspec.verifiers.registry import LOSSLESS_VERIFIERS, VERIFIERS
+
+
+class ErrorParser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line and exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        fail(f"{message} (see `{self.prog} --help`)")
+
+
+def fail(message: str) -> NoReturn:
+    """Print ``flyspec: error: <message>`` to stderr and exit with code 2."""
+    print(f"flyspec: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
 
 # Subcommands beside `generate`: each module has ``add_parser(commands)``, which sets ``handler``.
 _COMMAND_MODULES = ("flyspec.bench.command", "flyspec.eval.command", "flyspec.server.command")

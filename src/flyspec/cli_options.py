@@ -1,15 +1,14 @@
 """Command-line options shared by ``generate``, ``bench``, ``eval`` and ``serve``.
 
 Each subcommand lives in its own module and registers itself with ``add_parser(commands)``;
-this module holds the option groups they share and the one-line error convention
-(exit code 2, no traceback).
+this module holds the option groups they share. Errors are printed by ``cli.py`` (one line,
+exit code 2, no traceback).
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-from typing import Any, NoReturn
+from typing import Any
 
 from flyspec.config import (
     DEFAULT_NUM_DRAFT_TOKENS,
@@ -26,19 +25,6 @@ from flyspec.verifiers.registry import VERIFIERS
 
 _FLY, _MARGIN, _TYPICAL, _NGRAM = FlyConfig(), MarginConfig(), TypicalConfig(), NgramConfig()
 DEFAULT_NUM_NGRAM_TOKENS = 6
-
-
-class ErrorParser(argparse.ArgumentParser):
-    """An argument parser whose errors are one line and exit code 2."""
-
-    def error(self, message: str) -> NoReturn:
-        fail(f"{message} (see `{self.prog} --help`)")
-
-
-def fail(message: str) -> NoReturn:
-    """Print ``flyspec: error: <message>`` to stderr and exit with code 2."""
-    print(f"flyspec: error: {message}", file=sys.stderr)
-    raise SystemExit(2)
 
 
 def add_model_options(parser: argparse.ArgumentParser, *, chat: bool = True) -> None:
