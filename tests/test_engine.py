@@ -211,9 +211,12 @@ def test_check_proposal_keeps_the_agreeing_prefix_and_adds_the_models_token() ->
     logits = torch.full((4, 6), -5.0)
     for position, token in enumerate([2, 3, 1, 4]):
         logits[position, token] = 5.0
-    assert check_proposal([2, 3, 0], logits, SamplingConfig(), None) == ([2, 3, 1], None)
-    assert check_proposal([2, 3, 1], logits, SamplingConfig(), None) == ([2, 3, 1, 4], None)
-    assert check_proposal([], logits[:1], SamplingConfig(), None) == ([2], None)
+    def proposal(tokens: list[int]) -> Draft:
+        return Draft(torch.tensor(tokens, dtype=torch.long))
+
+    assert check_proposal(proposal([2, 3, 0]), logits, SamplingConfig(), None) == ([2, 3, 1], None)
+    assert check_proposal(proposal([2, 3, 1]), logits, SamplingConfig(), None) == ([2, 3, 1, 4], None)
+    assert check_proposal(Draft.empty(), logits[:1], SamplingConfig(), None) == ([2], None)
 
 
 @pytest.mark.parametrize(

@@ -57,6 +57,61 @@ class NgramConfig:
 
 
 @dataclass(frozen=True)
+class DraftLengthConfig:
+    """How many tokens to draft each step (see ``draft_length.py``); the defaults draft a fixed ``k``.
+
+    ``adaptive``: grow the draft length by 2 after a step whose every draft token was kept, shrink it
+    by 1 otherwise (transformers' ``num_assistant_tokens_schedule="heuristic"``), between
+    ``min_tokens`` and the decode config's ``num_draft_tokens``. ``confidence_threshold`` (model
+    drafters): stop drafting once the draft model's own top probability falls below it (after
+    keeping that token); 0 never stops early.
+    """
+
+    adaptive: bool = False
+    min_tokens: int = 1
+    confidence_threshold: float = 0.0
+
+    def __post_init__(self) -> None:
+        _require(self.min_tokens >= 1, f"min draft tokens must be >= 1 (got {self.min_tokens})")
+        _require(
+            0 <= self.confidence_threshold < 1,
+            f"draft confidence threshold must be in [0, 1) (got {self.confidence_threshold}); 0 disables it",
+        )
+
+
+@dataclass(frozen=True)
+class NgramCacheConfig:
+    """The persistent n-gram cache (``ngram-cache`` drafter): at most ``max_entries`` n-grams, LRU-evicted."""
+
+    max_entries: int = 200_000
+
+    def __post_init__(self) -> None:
+        _require(self.max_entries >= 1, f"ngram cache max_entries must be >= 1 (got {self.max_entries})")
+
+
+@dataclass(frozen=True)
+class LayerSkipConfig:
+    """Layer-skip self-speculation: the target drafts for itself with some layers skipped.
+
+    ``skip_layers=None`` chooses the layers by a short training-free calibration on the first
+    prompt (see ``drafters/layer_skip.py``); a tuple skips exactly those 0-based layer indices.
+    """
+
+    skip_layers: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.skip_layers is not None:
+            _require(
+                all(layer >= 0 for layer in self.skip_layers),
+                f"skip layers must be 0-based layer indices >= 0 (got {list(self.skip_layers)})",
+            )
+            _require(
+                len(set(self.skip_layers)) == len(self.skip_layers),
+                f"skip layers must not repeat (got {list(self.skip_layers)})",
+            )
+
+
+@dataclass(frozen=True)
 class FlyConfig:
     """FLy loose acceptance (arXiv 2511.22972). See ``verifiers/fly.py`` for the exact rule.
 
@@ -141,6 +196,7 @@ class DecodeConfig:
     stop_strings: tuple[str, ...] = ()
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     ignore_eos: bool = False  # generate exactly max_new_tokens (benchmarks)
+    draft_length: DraftLengthConfig = field(default_factory=DraftLengthConfig)  # fixed k unless adaptive
 
     def __post_init__(self) -> None:
         _require(

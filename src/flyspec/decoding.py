@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import torch
 
 from flyspec.config import ConfigError, DecodeConfig
+from flyspec.draft_length import DraftLength
 from flyspec.drafters.base import Drafter
 from flyspec.models import LoadedModel
 from flyspec.stats import DecodeStats
@@ -109,8 +110,12 @@ class SpeculativeDecoder(Decoder):
         self.verifier = verifier
         self.validate(self.config)
 
+    def _window_size(self) -> int:
+        """FLy's deferred window (0 for other verifiers): adaptive drafts never get shorter than it."""
+        return int(getattr(getattr(self.verifier, "config", None), "window_size", 0))
+
     def validate(self, config: DecodeConfig) -> None:
-        window = getattr(getattr(self.verifier, "config", None), "window_size", 0)
+        window = self._window_size()
         if window > config.num_draft_tokens:
             raise ConfigError(
                 f"window_size ({window}) is larger than num_draft_tokens ({config.num_draft_tokens}); "
@@ -127,9 +132,10 @@ class SpeculativeDecoder(Decoder):
     ) -> Iterator[Step]:
         self.drafter.reset(prompt_ids)
         token_ids = self._prefill(prompt_ids, stats)
+        draft_length = DraftLength(config.draft_length, config.num_draft_tokens, floor=self._window_size())
         while not stopper.finished:
             # never draft past the length limit: the last slot is the recovered/bonus token
-            budget = min(config.num_draft_tokens, stopper.remaining - 1)
+            budget = min(draft_length.next(), stopper.remaining - 1)
             started = time.perf_counter()
             draft = self.drafter.propose(token_ids, budget, config.sampling, generator) if budget > 0 else Draft.empty()
             drafted = time.perf_counter()
@@ -139,7 +145,9 @@ class SpeculativeDecoder(Decoder):
             verdict = self.verifier.verify(draft, target_logits, config.sampling, generator)
             committed = stopper.commit(verdict.tokens)
             token_ids += committed
-            stats.observe(draft.num_tokens, verdict, len(committed))
+            stats.observe(draft.num_tokens, verdict, len(committed), requested=budget)
+            draft_length.observe(draft.num_tokens, verdict.num_accepted)
             self.target.rollback(len(token_ids))
             self.drafter.rollback(len(token_ids))
+            stats.drafter = self.drafter.report()
             yield committed, verdict.loose_positions

@@ -23,10 +23,16 @@ class DecodeStats:
     prefill_time_s: float = 0.0
     target_time_s: float = 0.0  # in target verification forwards (after prefill)
     draft_time_s: float = 0.0  # in Drafter.propose (model forwards for model drafters, lookups for n-gram)
+    requested_draft_lengths: dict[int, int] = field(default_factory=dict)  # draft length asked for → steps
+    drafter: dict[str, Any] = field(default_factory=dict)  # the drafter's own counters (Drafter.report)
 
-    def observe(self, num_proposed: int, verdict: Verdict | None, num_committed: int) -> None:
-        """Record one target forward that proposed ``num_proposed`` drafts and committed tokens."""
+    def observe(
+        self, num_proposed: int, verdict: Verdict | None, num_committed: int, requested: int | None = None
+    ) -> None:
+        """Record one target forward that proposed ``num_proposed`` drafts (``requested`` asked for)."""
         self.num_target_forwards += 1
+        if requested is not None:
+            self.requested_draft_lengths[requested] = self.requested_draft_lengths.get(requested, 0) + 1
         self.num_proposed += num_proposed
         self.num_new_tokens += num_committed
         if verdict is None:  # plain decoding step
@@ -46,6 +52,12 @@ class DecodeStats:
     def mean_acceptance_length(self) -> float:
         """τ: tokens committed per target forward, bonus/recovered token included (plain decoding = 1)."""
         return self.num_new_tokens / self.num_target_forwards if self.num_target_forwards else 0.0
+
+    @property
+    def mean_requested_draft_length(self) -> float:
+        """The mean draft length asked of the drafter (constant unless the length is adaptive)."""
+        steps = sum(self.requested_draft_lengths.values())
+        return sum(length * count for length, count in self.requested_draft_lengths.items()) / steps if steps else 0.0
 
     @property
     def acceptance_rate(self) -> float:
@@ -71,6 +83,11 @@ class DecodeStats:
             "mean_acceptance_length": self.mean_acceptance_length,
             "accepted_per_position": list(self.accepted_per_position),
             "proposed_per_position": list(self.proposed_per_position),
+            "requested_draft_lengths": {
+                str(length): count for length, count in sorted(self.requested_draft_lengths.items())
+            },
+            "mean_requested_draft_length": self.mean_requested_draft_length,
+            "drafter": dict(self.drafter),
             "wall_time_s": self.wall_time_s,
             "prefill_time_s": self.prefill_time_s,
             "target_time_s": self.target_time_s,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -16,6 +16,8 @@ class Drafter(Protocol):
 
     Call order per generation: ``reset(prompt)``, then per step ``propose`` → (target verifies)
     → ``rollback(num_committed)``. A drafter may return fewer tokens than asked (even none).
+    ``report()`` gives the drafter's own counters for the generation so far (draft forwards, cache
+    hits, chosen layers, ...); they land in ``DecodeStats.drafter``.
     """
 
     name: str
@@ -31,3 +33,5 @@ class Drafter(Protocol):
     ) -> Draft: ...
 
     def rollback(self, num_committed: int) -> None: ...
+
+    def report(self) -> dict[str, Any]: ...

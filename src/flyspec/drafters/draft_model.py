@@ -1,69 +1,96 @@
-"""Draft-model drafting, plain (``draft-model``) and multi-level (``multilevel``).
+"""Draft-model drafting, plain (``draft-model``), multi-level (``multilevel``) and stacked (``stack``).
 
 ``draft-model``: a smaller model with the target's tokenizer proposes tokens one forward at a
 time from its own KV cache (rolled back after each verification). Greedy (T=0) it drafts its
 argmax; at T>0 it samples from its own filtered distribution and returns those probabilities,
-so rejection sampling stays lossless.
+so rejection sampling stays lossless. With a ``confidence_threshold`` it stops drafting once its
+own top probability falls below it (the token it was unsure of is still proposed).
 
-``multilevel`` (FLy §"multi-level acceleration"): the drafter is itself sped up. Each round an
-n-gram lookup proposes up to ``num_ngram_tokens`` tokens, the draft model checks them in *one*
-forward (exact match greedy, rejection sampling against one-hot n-gram proposals at T>0) and
-adds its own next token; rounds repeat until ``k`` draft tokens exist. The resulting draft is
-distributed exactly as the plain draft model's (greedy: identical tokens), in fewer forwards.
+Multi-level (FLy §"multi-level acceleration", generalised as in Hierarchical Speculative
+Decoding): the draft model is itself sped up by a ``proposer`` below it — an n-gram lookup, or
+another drafter. Each round the proposer offers up to ``num_proposal_tokens`` tokens, the draft
+model checks them in *one* forward (exact match greedy; rejection sampling at T>0, against the
+proposer's probabilities or one-hot ones) and adds its own next token; rounds repeat until ``k``
+draft tokens exist. The draft is distributed exactly as the plain draft model's (greedy:
+identical tokens), in fewer forwards. A proposer can itself have a proposer: that is a stack.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from flyspec.config import NgramConfig, SamplingConfig
-from flyspec.drafters.ngram import ngram_lookup
+from flyspec.drafters.base import Drafter
+from flyspec.drafters.ngram import NgramDrafter
 from flyspec.models import LoadedModel
 from flyspec.sampling import logits_to_probs, uniform
 from flyspec.target import CachedModel
 from flyspec.types import Draft
-from flyspec.verifiers.base import num_leading_true
+from flyspec.verifiers.base import draft_probs_or_one_hot, num_leading_true
 from flyspec.verifiers.rejection import rejection_accept_mask, rejection_next_token
 
 
 def check_proposal(
-    proposal: list[int],
+    proposal: Draft,
     logits: torch.Tensor,  # [len(proposal) + 1, vocab]: the draft model's logits for each slot
     sampling: SamplingConfig,
     generator: torch.Generator | None,
 ) -> tuple[list[int], torch.Tensor | None]:
-    """The draft model's verdict on an n-gram proposal: kept prefix + its own next token, and their probs."""
-    proposed = torch.tensor(proposal, dtype=torch.long)
+    """The draft model's verdict on a proposal: kept prefix + its own next token, and their probs.
+
+    At T>0 a proposal without probabilities counts as one-hot, which keeps the result distributed
+    as the draft model's own samples (see ``verifiers/rejection.py``).
+    """
+    tokens = proposal.tokens.tolist()
     if sampling.greedy:
         choice = logits.argmax(-1)
-        kept = num_leading_true(proposed == choice[: len(proposal)])
-        return proposal[:kept] + [int(choice[kept])], None
+        kept = num_leading_true(proposal.tokens == choice[: len(tokens)])
+        return tokens[:kept] + [int(choice[kept])], None
     model_probs = logits_to_probs(logits, sampling)  # [len + 1, vocab]
-    one_hot = torch.nn.functional.one_hot(proposed, model_probs.shape[-1]).float()
-    accept = rejection_accept_mask(proposed, one_hot, model_probs, uniform((len(proposal),), generator))
+    proposal_probs = draft_probs_or_one_hot(proposal, model_probs.shape[-1])  # [len, vocab]
+    accept = rejection_accept_mask(proposal.tokens, proposal_probs, model_probs, uniform((len(tokens),), generator))
     kept = num_leading_true(accept)
-    next_token = rejection_next_token(kept, model_probs, one_hot, generator)
-    return proposal[:kept] + [next_token], model_probs[: kept + 1]
+    next_token = rejection_next_token(kept, model_probs, proposal_probs, generator)
+    return tokens[:kept] + [next_token], model_probs[: kept + 1]
+
+
+def first_unsure(logits: torch.Tensor, threshold: float) -> int | None:
+    """The first row whose top probability (temperature 1) is below ``threshold``; None if none is."""
+    if threshold <= 0:
+        return None
+    top = torch.softmax(logits.float(), dim=-1).amax(-1)  # [rows]
+    unsure = torch.nonzero(top < threshold)
+    return int(unsure[0, 0]) if unsure.numel() else None
 
 
 @dataclass
 class DraftModelDrafter:
-    """A separate draft model with its own cache; ``num_ngram_tokens > 0`` makes it multi-level."""
+    """A separate draft model with its own cache; a ``proposer`` below it makes it multi-level."""
 
     draft: LoadedModel
-    num_ngram_tokens: int = 0
-    ngram: NgramConfig = field(default_factory=NgramConfig)
+    proposer: Drafter | None = None
+    num_proposal_tokens: int = 6
+    confidence_threshold: float = 0.0
     name: str = "draft-model"
-    num_forwards: int = 0  # draft-model forwards in this generation
 
     def __post_init__(self) -> None:
         self.runner = CachedModel(self.draft)
+        self._reset_counters()
+
+    def _reset_counters(self) -> None:
+        self.num_forwards = 0  # draft-model forwards in this generation
+        self.num_proposal_tokens_offered = 0
+        self.num_proposal_tokens_kept = 0
+        self.num_confidence_stops = 0
 
     def reset(self, prompt_ids: list[int]) -> None:
         self.runner.reset()
-        self.num_forwards = 0
+        self._reset_counters()
+        if self.proposer is not None:
+            self.proposer.reset(prompt_ids)
 
     def propose(
         self,
@@ -76,28 +103,65 @@ class DraftModelDrafter:
         drafted: list[int] = []
         probs: list[torch.Tensor] = []
         while len(drafted) < num_draft_tokens:
-            room = min(self.num_ngram_tokens, num_draft_tokens - len(drafted) - 1)
-            proposal = ngram_lookup(sequence, room, self.ngram.max_ngram, self.ngram.min_ngram)
+            proposal = self._proposal(sequence, num_draft_tokens - len(drafted) - 1, sampling, generator)
             pending = sequence[self.runner.cached_length :]  # >= 1 token: the cache lags by one
-            logits = self.runner.forward(pending + proposal, logits_to_keep=len(proposal) + 1)
+            logits = self.runner.forward(pending + proposal.tokens.tolist(), logits_to_keep=proposal.num_tokens + 1)
             self.num_forwards += 1
             new_tokens, new_probs = check_proposal(proposal, logits, sampling, generator)
+            self.num_proposal_tokens_kept += len(new_tokens) - 1
+            unsure_at = first_unsure(logits[: len(new_tokens)], self.confidence_threshold)
+            keep = len(new_tokens) if unsure_at is None else unsure_at + 1
+            new_tokens = new_tokens[:keep]
             # proposal tokens beyond the kept prefix are not part of the sequence: drop their cache
             self.runner.crop_to(len(sequence) + len(new_tokens) - 1)
             sequence += new_tokens
             drafted += new_tokens
             if new_probs is not None:
-                probs.append(new_probs)
+                probs.append(new_probs[:keep])
+            if self.proposer is not None:
+                self.proposer.rollback(len(sequence))
+            if unsure_at is not None:
+                self.num_confidence_stops += 1
+                break
         draft_probs = torch.cat(probs) if probs else None
         return Draft(torch.tensor(drafted, dtype=torch.long), draft_probs)
+
+    def _proposal(
+        self, sequence: list[int], room: int, sampling: SamplingConfig, generator: torch.Generator | None
+    ) -> Draft:
+        """The level below's proposal (at most ``room`` tokens, leaving a slot for the model's own token)."""
+        room = min(self.num_proposal_tokens, room)
+        if self.proposer is None or room <= 0:
+            return Draft.empty()
+        proposal = self.proposer.propose(sequence, room, sampling, generator)
+        self.num_proposal_tokens_offered += proposal.num_tokens
+        return proposal
 
     def rollback(self, num_committed: int) -> None:
         """Keep the cache of the committed tokens (accepted draft tokens are still valid)."""
         self.runner.crop_to(min(self.runner.cached_length, num_committed - 1))
+        if self.proposer is not None:
+            self.proposer.rollback(num_committed)
+
+    def report(self) -> dict[str, Any]:
+        report: dict[str, Any] = {"draft_forwards": self.num_forwards}
+        if self.confidence_threshold > 0:
+            report["confidence_stops"] = self.num_confidence_stops
+        if self.proposer is not None:
+            report["proposal_tokens_offered"] = self.num_proposal_tokens_offered
+            report["proposal_tokens_kept"] = self.num_proposal_tokens_kept
+            report["proposer"] = {"name": self.proposer.name, **self.proposer.report()}
+        return report
 
 
 def multilevel_drafter(
-    draft: LoadedModel, num_ngram_tokens: int = 6, ngram: NgramConfig | None = None
+    draft: LoadedModel, num_ngram_tokens: int = 6, ngram: NgramConfig | None = None, confidence_threshold: float = 0.0
 ) -> DraftModelDrafter:
     """FLy's multi-level drafter: n-gram → draft model (defaults from the FLy reference config)."""
-    return DraftModelDrafter(draft, num_ngram_tokens=num_ngram_tokens, ngram=ngram or NgramConfig(), name="multilevel")
+    return DraftModelDrafter(
+        draft,
+        proposer=NgramDrafter(ngram or NgramConfig()),
+        num_proposal_tokens=num_ngram_tokens,
+        confidence_threshold=confidence_threshold,
+        name="multilevel",
+    )

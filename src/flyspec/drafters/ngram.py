@@ -11,6 +11,7 @@ extended periodically, as an LZ77 copy that overlaps its own output would: after
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -56,3 +57,6 @@ class NgramDrafter:
 
     def rollback(self, num_committed: int) -> None:
         """Stateless: nothing to roll back."""
+
+    def report(self) -> dict[str, Any]:
+        return {}
