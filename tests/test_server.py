@@ -391,3 +391,22 @@ def test_real_model_chat() -> None:
             extra_body={"speculative": {"num_draft_tokens": 8}},
         )
     assert response.choices[0].message.content == expected.text and expected.text.strip()
+
+
+def test_ngram_cache_is_shared_across_requests_and_adaptive_length_is_per_request(
+    tiny_target: LoadedModel, server: RunningServer, client: openai.OpenAI
+) -> None:
+    prompt = "Speculative decoding drafts"
+    cached = {"drafter": "ngram-cache", "adaptive_draft": True}
+    first = ask(client, prompt, extra_body={"speculative": cached})
+    second = ask(client, prompt, extra_body={"speculative": cached})
+    expected = reference(tiny_target, prompt).text  # lossless: the plain n-gram/exact text
+    assert text_of(first) == text_of(second) == expected
+    assert first.model_extra["flyspec"]["drafter"] == "ngram-cache"
+    assert first.model_extra["flyspec"]["adaptive_draft"] is True
+    usage = second.usage.model_dump()
+    assert usage["drafter"]["cache_drafts"] > 0, "the second request drafts from the first one's n-grams"
+    assert usage["drafter"]["cache"]["entries"] > 0
+    metrics = httpx.get(f"{server.url}/metrics").text
+    assert 'flyspec_ngram_cache{quantity="entries"}' in metrics
+    assert 'flyspec_draft_tokens_total{drafter="ngram-cache",outcome="accepted"}' in metrics

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import torch
 
@@ -11,15 +12,19 @@ from flyspec.config import (
     DEFAULT_MAX_NEW_TOKENS,
     DEFAULT_NUM_DRAFT_TOKENS,
     DecodeConfig,
+    DraftLengthConfig,
     FlyConfig,
     GuardConfig,
+    LayerSkipConfig,
     MarginConfig,
+    NgramCacheConfig,
     NgramConfig,
     SamplingConfig,
     TypicalConfig,
 )
 from flyspec.decoding import Prompt, SpeculativeDecoder
-from flyspec.drafters.registry import make_drafter
+from flyspec.drafters.ngram_cache import NgramCache
+from flyspec.drafters.registry import LAYER_SKIP, NGRAM_LEVELS, Level, make_drafter
 from flyspec.models import DEFAULT_MODEL, LoadedModel, load_model, resolve_dtype, set_threads
 from flyspec.types import GenerationResult
 from flyspec.verifiers.guard import protected_mask
@@ -57,12 +62,22 @@ def build_decoder(
     num_ngram_tokens: int = 6,
     dtype: str | torch.dtype = "auto",
     guard: GuardConfig | None = None,
+    draft_length: DraftLengthConfig | None = None,
+    layer_skip: LayerSkipConfig | None = None,
+    ngram_cache: NgramCache | NgramCacheConfig | None = None,
+    stack: Sequence[ModelRef] = (),
 ) -> SpeculativeDecoder:
     """A :class:`SpeculativeDecoder` from component names (the CLI, bench and server use this).
 
     ``guard`` protects token classes from loose acceptance (lossy verifiers only; see ``verifiers/guard.py``).
+    ``draft_length`` makes the draft length adaptive; ``stack`` lists the levels of drafter ``"stack"``,
+    bottom first: ``"ngram"``/``"ngram-cache"``, ``"layer-skip"`` or draft models (names, paths or loaded).
+    ``ngram_cache``: the cache object (or its size) for ``ngram-cache``; by default one per model per process.
     """
-    config = DecodeConfig(num_draft_tokens, max_new_tokens, tuple(stop), sampling or SamplingConfig())
+    draft_length = draft_length or DraftLengthConfig()
+    config = DecodeConfig(
+        num_draft_tokens, max_new_tokens, tuple(stop), sampling or SamplingConfig(), draft_length=draft_length
+    )
     make_verifier(verifier)  # an unknown name fails before any model is loaded
     target_model = resolve_model(target, dtype)
     verifier_obj = make_verifier(
@@ -70,9 +85,24 @@ def build_decoder(
     )
     draft = resolve_model(draft_model, dtype) if draft_model is not None else None
     drafter_obj = make_drafter(
-        drafter, target=target_model, draft_model=draft, ngram=ngram, num_ngram_tokens=num_ngram_tokens
+        drafter,
+        target=target_model,
+        draft_model=draft,
+        ngram=ngram,
+        num_ngram_tokens=num_ngram_tokens,
+        draft_length=draft_length,
+        layer_skip=layer_skip,
+        ngram_cache=ngram_cache,
+        stack=[_resolve_level(level, dtype) for level in stack] if drafter == "stack" else (),
     )
     return SpeculativeDecoder(target_model, drafter_obj, verifier_obj, config)
+
+
+def _resolve_level(level: ModelRef, dtype: str | torch.dtype) -> Level:
+    """A stack level: the n-gram and layer-skip keywords as they are, anything else a model to load."""
+    if isinstance(level, str) and level in (*NGRAM_LEVELS, LAYER_SKIP):
+        return level
+    return resolve_model(level, dtype)
 
 
 def _guard_mask(target: LoadedModel, guard: GuardConfig | None, verifier: str) -> torch.Tensor | None:

@@ -184,6 +184,12 @@ def _print_summary(record: dict[str, Any]) -> None:
         f"τ = {record['mean_acceptance_length']:.2f} tokens/forward, "
         f"{record['num_loose_accepts']} loose accepts",
     ]
+    if record["drafter_stats"]:
+        lines.append(f"[drafter {record['drafter']}] {json.dumps(record['drafter_stats'], ensure_ascii=False)}")
+    if len(record["requested_draft_lengths"]) > 1:
+        lengths = ", ".join(f"{length}: {count}" for length, count in record["requested_draft_lengths"].items())
+        mean = record["mean_requested_draft_length"]
+        lines.append(f"[adaptive draft length] mean {mean:.1f}; steps by length {lengths}")
     if "speedup" in record:
         lines.append(
             f"[plain decoding] {record['baseline_tokens_per_s']:.1f} tok/s → speedup {record['speedup']:.2f}x, "

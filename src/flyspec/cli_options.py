@@ -13,9 +13,13 @@ from typing import Any
 from flyspec.config import (
     DEFAULT_NUM_DRAFT_TOKENS,
     PROTECT_CLASSES,
+    ConfigError,
+    DraftLengthConfig,
     FlyConfig,
     GuardConfig,
+    LayerSkipConfig,
     MarginConfig,
+    NgramCacheConfig,
     NgramConfig,
     TypicalConfig,
 )
@@ -24,6 +28,7 @@ from flyspec.models import DEFAULT_MODEL, DTYPES
 from flyspec.verifiers.registry import VERIFIERS
 
 _FLY, _MARGIN, _TYPICAL, _NGRAM = FlyConfig(), MarginConfig(), TypicalConfig(), NgramConfig()
+_LENGTH, _CACHE = DraftLengthConfig(), NgramCacheConfig()
 DEFAULT_NUM_NGRAM_TOKENS = 6
 
 
@@ -35,7 +40,11 @@ def add_model_options(parser: argparse.ArgumentParser, *, chat: bool = True) -> 
         default=DEFAULT_MODEL,
         help=f"target model: packaged name, .gguf file, HF directory or hub id (default {DEFAULT_MODEL})",
     )
-    models.add_argument("--draft-model", help="draft model for --drafter draft-model/multilevel (same tokenizer)")
+    models.add_argument(
+        "--draft-model",
+        help="draft model for --drafter draft-model/multilevel; a different tokenizer than the target's is "
+        "fine (its draft text is re-tokenized)",
+    )
     models.add_argument(
         "--dtype",
         default="auto",
@@ -113,7 +122,49 @@ def add_speculation_options(parser: argparse.ArgumentParser, *, components: bool
         "--num-ngram-tokens",
         type=int,
         default=DEFAULT_NUM_NGRAM_TOKENS,
-        help=f"multilevel: n-gram tokens the draft model checks per forward (default {DEFAULT_NUM_NGRAM_TOKENS})",
+        help=f"multilevel/stack: tokens a level checks per forward (default {DEFAULT_NUM_NGRAM_TOKENS})",
+    )
+    add_drafter_options(parser)
+
+
+def add_drafter_options(parser: argparse.ArgumentParser) -> None:
+    """Options of the newer drafters: stacks, layer skipping, the n-gram cache, adaptive draft length."""
+    drafting = parser.add_argument_group("drafters")
+    drafting.add_argument(
+        "--stack",
+        default="",
+        help="--drafter stack: comma-separated levels, bottom first; each is ngram, ngram-cache (bottom only), "
+        "layer-skip or a draft model (e.g. ngram,smollm2-135m-instruct)",
+    )
+    drafting.add_argument(
+        "--skip-layers",
+        default="auto",
+        help="layer-skip: comma-separated 0-based target layers to skip, or auto (calibrate on the first prompt)",
+    )
+    drafting.add_argument(
+        "--ngram-cache-entries",
+        type=int,
+        default=_CACHE.max_entries,
+        help=f"ngram-cache: n-grams kept across generations, the least recently used evicted "
+        f"(default {_CACHE.max_entries})",
+    )
+    drafting.add_argument(
+        "--adaptive-draft",
+        action="store_true",
+        help="adapt the draft length to recent acceptance (+2 after a fully kept draft, -1 after a rejection), "
+        "between --min-draft-tokens and -k",
+    )
+    drafting.add_argument(
+        "--min-draft-tokens",
+        type=int,
+        default=_LENGTH.min_tokens,
+        help=f"--adaptive-draft: shortest draft (default {_LENGTH.min_tokens}; FLy never goes below its window)",
+    )
+    drafting.add_argument(
+        "--draft-confidence",
+        type=float,
+        default=_LENGTH.confidence_threshold,
+        help="model drafters: stop drafting once the draft model's top probability falls below this (default 0: off)",
     )
 
 
@@ -130,7 +181,23 @@ def speculation_options(args: argparse.Namespace) -> dict[str, Any]:
         "ngram": NgramConfig(args.max_ngram, args.min_ngram),
         "num_ngram_tokens": args.num_ngram_tokens,
         "guard": GuardConfig(tuple(dict.fromkeys(args.protect))),
+        "draft_length": DraftLengthConfig(args.adaptive_draft, args.min_draft_tokens, args.draft_confidence),
+        "layer_skip": LayerSkipConfig(parse_skip_layers(args.skip_layers)),
+        "ngram_cache": NgramCacheConfig(args.ngram_cache_entries),
+        "stack": tuple(level.strip() for level in args.stack.split(",") if level.strip()),
     }
+
+
+def parse_skip_layers(text: str) -> tuple[int, ...] | None:
+    """``auto`` → None (calibrate); ``"3,5,7"`` → (3, 5, 7)."""
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError as error:
+        raise ConfigError(
+            f"--skip-layers must be 'auto' or comma-separated layer indices like 4,6,8 (got {text!r})"
+        ) from error
 
 
 def quiet_transformers() -> None:

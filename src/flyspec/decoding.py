@@ -18,7 +18,7 @@ from flyspec.stats import DecodeStats
 from flyspec.stopping import Stopper
 from flyspec.streaming import GenerationStream, Step
 from flyspec.target import Target
-from flyspec.types import Draft, GenerationResult
+from flyspec.types import Draft, GenerationResult, Verdict
 from flyspec.verifiers.base import Verifier
 
 Prompt = str | list[dict[str, str]] | list[int]
@@ -133,21 +133,37 @@ class SpeculativeDecoder(Decoder):
         self.drafter.reset(prompt_ids)
         token_ids = self._prefill(prompt_ids, stats)
         draft_length = DraftLength(config.draft_length, config.num_draft_tokens, floor=self._window_size())
-        while not stopper.finished:
-            # never draft past the length limit: the last slot is the recovered/bonus token
-            budget = min(draft_length.next(), stopper.remaining - 1)
-            started = time.perf_counter()
-            draft = self.drafter.propose(token_ids, budget, config.sampling, generator) if budget > 0 else Draft.empty()
-            drafted = time.perf_counter()
-            target_logits = self.target.score(token_ids[-1], draft.tokens)  # [k + 1, vocab]
-            stats.draft_time_s += drafted - started
-            stats.target_time_s += time.perf_counter() - drafted
-            verdict = self.verifier.verify(draft, target_logits, config.sampling, generator)
-            committed = stopper.commit(verdict.tokens)
-            token_ids += committed
-            stats.observe(draft.num_tokens, verdict, len(committed), requested=budget)
-            draft_length.observe(draft.num_tokens, verdict.num_accepted)
-            self.target.rollback(len(token_ids))
-            self.drafter.rollback(len(token_ids))
-            stats.drafter = self.drafter.report()
-            yield committed, verdict.loose_positions
+        try:
+            while not stopper.finished:
+                length = draft_length.next()
+                committed, verdict, num_drafted = self._step(token_ids, length, config, generator, stopper, stats)
+                token_ids += committed
+                stats.observe(num_drafted, verdict, len(committed), requested=length)
+                draft_length.observe(num_drafted, verdict.num_accepted)
+                self.target.rollback(len(token_ids))
+                self.drafter.rollback(len(token_ids))
+                stats.drafter = self.drafter.report()
+                yield committed, verdict.loose_positions
+        finally:  # also when the stream is closed early: the committed tokens are still worth remembering
+            self.drafter.finish(token_ids)
+
+    def _step(
+        self,
+        token_ids: list[int],
+        length: int,
+        config: DecodeConfig,
+        generator: torch.Generator | None,
+        stopper: Stopper,
+        stats: DecodeStats,
+    ) -> tuple[list[int], Verdict, int]:
+        """Draft ≤ ``length`` tokens, score them in one target forward, verify: (committed, verdict, drafted)."""
+        # never draft past the length limit: the last slot is the recovered/bonus token
+        budget = min(length, stopper.remaining - 1)
+        started = time.perf_counter()
+        draft = self.drafter.propose(token_ids, budget, config.sampling, generator) if budget > 0 else Draft.empty()
+        drafted = time.perf_counter()
+        target_logits = self.target.score(token_ids[-1], draft.tokens)  # [k + 1, vocab]
+        stats.draft_time_s += drafted - started
+        stats.target_time_s += time.perf_counter() - drafted
+        verdict = self.verifier.verify(draft, target_logits, config.sampling, generator)
+        return stopper.commit(verdict.tokens), verdict, draft.num_tokens

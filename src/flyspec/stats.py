@@ -87,7 +87,7 @@ class DecodeStats:
                 str(length): count for length, count in sorted(self.requested_draft_lengths.items())
             },
             "mean_requested_draft_length": self.mean_requested_draft_length,
-            "drafter": dict(self.drafter),
+            "drafter_stats": dict(self.drafter),
             "wall_time_s": self.wall_time_s,
             "prefill_time_s": self.prefill_time_s,
             "target_time_s": self.target_time_s,

@@ -38,7 +38,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     run_group = parser.add_argument_group("run")
     run_group.add_argument(
         "--methods",
-        help="comma-separated: baseline, <ngram|draft|multilevel>+<verifier>, hf-plain, hf-lookup, hf-assisted, "
+        help="comma-separated: baseline, <ngram|ngram-cache|draft|multilevel|layer-skip|stack>+<verifier>, "
+        "hf-plain, hf-lookup, hf-assisted, "
         "llamacpp-plain, llamacpp-lookup (default: baseline, ngram+{exact,fly,margin,typical}, hf-plain, hf-lookup; "
         "with --draft-model also draft+exact, draft+fly, multilevel+fly, hf-assisted)",
     )

@@ -158,6 +158,12 @@ def make_record(
     record["mean_acceptance_length"] = num_new_tokens / forwards if forwards else None
     record["accepted_per_position"] = _sum_lists([turn.accepted_per_position for turn in turns])
     record["proposed_per_position"] = _sum_lists([turn.proposed_per_position for turn in turns])
+    lengths: dict[int, int] = {}
+    for turn in turns:
+        for length, count in turn.requested_draft_lengths.items():
+            lengths[length] = lengths.get(length, 0) + count
+    record["requested_draft_lengths"] = {str(length): count for length, count in sorted(lengths.items())}
+    record["drafter_stats"] = [turn.drafter_stats for turn in turns]
     return record
 
 

@@ -1,8 +1,10 @@
 """Benchmark method names: ours (``drafter+verifier``, ``baseline``) and peers.
 
 ``baseline`` is flyspec's plain autoregressive decoding, the denominator of every speedup.
-Our speculative methods are ``<drafter>+<verifier>`` with drafter ``ngram``, ``draft``
-(a separate draft model) or ``multilevel`` (n-gram → draft model → target), and any verifier.
+Our speculative methods are ``<drafter>+<verifier>`` with drafter ``ngram``, ``ngram-cache``
+(prompt lookup plus the n-gram cache of earlier generations), ``draft`` (a separate draft model,
+any tokenizer), ``multilevel`` (n-gram → draft model → target), ``layer-skip`` (the target with
+layers skipped) or ``stack`` (the ``--stack`` levels), and any verifier.
 Peers run in the same process on the same prompt ids and weights:
 
 * ``hf-plain``: transformers ``generate()`` greedy;
@@ -20,7 +22,14 @@ from flyspec.config import ConfigError
 from flyspec.verifiers.registry import LOSSLESS_VERIFIERS, VERIFIERS
 
 BASELINE = "baseline"
-DRAFTER_ALIASES = {"ngram": "ngram", "draft": "draft-model", "multilevel": "multilevel"}
+DRAFTER_ALIASES = {
+    "ngram": "ngram",
+    "ngram-cache": "ngram-cache",
+    "draft": "draft-model",
+    "multilevel": "multilevel",
+    "layer-skip": "layer-skip",
+    "stack": "stack",
+}
 PEERS = ("hf-plain", "hf-lookup", "hf-assisted", "llamacpp-plain", "llamacpp-lookup")
 # The plain decoding each peer's own speedup is measured against.
 PEER_PLAIN = {"hf-lookup": "hf-plain", "hf-assisted": "hf-plain", "llamacpp-lookup": "llamacpp-plain"}

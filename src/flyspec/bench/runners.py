@@ -7,6 +7,7 @@ sees the method's own earlier answers (Spec-Bench's MT-bench protocol).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -40,6 +41,8 @@ class TurnOutput:
     prefill_time_s: float | None = None
     target_time_s: float | None = None
     draft_time_s: float | None = None
+    requested_draft_lengths: dict[int, int] = field(default_factory=dict)  # draft length asked → steps
+    drafter_stats: dict = field(default_factory=dict)  # Drafter.report() at the end of the turn
 
 
 Generate = Callable[[list[int], int, int], TurnOutput]  # (prompt ids, max new tokens, seed) → output
@@ -77,11 +80,7 @@ class FlyspecRunner:
             )
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, seed: int) -> TurnOutput:
-        config = DecodeConfig(
-            num_draft_tokens=self.decoder.config.num_draft_tokens,
-            max_new_tokens=max_new_tokens,
-            sampling=self.sampling,
-        )
+        config = dataclasses.replace(self.decoder.config, max_new_tokens=max_new_tokens, sampling=self.sampling)
         result = self.decoder.generate(prompt_ids, config=config, generator=make_generator(seed))
         stats = result.stats
         speculative = self.method.drafter is not None
@@ -98,6 +97,8 @@ class FlyspecRunner:
             prefill_time_s=stats.prefill_time_s,
             target_time_s=stats.target_time_s,
             draft_time_s=stats.draft_time_s,
+            requested_draft_lengths=dict(stats.requested_draft_lengths) if speculative else {},
+            drafter_stats=dict(stats.drafter),
         )
 
 
@@ -114,7 +115,11 @@ class HFGenerateRunner:
             self.options["prompt_lookup_num_tokens"] = settings.hf_lookup_tokens
         elif method.name == "hf-assisted":
             assert draft is not None
-            self.assistant = draft.model
+            self.assistant: dict = {"assistant_model": draft.model}
+            from flyspec.drafters.cross_tokenizer import tokenizers_match  # noqa: PLC0415  TEMPORARY
+
+            if not tokenizers_match(draft.tokenizer, target.tokenizer):  # Universal Assisted Generation
+                self.assistant.update(tokenizer=target.tokenizer, assistant_tokenizer=draft.tokenizer)
             self.options["num_assistant_tokens"] = settings.speculation.get("num_draft_tokens", 15)
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, seed: int) -> TurnOutput:
@@ -127,7 +132,7 @@ class HFGenerateRunner:
         )
         device = next(self.target.model.parameters()).device
         inputs = torch.tensor([prompt_ids], dtype=torch.long, device=device)
-        extra = {"assistant_model": self.assistant} if self.method.name == "hf-assisted" else {}
+        extra = self.assistant if self.method.name == "hf-assisted" else {}
         torch.manual_seed(seed)
         started = time.perf_counter()
         with torch.inference_mode():

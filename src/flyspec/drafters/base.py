@@ -16,8 +16,11 @@ class Drafter(Protocol):
 
     Call order per generation: ``reset(prompt)``, then per step ``propose`` → (target verifies)
     → ``rollback(num_committed)``. A drafter may return fewer tokens than asked (even none).
-    ``report()`` gives the drafter's own counters for the generation so far (draft forwards, cache
-    hits, chosen layers, ...); they land in ``DecodeStats.drafter``.
+    ``finish(token_ids)`` ends a generation (also one stopped early) with the prompt and every
+    committed token: drafters that learn across generations record them there, and only there,
+    since only the target's committed tokens are worth remembering. ``report()`` gives the
+    drafter's own counters for the generation so far (draft forwards, cache hits, chosen
+    layers, ...); they land in ``DecodeStats.drafter``.
     """
 
     name: str
@@ -33,5 +36,7 @@ class Drafter(Protocol):
     ) -> Draft: ...
 
     def rollback(self, num_committed: int) -> None: ...
+
+    def finish(self, token_ids: list[int]) -> None: ...
 
     def report(self) -> dict[str, Any]: ...

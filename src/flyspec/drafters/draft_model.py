@@ -143,6 +143,10 @@ class DraftModelDrafter:
         if self.proposer is not None:
             self.proposer.rollback(num_committed)
 
+    def finish(self, token_ids: list[int]) -> None:
+        if self.proposer is not None:
+            self.proposer.finish(token_ids)
+
     def report(self) -> dict[str, Any]:
         report: dict[str, Any] = {"draft_forwards": self.num_forwards}
         if self.confidence_threshold > 0:

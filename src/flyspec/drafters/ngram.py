@@ -58,5 +58,8 @@ class NgramDrafter:
     def rollback(self, num_committed: int) -> None:
         """Stateless: nothing to roll back."""
 
+    def finish(self, token_ids: list[int]) -> None:
+        """Stateless: nothing to remember."""
+
     def report(self) -> dict[str, Any]:
         return {}

@@ -149,7 +149,7 @@ class Generations:
             raise
         finally:
             disconnected.cancel()
-        self.metrics.observe_result(result, plan.speculation.verifier)
+        self.metrics.observe_result(result, plan.speculation.verifier, plan.speculation.drafter)
         return JSONResponse(builder.body(result), headers=builder.headers())
 
     def _admit(self, admit: Callable[[], None]) -> None:
@@ -184,7 +184,7 @@ class Generations:
             if event[0] == "error":  # headers are sent: the error goes in the stream, as OpenAI does
                 yield sse(self._error_for(event[1]).body())
                 return
-            self.metrics.observe_result(event[1], builder.flyspec["verifier"])
+            self.metrics.observe_result(event[1], builder.flyspec["verifier"], builder.flyspec["drafter"])
             for chunk in builder.last_chunks(event[1]):
                 yield chunk
         finally:

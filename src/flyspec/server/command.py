@@ -77,6 +77,8 @@ def settings_from_args(args: argparse.Namespace) -> tuple[SpeculationDefaults, S
     defaults = SpeculationDefaults(drafter=args.drafter, verifier=args.verifier, **speculation_options(args))
     if defaults.drafter in ("draft-model", "multilevel") and not args.draft_model:
         raise ConfigError(f"--drafter {defaults.drafter} needs --draft-model NAME_OR_PATH")
+    if defaults.drafter == "stack" and not defaults.stack:
+        raise ConfigError("--drafter stack needs --stack LEVELS (bottom first, e.g. ngram,DRAFT_MODEL)")
     return defaults, limits
 
 
@@ -92,7 +94,8 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("flyspec").setLevel(getattr(logging, args.log_level.upper()))
     target = load_model(args.target, dtype=args.dtype, threads=args.threads)
     draft = load_model(args.draft_model, dtype=args.dtype) if args.draft_model else None
-    build_decoder(target, draft_model=draft, **defaults.build_kwargs())  # bad defaults fail now, not per request
+    # bad defaults fail now, not per request (and stack models and layer-skip calibration load once)
+    build_decoder(target, draft_model=draft, dtype=target.dtype, **defaults.build_kwargs())
     app = create_app(target, defaults, limits, draft_model=draft, served_model_name=args.served_model_name)
     described = ", ".join(f"{name}={value}" for name, value in defaults.describe().items())
     logger.info(

@@ -58,6 +58,18 @@ class ServerMetrics:
             ["verifier"],
             registry=registry,
         )
+        self.draft_tokens = Counter(
+            "flyspec_draft_tokens",
+            "Draft tokens of finished generations, proposed and accepted, by drafter",
+            ["drafter", "outcome"],
+            registry=registry,
+        )
+        self.ngram_cache = Gauge(
+            "flyspec_ngram_cache",
+            "The shared n-gram cache (ngram-cache drafter) after the last generation that used it",
+            ["quantity"],
+            registry=registry,
+        )
         self.queue_depth = Gauge("flyspec_queue_depth", "Requests waiting for the model", registry=registry)
         self.cancelled = Counter(
             "flyspec_cancelled_requests", "Generations stopped because the client went away", registry=registry
@@ -67,8 +79,12 @@ class ServerMetrics:
             "flyspec_rejected_requests", "Requests refused with 429 (queue full)", registry=registry
         )
 
-    def observe_result(self, result: GenerationResult, verifier: str) -> None:
+    def observe_result(self, result: GenerationResult, verifier: str, drafter: str) -> None:
         stats = result.stats
+        self.draft_tokens.labels(drafter, "proposed").inc(stats.num_proposed)
+        self.draft_tokens.labels(drafter, "accepted").inc(stats.num_accepted)
+        for quantity, value in _ngram_cache_stats(stats.drafter).items():
+            self.ngram_cache.labels(quantity).set(value)
         self.prompt_tokens.inc(len(result.prompt_token_ids))
         self.generated_tokens.labels(verifier).inc(result.num_new_tokens)
         self.target_forwards.labels(verifier).inc(stats.num_target_forwards)
@@ -78,3 +94,15 @@ class ServerMetrics:
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _ngram_cache_stats(report: dict) -> dict[str, float]:
+    """The shared cache's numeric totals from a drafter report, wherever it sits in a stack."""
+    if "cache" in report and isinstance(report["cache"], dict):
+        return {key: value for key, value in report["cache"].items() if isinstance(value, int | float)}
+    for nested in ("proposer", "inner"):
+        if isinstance(report.get(nested), dict):
+            found = _ngram_cache_stats(report[nested])
+            if found:
+                return found
+    return {}

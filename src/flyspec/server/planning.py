@@ -123,6 +123,7 @@ class Planner:
                 max_new_tokens=max_tokens,
                 stop=request.stop_strings,
                 sampling=sampling,
+                dtype=self.target.dtype,  # stack levels load (once) in the target's dtype
                 **speculation.build_kwargs(),
             )
         except ConfigError as error:
@@ -149,6 +150,12 @@ class Planner:
             raise bad_request(
                 f"drafter {resolved.drafter!r} needs a draft model, and this server was started without "
                 "--draft-model; use drafter 'ngram'",
+                param="speculative.drafter",
+            )
+        if resolved.drafter == "stack" and not resolved.stack:
+            raise bad_request(
+                "drafter 'stack' needs its levels, and this server was started without --stack; "
+                "use another drafter",
                 param="speculative.drafter",
             )
         return resolved

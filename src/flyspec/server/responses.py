@@ -36,6 +36,8 @@ def usage(result: GenerationResult) -> dict[str, Any]:
         "num_target_forwards": stats.num_target_forwards,
         "mean_acceptance_length": round(stats.mean_acceptance_length, 4),
         "num_loose_accepts": stats.num_loose_accepts,
+        "mean_requested_draft_length": round(stats.mean_requested_draft_length, 4),
+        "drafter": stats.drafter,  # the drafter's own counters: draft forwards, n-gram cache hits, skipped layers
     }
 
 

@@ -65,6 +65,7 @@ class SpeculativeOptions(_Strict):
     typical_epsilon: Annotated[float, Field(gt=0, le=1)] | None = None
     typical_delta: Annotated[float, Field(gt=0, le=1)] | None = None
     protect: list[Literal[PROTECT_CLASSES]] | None = None  # type: ignore[valid-type]
+    adaptive_draft: bool | None = None
 
 
 class StreamOptions(_Strict):

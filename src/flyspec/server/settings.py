@@ -14,9 +14,12 @@ from flyspec.config import (
     DEFAULT_MAX_NEW_TOKENS,
     DEFAULT_NUM_DRAFT_TOKENS,
     ConfigError,
+    DraftLengthConfig,
     FlyConfig,
     GuardConfig,
+    LayerSkipConfig,
     MarginConfig,
+    NgramCacheConfig,
     NgramConfig,
     TypicalConfig,
 )
@@ -55,6 +58,10 @@ class SpeculationDefaults:
     ngram: NgramConfig = field(default_factory=NgramConfig)
     num_ngram_tokens: int = 6
     guard: GuardConfig = field(default_factory=GuardConfig)
+    draft_length: DraftLengthConfig = field(default_factory=DraftLengthConfig)
+    layer_skip: LayerSkipConfig = field(default_factory=LayerSkipConfig)
+    ngram_cache: NgramCacheConfig = field(default_factory=NgramCacheConfig)
+    stack: tuple[str, ...] = ()  # levels of drafter "stack" (server-wide; requests cannot load models)
 
     def __post_init__(self) -> None:
         _require(self.drafter in DRAFTERS, f"unknown drafter {self.drafter!r}; choose one of: {', '.join(DRAFTERS)}")
@@ -98,6 +105,9 @@ class SpeculationDefaults:
                 overrides.get("typical_delta", self.typical.delta),
             ),
             guard=GuardConfig(tuple(dict.fromkeys(overrides.get("protect", self.guard.protect)))),
+            draft_length=dataclasses.replace(
+                self.draft_length, adaptive=overrides.get("adaptive_draft", self.draft_length.adaptive)
+            ),
         )
 
     def describe(self) -> dict[str, Any]:
@@ -107,7 +117,10 @@ class SpeculationDefaults:
             "lossless": self.lossless,
             "drafter": self.drafter,
             "num_draft_tokens": self.num_draft_tokens,
+            "adaptive_draft": self.draft_length.adaptive,
         }
+        if self.drafter == "stack":
+            described["stack"] = list(self.stack)
         if self.verifier == "fly":
             described.update(
                 window_size=self.fly.window_size,
@@ -134,6 +147,10 @@ class SpeculationDefaults:
             "ngram": self.ngram,
             "num_ngram_tokens": self.num_ngram_tokens,
             "guard": self.guard,
+            "draft_length": self.draft_length,
+            "layer_skip": self.layer_skip,
+            "ngram_cache": self.ngram_cache,
+            "stack": self.stack,
         }
 
 

@@ -1,0 +1,412 @@
+"""Cross-tokenizer drafting: a draft model with another vocabulary drafts *text* for the target.
+
+The approach of transformers' Universal Assisted Generation (Timor et al., 2024): the draft model
+writes a continuation, the text is re-tokenized with the target's tokenizer and verified as usual.
+:class:`CrossTokenizerDrafter` is a translation layer: it speaks the Drafter protocol in the
+*target* vocabulary around an ``inner`` drafter that works in the *draft* vocabulary (a
+``DraftModelDrafter``, with or without a proposer below it). Per step:
+
+1. Sync. The committed target ids (append-only within a generation) are decoded to text, a window
+   at the end at a time (:class:`CommittedText`). The draft-side ids of that text are kept with
+   each id's character span (:class:`IncrementalEncoding`): ids ending before the first changed
+   character, less ``overlap_tokens``, stay; the text after them is re-encoded from one *anchor*
+   id earlier, which must come out unchanged. Texts are compared, never assumed append-only:
+   more ids can change earlier characters (a character split over ids shows as U+FFFD until it
+   completes). The inner drafter is then told how much of its last sequence (draft included)
+   survives, ``rollback(common prefix + 1)``, so its cache stays a prefix of the new ids.
+2. Draft. The inner drafter proposes ``m`` draft tokens, cut at its first special token (EOS, a
+   turn marker). ``m`` is ``num_draft_tokens`` scaled by the draft-to-target token ratio seen so
+   far (the prompt's text tokenized both ways, then every translation), capped at twice the
+   request: a finer draft tokenizer needs more tokens for the same text. The tokens are decoded
+   after a few preceding draft-side ids (so a Metaspace ``▁`` or a split character decodes as in
+   the full text); a trailing U+FFFD (the draft stopped inside a character) is dropped.
+3. Translate. ``encode(text of the last context_tokens committed target ids + draft text)``; when
+   it starts with exactly those committed ids, the ids after them are the draft. Otherwise (the
+   draft text merges into the last committed token, or the context starts inside a character)
+   the draft text is encoded alone, or else after a special token (a tokenizer that prepends
+   ``▁`` to a string's start does not do so there), whichever first gives ids that decode, after
+   the context, to the context's text followed by the draft text; if neither does the draft is
+   dropped (counted as misaligned). Truncated to ``num_draft_tokens``; nothing left gives
+   ``Draft.empty()`` and the loop takes a plain one-token step. A trailing target token that may
+   be a partial word (the draft stopped mid-word) is *kept*: if wrong, its rejection commits the
+   same recovered token the target would have given as the bonus without it, so it costs one
+   scored position and can only add an accepted token.
+
+Losslessness. The draft carries no ``draft_probs``: it counts as one-hot in the target vocabulary.
+The draft model's real probability of a target token is a sum over every draft-token sequence
+that spells it, which is intractable. One-hot is still exact: conditioned on the proposed token
+``x``, rejection sampling accepts with probability ``target_probs[x]`` and otherwise resamples from
+``target_probs`` with ``x`` removed, so the committed token is distributed as ``target_probs``
+however ``x`` was produced (the draft model sampling at T > 0 included). Acceptance is lower than
+with matching vocabularies, never biased. Exact match and the lossy verifiers only read the tokens.
+
+Special tokens. Texts are decoded with ``skip_special_tokens``: the target's BOS and chat-template
+markers mean nothing in the draft vocabulary, so the draft model sees the plain text of the
+conversation. A special token's spelling in the text stays text on both sides
+(``split_special_tokens``). Ids the draft tokenizer puts before any text (its BOS, if its model
+expects one) are found once by encoding a probe with and without special tokens and prefixed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from flyspec.config import ConfigError, SamplingConfig
+from flyspec.drafters.base import Drafter
+from flyspec.types import Draft
+
+REPLACEMENT_CHARACTER = "\ufffd"  # what an incomplete UTF-8 sequence decodes to
+MAX_ANCHOR_TRIES = 4  # cut points tried before a draft-side update re-encodes the whole text
+
+Span = tuple[int, int]  # [start, end) characters of one token in the text
+
+
+def tokenizers_match(a: PreTrainedTokenizerBase, b: PreTrainedTokenizerBase) -> bool:
+    """True when both tokenizers map the same token strings to the same ids (no translation needed)."""
+    return a is b or a.get_vocab() == b.get_vocab()
+
+
+def special_token_ids(tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+    """Ids of the special tokens (BOS, EOS, chat-turn markers, ...): never part of the text."""
+    added = getattr(tokenizer, "added_tokens_decoder", {})
+    return frozenset(tokenizer.all_special_ids) | frozenset(i for i, token in added.items() if token.special)
+
+
+def leading_special_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """The ids the tokenizer puts before any text when asked for special tokens (a BOS), else []."""
+    probe = "a"
+    with_special = list(tokenizer(probe, add_special_tokens=True)["input_ids"])
+    plain = list(tokenizer(probe, add_special_tokens=False)["input_ids"])
+    for start in range(len(with_special) - len(plain) + 1):
+        if with_special[start : start + len(plain)] == plain:
+            return with_special[:start]
+    return []
+
+
+def decode_text(tokenizer: PreTrainedTokenizerBase, ids: Sequence[int]) -> str:
+    return tokenizer.decode(list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def encode_text(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    """Ids of ``text`` as plain text: nothing added, a special token's spelling stays text."""
+    return list(tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+
+
+def encode_mid_string(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    """Ids of ``text`` as the middle of a string: encoded after a special token, which starts a new
+    section of the input, so a rule for the string's start (Metaspace ``prepend_scheme="first"``
+    prepending ``▁``) does not apply. [] if the tokenizer has no special token to lead with."""
+    if not tokenizer.all_special_tokens:
+        return []
+    marker = tokenizer.all_special_tokens[0]
+    ids = list(tokenizer(marker + text, add_special_tokens=False)["input_ids"])
+    return ids[1:] if ids[:1] == [tokenizer.convert_tokens_to_ids(marker)] else []
+
+
+def encode_with_spans(tokenizer: PreTrainedTokenizerBase, text: str, offset: int = 0) -> tuple[list[int], list[Span]]:
+    """Ids of ``text`` and each id's character span, shifted by ``offset``."""
+    encoding = tokenizer(text, add_special_tokens=False, split_special_tokens=True, return_offsets_mapping=True)
+    spans = [(start + offset, end + offset) for start, end in encoding["offset_mapping"]]
+    return list(encoding["input_ids"]), spans
+
+
+def common_prefix_length(a: Sequence[Any], b: Sequence[Any], start: int = 0) -> int:
+    """Length of the common prefix of ``a`` and ``b``, given that it is at least ``start``."""
+    limit = min(len(a), len(b))
+    index = min(start, limit)
+    while index < limit and a[index] == b[index]:
+        index += 1
+    return index
+
+
+def cut_at_special(ids: list[int], special_ids: frozenset[int]) -> list[int]:
+    """``ids`` up to (without) the first special id: the draft text ends there."""
+    for index, token in enumerate(ids):
+        if token in special_ids:
+            return ids[:index]
+    return ids
+
+
+class CommittedText:
+    """The text of an append-only id sequence, decoding only a window at its end per update.
+
+    The last ``overlap_tokens`` ids are decoded again with the new ones because more ids can change
+    the text of earlier ones: a character's bytes split over ids, and a run of byte-fallback pieces
+    (``<0xNN>``) that is invalid UTF-8 as a whole decodes to U+FFFD throughout, so the window never
+    starts inside such a run. The window is trusted only if its old text ends the old text and
+    decoding from ``overlap_tokens`` further back ends with its new text; otherwise (or if the ids
+    were not only appended to) everything is decoded again.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, overlap_tokens: int) -> None:
+        self.tokenizer = tokenizer
+        self.overlap_tokens = overlap_tokens
+        self.reset([])
+
+    def reset(self, ids: list[int]) -> None:
+        self.ids = list(ids)
+        self.text = decode_text(self.tokenizer, ids)
+        self.num_full_decodes = 0
+
+    def update(self, ids: list[int]) -> int:
+        """Bring ``text`` up to ``ids``; return how many leading characters are certainly unchanged."""
+        start = self._window_start(len(self.ids) - self.overlap_tokens)
+        old_window_text = decode_text(self.tokenizer, self.ids[start:])
+        window_text = decode_text(self.tokenizer, ids[start:])
+        wider_text = decode_text(self.tokenizer, ids[max(0, start - self.overlap_tokens) :])
+        head_length = len(self.text) - len(old_window_text)
+        trusted = self.text.endswith(old_window_text) and wider_text.endswith(window_text)
+        if ids[: len(self.ids)] != self.ids or not trusted:
+            self.num_full_decodes += 1
+            start, head_length = 0, 0
+            window_text = decode_text(self.tokenizer, ids)
+        self.text = self.text[:head_length] + window_text
+        self.ids = list(ids)
+        return head_length
+
+    def _window_start(self, start: int) -> int:
+        """``start``, moved back out of any run of byte-fallback pieces it falls inside."""
+        start = max(0, start)
+        while 0 < start < len(self.ids) and self._is_byte_piece(start - 1) and self._is_byte_piece(start):
+            start -= 1
+        return start
+
+    def _is_byte_piece(self, index: int) -> bool:
+        token = self.tokenizer.convert_ids_to_tokens(self.ids[index])
+        return isinstance(token, str) and len(token) == 6 and token.startswith("<0x") and token.endswith(">")
+
+
+class IncrementalEncoding:
+    """One tokenizer's ids for a text that changes at its end, re-encoding only a window.
+
+    ``spans[i]`` is the character span of ``ids[i]`` (the byte tokens of one character share its
+    span). On an update, the ids ending before the first changed character, less
+    ``overlap_tokens`` (a BPE merge can reach back over the change), are kept, cut where no
+    character is split. Re-encoding starts one *anchor* id earlier and must reproduce it: that
+    catches tokenizers that treat a string's start specially (a Metaspace ``▁`` prepended to a
+    mid-word start) or merge across the cut. On a mismatch the cut moves back one id; after
+    ``MAX_ANCHOR_TRIES`` the whole text is encoded again.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, overlap_tokens: int) -> None:
+        self.tokenizer = tokenizer
+        self.overlap_tokens = overlap_tokens
+        self.reset("")
+
+    def reset(self, text: str) -> None:
+        self.num_full_encodes = 0  # updates that had to encode the whole text
+        self._encode_all(text)
+
+    def _encode_all(self, text: str) -> None:
+        self.text = text
+        self.ids, self.spans = encode_with_spans(self.tokenizer, text)
+        self.num_reencoded = len(self.ids)  # ids encoded by the last reset/update
+
+    def update(self, text: str, unchanged_chars: int = 0) -> int:
+        """Re-encode for ``text`` (its first ``unchanged_chars`` known equal); return the ids kept unchanged."""
+        changed_at = common_prefix_length(self.text, text, unchanged_chars)
+        keep = len(self.ids)
+        while keep > 0 and self.spans[keep - 1][1] > changed_at:
+            keep -= 1
+        keep -= self.overlap_tokens
+        old_ids = self.ids
+        for _ in range(MAX_ANCHOR_TRIES):
+            keep = self._clean_cut(keep)
+            if keep < 2:  # nothing worth keeping before the anchor
+                break
+            if self._reencode_after(keep - 1, text):
+                return common_prefix_length(old_ids, self.ids, keep)
+            keep -= 1
+        self._encode_all(text)
+        self.num_full_encodes += 1
+        return common_prefix_length(old_ids, self.ids)
+
+    def _clean_cut(self, keep: int) -> int:
+        """The largest cut ``<= keep`` with no character split at it or at the id before it."""
+        while keep > 0 and not (self._clean_boundary(keep) and self._clean_boundary(keep - 1)):
+            keep -= 1
+        return keep
+
+    def _clean_boundary(self, index: int) -> bool:
+        """True when no character is split between ``ids[index - 1]`` and ``ids[index]``."""
+        return index == 0 or index >= len(self.ids) or self.spans[index - 1][1] <= self.spans[index][0]
+
+    def _reencode_after(self, anchor: int, text: str) -> bool:
+        """Encode ``text`` from the anchor id's start; adopt it when the anchor id comes out unchanged."""
+        start = self.spans[anchor][0]
+        ids, spans = encode_with_spans(self.tokenizer, text[start:], offset=start)
+        if ids[:1] != [self.ids[anchor]] or spans[0] != self.spans[anchor]:
+            return False
+        self.ids = self.ids[:anchor] + ids
+        self.spans = self.spans[:anchor] + spans
+        self.text = text
+        self.num_reencoded = len(ids)
+        return True
+
+
+@dataclass
+class CrossTokenizerDrafter:
+    """Drafts in the target vocabulary through an ``inner`` drafter in another vocabulary (see module docstring)."""
+
+    inner: Drafter
+    draft_tokenizer: PreTrainedTokenizerBase
+    target_tokenizer: PreTrainedTokenizerBase
+    name: str = "draft-model"
+    overlap_tokens: int = 4  # ids re-decoded / re-encoded before the first change
+    context_tokens: int = 4  # committed target ids re-encoded with the draft text
+
+    def __post_init__(self) -> None:
+        if self.overlap_tokens < 1 or self.context_tokens < 1:
+            raise ConfigError("overlap_tokens and context_tokens must be >= 1")
+        if not getattr(self.draft_tokenizer, "is_fast", False):
+            raise ConfigError(
+                "cross-tokenizer drafting needs a fast (tokenizers-backed) draft tokenizer for character "
+                "offsets; load the draft model's tokenizer with use_fast=True"
+            )
+        self.target_text = CommittedText(self.target_tokenizer, self.overlap_tokens)
+        self.draft_side = IncrementalEncoding(self.draft_tokenizer, self.overlap_tokens)
+        self.draft_prefix_ids = leading_special_ids(self.draft_tokenizer)
+        self.draft_special_ids = special_token_ids(self.draft_tokenizer)
+        self.target_special_ids = special_token_ids(self.target_tokenizer)
+        self._inner_sequence: list[int] = []  # the inner drafter's last sequence, its draft included
+        self._reset_counters()
+
+    def _reset_counters(self) -> None:
+        self.num_steps = 0
+        self.num_empty_drafts = 0  # steps whose re-tokenized draft was empty
+        self.num_context_fallbacks = 0  # draft text encoded alone: the committed context re-encoded differently
+        self.num_misaligned_drafts = 0  # ... and alone it did not spell a continuation of the context: dropped
+        self.num_draft_tokens = 0  # draft-vocabulary tokens drafted (before the special-token cut)
+        self.num_target_tokens = 0  # target-vocabulary tokens proposed
+        self.num_reencoded_tokens = 0  # draft-side ids re-encoded while syncing
+        self.max_reencoded_window = 0
+        self._granularity = [1, 1]  # draft tokens, target tokens for the same text (seeded by the prompt)
+
+    @property
+    def draft_ids(self) -> list[int]:
+        """The draft-side ids of the committed text, as last synced: draft prefix (BOS) + text ids."""
+        return self.draft_prefix_ids + self.draft_side.ids
+
+    def reset(self, prompt_ids: list[int]) -> None:
+        self._reset_counters()
+        self.target_text.reset(prompt_ids)
+        self.draft_side.reset(self.target_text.text)
+        num_text_ids = sum(token not in self.target_special_ids for token in prompt_ids)
+        self._granularity = [len(self.draft_side.ids) + 1, num_text_ids + 1]
+        self._inner_sequence = self.draft_ids
+        self.inner.reset(self._inner_sequence)
+
+    def propose(
+        self,
+        token_ids: list[int],  # every committed target token: prompt + generated
+        num_draft_tokens: int,
+        sampling: SamplingConfig,
+        generator: torch.Generator | None,
+    ) -> Draft:
+        self.num_steps += 1
+        sequence = self._sync(token_ids)
+        if not sequence:  # no text and no BOS: nothing to condition the draft model on
+            self.num_empty_drafts += 1
+            return Draft.empty()
+        # the inner draft's probabilities are over the draft vocabulary: dropped (module docstring)
+        inner_draft = self.inner.propose(sequence, self._num_inner_tokens(num_draft_tokens), sampling, generator)
+        drafted = inner_draft.tokens.tolist()
+        self._inner_sequence = sequence + drafted
+        self.num_draft_tokens += len(drafted)
+        drafted = cut_at_special(drafted, self.draft_special_ids)
+        target_tokens = self._translate(token_ids, sequence, drafted)
+        if drafted and target_tokens:
+            self._granularity[0] += len(drafted)
+            self._granularity[1] += len(target_tokens)
+        target_tokens = target_tokens[:num_draft_tokens]
+        self.num_target_tokens += len(target_tokens)
+        if not target_tokens:
+            self.num_empty_drafts += 1
+            return Draft.empty()
+        return Draft(torch.tensor(target_tokens, dtype=torch.long))
+
+    def rollback(self, num_committed: int) -> None:
+        """Nothing to do now: the next ``propose`` re-syncs from the committed ids it is given."""
+
+    def finish(self, token_ids: list[int]) -> None:
+        """Hand the inner drafter the committed text in its own vocabulary (it may learn from it)."""
+        self.draft_side.update(self.target_text.text, self.target_text.update(token_ids))
+        self.inner.finish(self.draft_ids)
+
+    def report(self) -> dict[str, Any]:
+        return {
+            "steps": self.num_steps,
+            "empty_drafts": self.num_empty_drafts,
+            "context_fallbacks": self.num_context_fallbacks,
+            "misaligned_drafts": self.num_misaligned_drafts,
+            "draft_tokens": self.num_draft_tokens,
+            "target_tokens": self.num_target_tokens,
+            "reencoded_draft_tokens": self.num_reencoded_tokens,
+            "max_reencoded_window": self.max_reencoded_window,
+            "full_reencodes": self.draft_side.num_full_encodes,
+            "full_decodes": self.target_text.num_full_decodes,
+            "inner": {"name": self.inner.name, **self.inner.report()},
+        }
+
+    def _sync(self, token_ids: list[int]) -> list[int]:
+        """Update the draft-side ids to the committed text; roll the inner drafter back to what survives."""
+        unchanged_chars = self.target_text.update(token_ids)
+        kept = self.draft_side.update(self.target_text.text, unchanged_chars)
+        self.num_reencoded_tokens += self.draft_side.num_reencoded
+        self.max_reencoded_window = max(self.max_reencoded_window, self.draft_side.num_reencoded)
+        sequence = self.draft_ids
+        common = common_prefix_length(self._inner_sequence, sequence, len(self.draft_prefix_ids) + kept)
+        if sequence:
+            # Drafter protocol: the first n - 1 ids of its last sequence stand, the n-th may differ;
+            # capped so the inner drafter keeps at least one id to feed (its cache lags by one)
+            self.inner.rollback(min(common + 1, len(sequence)))
+            self._inner_sequence = sequence
+        return sequence
+
+    def _num_inner_tokens(self, num_draft_tokens: int) -> int:
+        """Draft tokens to ask for: enough text for ``num_draft_tokens`` target tokens, at most twice as many."""
+        draft_count, target_count = self._granularity
+        return min(2 * num_draft_tokens, max(1, math.ceil(num_draft_tokens * draft_count / target_count)))
+
+    def _translate(self, token_ids: list[int], sequence: list[int], drafted: list[int]) -> list[int]:
+        """The drafted text in the target vocabulary, continuing the committed ``token_ids``."""
+        if not drafted:
+            return []
+        context = sequence[-self.context_tokens :]
+        context_text = decode_text(self.draft_tokenizer, context)
+        full_text = decode_text(self.draft_tokenizer, context + drafted)
+        if full_text.startswith(context_text):
+            draft_text = full_text[len(context_text) :]
+        else:
+            draft_text = decode_text(self.draft_tokenizer, drafted)
+        draft_text = draft_text.rstrip(REPLACEMENT_CHARACTER)  # the draft stopped inside a character
+        if not draft_text:
+            return []
+        return self._encode_for_target(token_ids, draft_text)
+
+    def _encode_for_target(self, token_ids: list[int], draft_text: str) -> list[int]:
+        """Target ids for ``draft_text`` after the committed ids: re-encoded with the last few as context."""
+        context = token_ids[-self.context_tokens :]
+        specials = [index for index, token in enumerate(context) if token in self.target_special_ids]
+        if specials:  # text restarts after a special token (a turn marker): no context across it
+            context = context[specials[-1] + 1 :]
+        if not context:
+            return encode_text(self.target_tokenizer, draft_text)
+        context_text = decode_text(self.target_tokenizer, context)
+        encoded = encode_text(self.target_tokenizer, context_text + draft_text)
+        if encoded[: len(context)] == context:
+            return encoded[len(context) :]
+        self.num_context_fallbacks += 1
+        for encode in (encode_text, encode_mid_string):
+            candidate = encode(self.target_tokenizer, draft_text)
+            # encoded without the context, the ids may not continue it (a "▁" prepended mid-word)
+            if decode_text(self.target_tokenizer, context + candidate) == context_text + draft_text:
+                return candidate
+        self.num_misaligned_drafts += 1
+        return []

@@ -1,0 +1,392 @@
+"""Layer-skip self-speculation (``layer-skip``): the target drafts for itself with some decoder layers skipped.
+
+No second model and no training (Draft & Verify, Zhang et al. 2023; SWIFT, Xia et al. 2024). A *skip
+view* of the target is a model that shares every parameter tensor with it but presents only the kept
+decoder layers, renumbered ``0..kept-1``, under a copied config (``num_hidden_layers``, ``layer_types``
+cut to match). The model's own forward code then runs unchanged: embeddings (Gemma's scaling), masks and
+rotary embeddings per layer type, final norm, head and soft-capping. The view has its own croppable KV
+cache, sized for the kept layers, so the target verifies with its own cache at the same time; the target
+itself (config, modules, parameters, attention ``layer_idx``) is never touched. Drafting is
+:class:`DraftModelDrafter` over the view, so proposers below it and the confidence stop work as for any
+draft model.
+
+Calibration (``skip_layers=None``), on the first prompt the drafter sees, cached per target model:
+
+1. One full forward over up to ``MAX_CALIBRATION_TOKENS`` prompt tokens gives the reference greedy
+   tokens and each layer's Block Influence, ``1 - cos(layer input, layer output)`` averaged over
+   positions (ShortGPT, Men et al. 2024): layers that barely change the residual stream rank first.
+   The first and last layers are never candidates.
+2. Nested skip sets along that ranking are scored teacher-forced: the share of positions where the skip
+   view's argmax equals the full model's estimates the per-token acceptance rate α.
+3. The set maximising the predicted speedup over plain decoding is kept (at least one layer is always
+   skipped): ``E / (k·c + 1)``, with ``E = (1 - α^(k+1)) / (1 - α)`` expected tokens per step and ``c``
+   the draft forward's cost relative to a full forward, counted in parameters (output head + kept
+   layers over output head + all layers; decoding reads every weight once per token, so parameters
+   stand for time both memory- and compute-bound). Verifying ``k + 1`` tokens costs one full forward.
+   The cost model is deterministic on purpose: choices based on timings would differ run to run.
+
+Sizes are scanned coarse to fine (step ``ceil(candidates / 10)``, stopping after two sizes worse than the
+best, then every size next to the best), so a 30-layer model needs about ten short forwards. Prompts
+shorter than ``MIN_CALIBRATION_TOKENS`` are extended with a short built-in text.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import threading
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from flyspec.config import DEFAULT_NUM_DRAFT_TOKENS, ConfigError, LayerSkipConfig, SamplingConfig
+from flyspec.drafters.base import Drafter
+from flyspec.drafters.draft_model import DraftModelDrafter
+from flyspec.models import LoadedModel
+from flyspec.types import Draft
+
+logger = logging.getLogger(__name__)
+
+MIN_CALIBRATION_TOKENS = 16
+MAX_CALIBRATION_TOKENS = 64
+SCAN_PATIENCE = 2  # evaluated sizes worse than the best before the coarse scan stops
+CALIBRATION_TEXT = (
+    "The quick brown fox jumps over the lazy dog. Speculative decoding lets a cheap draft propose several "
+    "tokens that the full model then checks in a single forward pass.\n"
+    "def mean(values):\n    return sum(values) / len(values)\n"
+    "Question: What is the capital of France? Answer: The capital of France is Paris."
+)
+
+
+# --- the skip view -------------------------------------------------------------------------------------
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder stack (``model.model.layers`` for Llama, Gemma3, Qwen, Mistral, ...)."""
+    base = getattr(model, getattr(model, "base_model_prefix", "model"), None)
+    layers = getattr(base, "layers", None)
+    config = getattr(model, "config", None)
+    if not isinstance(layers, nn.ModuleList) or len(layers) != getattr(config, "num_hidden_layers", -1):
+        raise ConfigError(
+            f"layer-skip needs a decoder-only model with its layers at `model.layers` ({type(model).__name__} "
+            "has none); use another drafter"
+        )
+    if getattr(config, "is_heterogeneous", False):
+        raise ConfigError("layer-skip does not support models with per-layer configs; use another drafter")
+    return layers
+
+
+def validate_skip_layers(skip_layers: Sequence[int], num_layers: int) -> tuple[int, ...]:
+    """Sorted skip indices; a :class:`ConfigError` naming the valid range for any outside it."""
+    outside = sorted(layer for layer in skip_layers if not 0 <= layer < num_layers)
+    if outside:
+        raise ConfigError(
+            f"skip layers {outside} are out of range: the model has {num_layers} layers, valid indices are "
+            f"0..{num_layers - 1} (1..{num_layers - 2} keep the first and last layers)"
+        )
+    if len(set(skip_layers)) >= num_layers:
+        raise ConfigError(f"cannot skip all {num_layers} layers; keep at least one")
+    return tuple(sorted(set(skip_layers)))
+
+
+def _shallow_clone(module: nn.Module) -> nn.Module:
+    """The same module sharing parameters and children, with its own child, parameter and hook tables.
+
+    Replacing a child or registering a hook on the clone leaves the original untouched.
+    """
+    clone = copy.copy(module)
+    clone.__dict__.update({key: copy.copy(value) for key, value in vars(module).items() if isinstance(value, dict | set)})
+    return clone
+
+
+def _renumbered(module: nn.Module, layer_index: int) -> nn.Module:
+    """A clone of a decoder layer whose ``layer_idx`` attributes (the KV-cache slot) say ``layer_index``.
+
+    Only the modules on a path to a ``layer_idx`` are cloned; the rest (and every parameter) is shared.
+    """
+    clone = _shallow_clone(module)
+    if "layer_idx" in vars(module):
+        clone.__dict__["layer_idx"] = layer_index
+    for name, child in module.named_children():
+        if any("layer_idx" in vars(sub) for sub in child.modules()):
+            clone._modules[name] = _renumbered(child, layer_index)
+    return clone
+
+
+def _view_config(config: Any, kept: Sequence[int]) -> Any:
+    view = copy.deepcopy(config)
+    view.num_hidden_layers = len(kept)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        view.layer_types = [layer_types[index] for index in kept]
+    return view
+
+
+def skip_view(target: LoadedModel, skip_layers: Sequence[int]) -> LoadedModel:
+    """The target without ``skip_layers``: shared parameters, own config and module tree (see module doc)."""
+    model = target.model
+    layers = decoder_layers(model)
+    skipped = validate_skip_layers(skip_layers, len(layers))
+    kept = [index for index in range(len(layers)) if index not in skipped]
+    config = _view_config(model.config, kept)
+    base_name = getattr(model, "base_model_prefix", "model")
+    base = _shallow_clone(getattr(model, base_name))
+    base.__dict__["config"] = config
+    base._modules["layers"] = nn.ModuleList([_renumbered(layers[index], new) for new, index in enumerate(kept)])
+    view = _shallow_clone(model)
+    view.__dict__["config"] = config
+    view._modules[base_name] = base
+    suffix = "-skip" + ",".join(map(str, skipped)) if skipped else "-full"
+    return LoadedModel(model=view, tokenizer=target.tokenizer, name=target.name + suffix)
+
+
+# --- calibration ----------------------------------------------------------------------------------------
+
+
+def expected_tokens_per_step(acceptance: float, num_draft_tokens: int) -> float:
+    """Tokens committed per step when each draft token is accepted with probability α (bonus included)."""
+    if acceptance >= 1:
+        return float(num_draft_tokens + 1)
+    return (1 - acceptance ** (num_draft_tokens + 1)) / (1 - acceptance)
+
+
+def predicted_speedup(acceptance: float, draft_cost: float, num_draft_tokens: int) -> float:
+    """Tokens per full-forward time: ``k`` drafts of relative cost ``draft_cost`` plus one verification."""
+    return expected_tokens_per_step(acceptance, num_draft_tokens) / (num_draft_tokens * draft_cost + 1)
+
+
+def relative_draft_cost(model: nn.Module, skip_layers: Sequence[int]) -> float:
+    """A skip view's forward cost over a full forward's, counted in parameters (output head + kept layers)."""
+    layer_sizes = [sum(p.numel() for p in layer.parameters()) for layer in decoder_layers(model)]
+    head = model.get_output_embeddings()
+    head_size = head.weight.numel() if head is not None else 0
+    skipped = sum(layer_sizes[index] for index in set(skip_layers))
+    return 1 - skipped / (head_size + sum(layer_sizes))
+
+
+def scan_num_skipped(speedup_at: Callable[[int], float], max_skipped: int) -> dict[int, float]:
+    """Predicted speedups of the sizes a coarse-to-fine scan over ``1..max_skipped`` evaluates.
+
+    Coarse: every ``step``-th size until ``SCAN_PATIENCE`` evaluated sizes are worse than the best;
+    fine: every size within ``step - 1`` of the best.
+    """
+    step = max(1, math.ceil(max_skipped / 10))
+    scores: dict[int, float] = {}
+    best, worse = step, 0
+    for size in range(step, max_skipped + 1, step):
+        scores[size] = speedup_at(size)
+        best, worse = (size, 0) if scores[size] > scores[best] else (best, worse + (size != best))
+        if worse >= SCAN_PATIENCE:
+            break
+    for size in range(max(1, best - step + 1), min(max_skipped, best + step - 1) + 1):
+        if size not in scores:
+            scores[size] = speedup_at(size)
+    return scores
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The calibrated skip set and the estimates it was chosen by."""
+
+    skip_layers: tuple[int, ...]
+    estimated_acceptance: float  # teacher-forced argmax agreement with the full model
+    estimated_speedup: float  # predicted tokens per full-forward time (plain decoding: 1)
+    draft_cost: float  # relative to a full forward
+    num_draft_tokens: int  # the k the speedup was predicted for
+    num_tokens: int  # calibration positions
+    num_forwards: int
+    seconds: float
+
+
+def calibration_ids(target: LoadedModel, prompt_ids: Sequence[int]) -> list[int]:
+    """The last ``MAX_CALIBRATION_TOKENS`` prompt tokens; a short prompt is followed by ``CALIBRATION_TEXT``."""
+    if len(prompt_ids) >= MIN_CALIBRATION_TOKENS:
+        return list(prompt_ids[-MAX_CALIBRATION_TOKENS:])
+    text_ids = target.tokenizer(CALIBRATION_TEXT, add_special_tokens=False)["input_ids"]
+    return [*prompt_ids, *map(int, text_ids)][:MAX_CALIBRATION_TOKENS]
+
+
+def _greedy_tokens(view: LoadedModel, input_ids: torch.Tensor) -> torch.Tensor:
+    logits = view.model(input_ids=input_ids, use_cache=False).logits  # [1, n, vocab]
+    return logits[0].argmax(-1)  # [n]
+
+
+def _reference_and_influence(target: LoadedModel, input_ids: torch.Tensor) -> tuple[torch.Tensor, list[float]]:
+    """The full model's greedy tokens ``[n]`` and each layer's Block Influence (one forward).
+
+    Hooks go on the layers of a full skip view, whose hook tables are its own: the target stays untouched.
+    """
+    view = skip_view(target, ())
+    influence: list[float] = []
+
+    def record(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        hidden_in = args[0] if args else kwargs["hidden_states"]  # [1, n, hidden]
+        hidden_out = output[0] if isinstance(output, tuple) else output  # [1, n, hidden]
+        similarity = torch.cosine_similarity(hidden_in.float(), hidden_out.float(), dim=-1)  # [1, n]
+        influence.append(float(1 - similarity.mean()))
+
+    for layer in decoder_layers(view.model):
+        layer.register_forward_hook(record, with_kwargs=True)
+    reference = _greedy_tokens(view, input_ids)
+    return reference, influence
+
+
+@torch.inference_mode()
+def calibrate_skip_layers(
+    target: LoadedModel, prompt_ids: Sequence[int], num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS
+) -> Calibration:
+    """Choose the skip set with the best predicted speedup on this prompt (uncached; see module doc)."""
+    started = time.perf_counter()
+    num_layers = len(decoder_layers(target.model))
+    if num_layers < 3:
+        raise ConfigError(
+            f"model {target.name!r} has {num_layers} layers; calibration keeps the first and last, so it needs "
+            "at least 3: give skip layers explicitly"
+        )
+    ids = calibration_ids(target, prompt_ids)
+    device = next(target.model.parameters()).device
+    input_ids = torch.tensor([ids], dtype=torch.long, device=device)  # [1, n]
+    reference, influence = _reference_and_influence(target, input_ids)
+    candidates = range(1, num_layers - 1)
+    ranking = sorted(candidates, key=lambda index: (influence[index], index))
+    acceptance: dict[int, float] = {}
+
+    def speedup_at(size: int) -> float:
+        skipped = ranking[:size]
+        drafted = _greedy_tokens(skip_view(target, skipped), input_ids)
+        acceptance[size] = float((drafted == reference).float().mean())
+        return predicted_speedup(acceptance[size], relative_draft_cost(target.model, skipped), num_draft_tokens)
+
+    scores = scan_num_skipped(speedup_at, len(ranking))
+    size = max(scores, key=lambda candidate: (scores[candidate], -candidate))
+    chosen = tuple(sorted(ranking[:size]))
+    return Calibration(
+        skip_layers=chosen,
+        estimated_acceptance=acceptance[size],
+        estimated_speedup=scores[size],
+        draft_cost=relative_draft_cost(target.model, chosen),
+        num_draft_tokens=num_draft_tokens,
+        num_tokens=len(ids),
+        num_forwards=1 + len(scores),
+        seconds=time.perf_counter() - started,
+    )
+
+
+# Per target model (weakly held, so a freed model frees its entry) and draft length: the server builds
+# a drafter per request, but calibrates each model only once.
+_CALIBRATIONS: weakref.WeakKeyDictionary[nn.Module, dict[int, Calibration]] = weakref.WeakKeyDictionary()
+_CALIBRATION_LOCK = threading.Lock()
+
+
+def cached_calibration(
+    target: LoadedModel, prompt_ids: Sequence[int], num_draft_tokens: int
+) -> tuple[Calibration, bool]:
+    """The model's calibration for ``num_draft_tokens``, running it on this prompt if there is none yet.
+
+    Returns the calibration and whether it was reused.
+    """
+    with _CALIBRATION_LOCK:
+        per_model = _CALIBRATIONS.setdefault(target.model, {})
+        if num_draft_tokens in per_model:
+            return per_model[num_draft_tokens], True
+        calibration = calibrate_skip_layers(target, prompt_ids, num_draft_tokens)
+        per_model[num_draft_tokens] = calibration
+    logger.info(
+        "layer-skip calibrated %s: skip %s (acceptance %.2f, predicted speedup %.2f, %d forwards, %.1f s)",
+        target.name,
+        list(calibration.skip_layers),
+        calibration.estimated_acceptance,
+        calibration.estimated_speedup,
+        calibration.num_forwards,
+        calibration.seconds,
+    )
+    return calibration, False
+
+
+# --- the drafter ----------------------------------------------------------------------------------------
+
+
+class LayerSkipDrafter:
+    """The target with some layers skipped drafts for itself: a :class:`DraftModelDrafter` over a skip view.
+
+    An explicit ``config.skip_layers`` is used as given; ``None`` calibrates on the first prompt
+    (:func:`cached_calibration`), predicting the speedup for ``calibration_draft_tokens`` draft tokens.
+    """
+
+    name = "layer-skip"
+
+    def __init__(
+        self,
+        target: LoadedModel,
+        config: LayerSkipConfig | None = None,
+        proposer: Drafter | None = None,
+        num_proposal_tokens: int = 6,
+        confidence_threshold: float = 0.0,
+        calibration_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS,
+    ) -> None:
+        self.target = target
+        self.config = config or LayerSkipConfig()
+        self.proposer = proposer
+        self.num_proposal_tokens = num_proposal_tokens
+        self.confidence_threshold = confidence_threshold
+        self.calibration_draft_tokens = calibration_draft_tokens
+        self.num_layers = len(decoder_layers(target.model))
+        self.calibration: Calibration | None = None
+        self.calibration_reused = False
+        self.drafter: DraftModelDrafter | None = None
+        if self.config.skip_layers is not None:
+            self._build(validate_skip_layers(self.config.skip_layers, self.num_layers))
+
+    def _build(self, skip_layers: tuple[int, ...]) -> None:
+        self.skip_layers = skip_layers
+        self.drafter = DraftModelDrafter(
+            skip_view(self.target, skip_layers),
+            proposer=self.proposer,
+            num_proposal_tokens=self.num_proposal_tokens,
+            confidence_threshold=self.confidence_threshold,
+            name=self.name,
+        )
+
+    def reset(self, prompt_ids: list[int]) -> None:
+        if self.drafter is None:
+            self.calibration, self.calibration_reused = cached_calibration(
+                self.target, prompt_ids, self.calibration_draft_tokens
+            )
+            self._build(self.calibration.skip_layers)
+        self._ready().reset(prompt_ids)
+
+    def _ready(self) -> DraftModelDrafter:
+        if self.drafter is None:
+            raise RuntimeError("call reset(prompt_ids) before drafting: the skip set is chosen on the first prompt")
+        return self.drafter
+
+    def propose(
+        self,
+        token_ids: list[int],
+        num_draft_tokens: int,
+        sampling: SamplingConfig,
+        generator: torch.Generator | None,
+    ) -> Draft:
+        return self._ready().propose(token_ids, num_draft_tokens, sampling, generator)
+
+    def rollback(self, num_committed: int) -> None:
+        self._ready().rollback(num_committed)
+
+    def report(self) -> dict[str, Any]:
+        report: dict[str, Any] = {
+            "skip_layers": list(self.skip_layers) if self.drafter is not None else None,
+            "num_layers": self.num_layers,
+            "skip_source": "given" if self.config.skip_layers is not None else "calibrated",
+        }
+        report.update(self.drafter.report() if self.drafter is not None else {"draft_forwards": 0})
+        if self.calibration is not None:
+            calibration = asdict(self.calibration)
+            del calibration["skip_layers"]
+            report["calibration"] = {**calibration, "reused": self.calibration_reused}
+        return report

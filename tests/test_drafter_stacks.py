@@ -1,0 +1,192 @@
+"""Adaptive draft length, draft-confidence stops, drafter stacks and the registry's drafter names.
+
+Every speculative run here is checked token for token against plain greedy decoding (float32
+tiny models), since the verifier is lossless: drafters may only change the cost.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flyspec import DecodeConfig, PlainDecoder, SpeculativeDecoder, build_decoder, make_verifier
+from flyspec.config import ConfigError, DraftLengthConfig, SamplingConfig
+from flyspec.draft_length import DraftLength
+from flyspec.drafters import DraftModelDrafter, NgramDrafter, make_drafter
+from flyspec.drafters.draft_model import first_unsure
+from flyspec.models import LoadedModel
+
+PROMPTS = ("The capital of", "def add(a, b):\n    return", "Once upon a time there was a small model that")
+
+
+def plain_tokens(target: LoadedModel, prompt: str, config: DecodeConfig) -> list[int]:
+    return PlainDecoder(target, config).generate(prompt, use_chat=False).token_ids
+
+
+def assert_lossless(target: LoadedModel, drafter, config: DecodeConfig, verifier: str = "exact") -> list:
+    """Generate every prompt with ``drafter``; each output must equal plain greedy decoding. Returns the stats."""
+    decoder = SpeculativeDecoder(target, drafter, make_verifier(verifier), config)
+    stats = []
+    for prompt in PROMPTS:
+        result = decoder.generate(prompt, use_chat=False)
+        assert result.token_ids == plain_tokens(target, prompt, config), (prompt, drafter.name)
+        stats.append(result.stats)
+    return stats
+
+
+# ---- the draft-length policy ------------------------------------------------------------------
+
+
+def test_fixed_length_never_changes() -> None:
+    length = DraftLength(DraftLengthConfig(), num_draft_tokens=8)
+    for proposed, accepted in ((8, 0), (8, 8), (3, 1)):
+        length.observe(proposed, accepted)
+        assert length.next() == 8
+
+
+def test_adaptive_length_grows_by_two_shrinks_by_one_within_bounds() -> None:
+    length = DraftLength(DraftLengthConfig(adaptive=True, min_tokens=2), num_draft_tokens=8)
+    history = []
+    for proposed, accepted in ((8, 3), (7, 0), (6, 6), (8, 8), (8, 1), (7, 0), (6, 0), (5, 0), (4, 0), (3, 0), (2, 0)):
+        length.observe(proposed, accepted)
+        history.append(length.next())
+    assert history == [7, 6, 8, 8, 7, 6, 5, 4, 3, 2, 2]
+    length.observe(0, 0)  # nothing proposed: no evidence either way
+    assert length.next() == 2
+
+
+def test_adaptive_floor_keeps_fly_window_judgeable() -> None:
+    length = DraftLength(DraftLengthConfig(adaptive=True, min_tokens=1), num_draft_tokens=15, floor=6)
+    for _ in range(20):
+        length.observe(length.next(), 0)
+    assert length.next() == 6
+    capped = DraftLength(DraftLengthConfig(adaptive=True, min_tokens=9), num_draft_tokens=4)
+    capped.observe(4, 0)
+    assert capped.next() == 4  # a floor above the maximum is the maximum
+
+
+@pytest.mark.parametrize("drafter_name", ["ngram", "draft-model", "multilevel"])
+def test_adaptive_length_is_lossless_and_reported(
+    tiny_target: LoadedModel, tiny_draft: LoadedModel, drafter_name: str
+) -> None:
+    config = DecodeConfig(num_draft_tokens=8, max_new_tokens=40, draft_length=DraftLengthConfig(adaptive=True))
+    drafter = make_drafter(drafter_name, target=tiny_target, draft_model=tiny_draft, num_ngram_tokens=3)
+    stats = assert_lossless(tiny_target, drafter, config)
+    lengths = {length for stat in stats for length in stat.requested_draft_lengths}
+    assert len(lengths) > 1, "the noisy draft is sometimes wrong, so the length must move"
+    assert all(1 <= length <= 8 for length in lengths)
+    summary = stats[0].to_dict()
+    assert sum(summary["requested_draft_lengths"].values()) == stats[0].num_target_forwards
+    assert 1 <= summary["mean_requested_draft_length"] <= 8
+
+
+def test_adaptive_length_with_fly_stays_at_or_above_the_window(tiny_target: LoadedModel) -> None:
+    config = DecodeConfig(num_draft_tokens=10, max_new_tokens=40, draft_length=DraftLengthConfig(adaptive=True))
+    decoder = build_decoder(tiny_target, "ngram", "fly", num_draft_tokens=10, max_new_tokens=40)
+    result = decoder.generate(PROMPTS[2], config=config, use_chat=False)
+    assert min(result.stats.requested_draft_lengths) >= decoder.verifier.config.window_size
+
+
+# ---- stopping on low draft confidence -------------------------------------------------------
+
+
+def test_first_unsure_row() -> None:
+    logits = torch.tensor([[9.0, 0.0, 0.0], [1.0, 0.9, 0.8], [9.0, 0.0, 0.0]])
+    assert first_unsure(logits, 0.0) is None
+    assert first_unsure(logits, 0.5) == 1
+    assert first_unsure(logits[:1], 0.5) is None
+
+
+def test_confidence_threshold_shortens_drafts_and_stays_lossless(
+    tiny_target: LoadedModel, tiny_draft: LoadedModel
+) -> None:
+    config = DecodeConfig(num_draft_tokens=8, max_new_tokens=40)
+    full = assert_lossless(tiny_target, DraftModelDrafter(tiny_draft), config)
+    unsure = assert_lossless(tiny_target, DraftModelDrafter(tiny_draft, confidence_threshold=0.6), config)
+    assert sum(s.num_proposed for s in unsure) < sum(s.num_proposed for s in full)
+    assert sum(s.drafter["confidence_stops"] for s in unsure) > 0
+
+
+# ---- stacks ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bottom_draft(tiny_target: LoadedModel) -> LoadedModel:
+    from conftest import noisy_copy
+
+    return noisy_copy(tiny_target, scale=0.5, seed=3)
+
+
+def test_three_level_stack_drafts_like_its_top_model(
+    tiny_target: LoadedModel, tiny_draft: LoadedModel, bottom_draft: LoadedModel
+) -> None:
+    """n-gram → bottom model → top model: greedy, the stack proposes exactly the top model's draft."""
+    top = DraftModelDrafter(tiny_draft)
+    middle = DraftModelDrafter(bottom_draft, proposer=NgramDrafter(), num_proposal_tokens=3)
+    stack = DraftModelDrafter(tiny_draft, proposer=middle, num_proposal_tokens=4)
+    context = tiny_target.tokenizer.encode(PROMPTS[2])
+    greedy = DecodeConfig().sampling
+    for drafter in (top, stack):
+        drafter.reset(context)
+    for _ in range(3):  # several rounds, with partial "acceptance" in between
+        expected = top.propose(context, 8, greedy, None).tokens.tolist()
+        assert stack.propose(context, 8, greedy, None).tokens.tolist() == expected
+        context = context + expected[:3] + [expected[3] ^ 1]
+        top.rollback(len(context))
+        stack.rollback(len(context))
+    assert stack.report()["proposer"]["draft_forwards"] > 0
+    assert stack.report()["proposer"]["proposer"]["name"] == "ngram"
+
+
+def test_stack_through_the_registry_is_lossless(
+    tiny_target: LoadedModel, tiny_draft: LoadedModel, bottom_draft: LoadedModel
+) -> None:
+    config = DecodeConfig(num_draft_tokens=8, max_new_tokens=40)
+    drafter = make_drafter("stack", target=tiny_target, stack=("ngram", bottom_draft, tiny_draft), num_ngram_tokens=3)
+    assert drafter.name == "stack"
+    assert_lossless(tiny_target, drafter, config)
+    assert_lossless(tiny_target, drafter, config, verifier="rejection")
+
+
+def test_stack_at_temperature_is_seeded_and_reproducible(
+    tiny_target: LoadedModel, tiny_draft: LoadedModel, bottom_draft: LoadedModel
+) -> None:
+    outputs = []
+    for _ in range(2):
+        decoder = build_decoder(
+            tiny_target, "stack", "rejection", stack=("ngram", bottom_draft, tiny_draft), max_new_tokens=30
+        )
+        decoder.config = DecodeConfig(
+            num_draft_tokens=6, max_new_tokens=30, sampling=SamplingConfig(1.0)
+        )
+        generator = torch.Generator().manual_seed(7)
+        outputs.append(decoder.generate(PROMPTS[0], generator=generator, use_chat=False).token_ids)
+    assert outputs[0] == outputs[1] and len(outputs[0]) > 0
+
+
+def test_multilevel_is_the_two_level_stack(tiny_target: LoadedModel, tiny_draft: LoadedModel) -> None:
+    drafter = make_drafter("multilevel", target=tiny_target, draft_model=tiny_draft, num_ngram_tokens=3)
+    assert isinstance(drafter, DraftModelDrafter) and isinstance(drafter.proposer, NgramDrafter)
+    assert drafter.name == "multilevel" and drafter.num_proposal_tokens == 3
+
+
+@pytest.mark.parametrize(
+    ("levels", "message"),
+    [
+        ((), "needs its levels"),
+        (("draft", "ngram"), "must be the bottom"),
+        (("ngram", "ngram-cache"), "must be the bottom"),
+        (("nonsense",), "unknown stack level 'nonsense'"),
+    ],
+)
+def test_bad_stacks_are_refused(
+    tiny_target: LoadedModel, tiny_draft: LoadedModel, levels: tuple[str, ...], message: str
+) -> None:
+    resolved = tuple(tiny_draft if level == "draft" else level for level in levels)
+    with pytest.raises(ConfigError, match=message):
+        make_drafter("stack", target=tiny_target, stack=resolved)
+
+
+def test_unknown_drafter_lists_the_choices(tiny_target: LoadedModel) -> None:
+    with pytest.raises(ConfigError, match="ngram-cache.*layer-skip.*stack"):
+        make_drafter("nope", target=tiny_target)
