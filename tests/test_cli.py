@@ -279,3 +279,20 @@ def test_compare_shows_plain_text_when_a_lossy_output_differs(capsys: pytest.Cap
     header = "--- plain decoding (differs from the fly output above) ---"
     assert out == f"{record['text']}\n\n{header}\n{record['baseline_text']}\n"
     assert "LOSSY" in err and "identical to plain decoding: no" in err
+
+
+@pytest.mark.parametrize("drafter", ["draft-model", "multilevel"])
+def test_draft_model_with_another_tokenizer(capsys: pytest.CaptureFixture[str], tiny_model_dir: Path,
+                                            other_tokenizer_dir: Path, drafter: str) -> None:
+    record = run_json(capsys, tiny_model_dir, "--drafter", drafter, "--draft-model", str(other_tokenizer_dir),
+                      "-k", "4", "--compare", "--adaptive-draft")
+    assert record["identical_to_baseline"] is True
+    assert record["drafter_stats"]["inner"]["draft_forwards"] > 0
+    assert sum(record["requested_draft_lengths"].values()) == record["num_target_forwards"]
+
+
+def test_new_drafters_from_the_command_line(capsys: pytest.CaptureFixture[str], tiny_model_dir: Path) -> None:
+    for options in (["--drafter", "ngram-cache"], ["--drafter", "layer-skip", "--skip-layers", "1"],
+                    ["--drafter", "stack", "--stack", f"ngram,{tiny_model_dir}"]):
+        record = run_json(capsys, tiny_model_dir, *options, "--compare")
+        assert record["identical_to_baseline"] is True, options

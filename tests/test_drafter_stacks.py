@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from flyspec import DecodeConfig, PlainDecoder, SpeculativeDecoder, build_decoder, make_verifier
-from flyspec.config import ConfigError, DraftLengthConfig, SamplingConfig
+from flyspec.config import ConfigError, DraftLengthConfig, LayerSkipConfig, SamplingConfig
 from flyspec.draft_length import DraftLength
-from flyspec.drafters import DraftModelDrafter, NgramDrafter, make_drafter
+from flyspec.drafters import CrossTokenizerDrafter, DraftModelDrafter, NgramDrafter, make_drafter
 from flyspec.drafters.draft_model import first_unsure
 from flyspec.models import LoadedModel
 
@@ -156,9 +156,7 @@ def test_stack_at_temperature_is_seeded_and_reproducible(
         decoder = build_decoder(
             tiny_target, "stack", "rejection", stack=("ngram", bottom_draft, tiny_draft), max_new_tokens=30
         )
-        decoder.config = DecodeConfig(
-            num_draft_tokens=6, max_new_tokens=30, sampling=SamplingConfig(1.0)
-        )
+        decoder.config = DecodeConfig(num_draft_tokens=6, max_new_tokens=30, sampling=SamplingConfig(1.0))
         generator = torch.Generator().manual_seed(7)
         outputs.append(decoder.generate(PROMPTS[0], generator=generator, use_chat=False).token_ids)
     assert outputs[0] == outputs[1] and len(outputs[0]) > 0
@@ -190,3 +188,49 @@ def test_bad_stacks_are_refused(
 def test_unknown_drafter_lists_the_choices(tiny_target: LoadedModel) -> None:
     with pytest.raises(ConfigError, match="ngram-cache.*layer-skip.*stack"):
         make_drafter("nope", target=tiny_target)
+
+
+# ---- mixed tokenizers and self-speculation inside stacks ------------------------------------
+
+
+@pytest.fixture(scope="module")
+def other_vocab_draft() -> LoadedModel:
+    """A draft model with another vocabulary (byte-level BPE with 280 tokens, not 300)."""
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    from conftest import CORPUS, make_tiny_model
+
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(
+        CORPUS, vocab_size=280, min_frequency=1, special_tokens=["<s>", "</s>"], show_progress=False
+    )
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, bos_token="<s>", eos_token="</s>")
+    return make_tiny_model(tokenizer, seed=5, name="other-vocab")
+
+
+def test_draft_model_with_another_tokenizer_is_translated(
+    tiny_target: LoadedModel, other_vocab_draft: LoadedModel
+) -> None:
+    config = DecodeConfig(num_draft_tokens=6, max_new_tokens=30)
+    for name in ("draft-model", "multilevel"):
+        drafter = make_drafter(name, target=tiny_target, draft_model=other_vocab_draft, num_ngram_tokens=3)
+        assert isinstance(drafter, CrossTokenizerDrafter) and drafter.name == name
+        stats = assert_lossless(tiny_target, drafter, config)
+        assert sum(stat.drafter["inner"]["draft_forwards"] for stat in stats) > 0
+
+
+def test_stack_mixing_tokenizers_and_layer_skip_is_lossless(
+    tiny_target: LoadedModel, tiny_draft: LoadedModel, other_vocab_draft: LoadedModel
+) -> None:
+    config = DecodeConfig(num_draft_tokens=6, max_new_tokens=30)
+    # n-gram → other-vocabulary model → (re-tokenized) → same-vocabulary model → target
+    mixed = make_drafter("stack", target=tiny_target, stack=("ngram", other_vocab_draft, tiny_draft))
+    assert isinstance(mixed, DraftModelDrafter) and isinstance(mixed.proposer, CrossTokenizerDrafter)
+    assert_lossless(tiny_target, mixed, config)
+    # n-gram → the target itself with its last layer skipped → target
+    skipping = make_drafter(
+        "stack", target=tiny_target, stack=("ngram-cache", "layer-skip"), layer_skip=LayerSkipConfig((1,))
+    )
+    stats = assert_lossless(tiny_target, skipping, config)
+    assert stats[0].drafter["skip_layers"] == [1]

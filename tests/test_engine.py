@@ -280,12 +280,27 @@ def test_sliding_window_caches_roll_back_losslessly(tokenizer) -> None:
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)
     target = LoadedModel(model=model, tokenizer=tokenizer, name="tiny-gemma3")
+    # a different sliding-window draft: rejections roll its cache back across several draft forwards
+    torch.manual_seed(1)
+    other = Gemma3ForCausalLM(config).to(torch.float32).eval()
+    with torch.no_grad():
+        other.load_state_dict(model.state_dict())
+        for parameter in other.parameters():
+            parameter.add_(0.3 * parameter.std() * torch.randn_like(parameter))
+    draft = LoadedModel(model=other, tokenizer=tokenizer, name="tiny-gemma3-noisy")
     config_decode = DecodeConfig(num_draft_tokens=6, max_new_tokens=40, ignore_eos=True)
     prompt = PROMPTS[2] + " " + PROMPTS[0]  # longer than the window
     assert len(target.encode_prompt(prompt, use_chat=False)) > 2 * config.sliding_window
     expected = plain_tokens(target, prompt, config_decode)
-    for drafter in (NgramDrafter(), DraftModelDrafter(target), multilevel_drafter(target)):
+    for drafter in (
+        NgramDrafter(),
+        DraftModelDrafter(target),
+        multilevel_drafter(target),
+        DraftModelDrafter(draft),
+        multilevel_drafter(draft),
+    ):
         result = SpeculativeDecoder(target, drafter, make_verifier("exact"), config_decode).generate(
             prompt, use_chat=False
         )
         assert result.token_ids == expected, drafter.name
+    assert 0 < result.stats.num_accepted < result.stats.num_proposed  # the noisy draft is partly rejected

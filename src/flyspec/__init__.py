@@ -12,14 +12,27 @@ from flyspec.baseline import PlainDecoder
 from flyspec.config import (
     ConfigError,
     DecodeConfig,
+    DraftLengthConfig,
     FlyConfig,
+    LayerSkipConfig,
     MarginConfig,
+    NgramCacheConfig,
     NgramConfig,
     SamplingConfig,
     TypicalConfig,
 )
 from flyspec.decoding import SpeculativeDecoder
-from flyspec.drafters import Drafter, DraftModelDrafter, NgramDrafter, make_drafter, multilevel_drafter
+from flyspec.drafters import (
+    CrossTokenizerDrafter,
+    Drafter,
+    DraftModelDrafter,
+    LayerSkipDrafter,
+    NgramCache,
+    NgramCacheDrafter,
+    NgramDrafter,
+    make_drafter,
+    multilevel_drafter,
+)
 from flyspec.models import DEFAULT_MODEL, LoadedModel, ModelLoadError, load_model
 from flyspec.stats import DecodeStats
 from flyspec.streaming import GenerationStream
@@ -42,7 +55,14 @@ __all__ = [
     "DecodeConfig",
     "DecodeStats",
     "Draft",
+    "CrossTokenizerDrafter",
+    "DraftLengthConfig",
     "DraftModelDrafter",
+    "LayerSkipConfig",
+    "LayerSkipDrafter",
+    "NgramCache",
+    "NgramCacheConfig",
+    "NgramCacheDrafter",
     "Drafter",
     "ExactVerifier",
     "FlyConfig",

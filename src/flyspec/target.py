@@ -20,14 +20,24 @@ _CROPPABLE_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)
 
 
 class CachedModel:
-    """Runs a causal LM incrementally over one sequence, with a KV cache that can be cropped."""
+    """Runs a causal LM incrementally over one sequence, with a KV cache that can be cropped.
 
-    def __init__(self, loaded: LoadedModel) -> None:
+    ``full_history`` (drafters): keep every position in every layer, sliding-window layers
+    included. A drafter's rollback removes positions added by several of its forwards (one per
+    draft token), but a transformers sliding-window cache layer, even recording its past, can
+    only drop the positions added since its last crop. Plain layers can drop any number, and
+    sliding-window attention stays exact because the model's sliding mask hides older positions
+    (memory then grows with the sequence, not the window). The target crops once per forward.
+    """
+
+    def __init__(self, loaded: LoadedModel, full_history: bool = False) -> None:
         self.loaded = loaded
+        self.full_history = full_history
         self.model = loaded.model
         self.device = next(self.model.parameters()).device
         self.cache = self._new_cache()
-        uncroppable = {type(layer).__name__ for layer in self.cache.layers if type(layer) not in _CROPPABLE_LAYERS}
+        model_layers = DynamicCache(config=self.model.config).layers  # the layer kinds the model's config asks for
+        uncroppable = {type(layer).__name__ for layer in model_layers if type(layer) not in _CROPPABLE_LAYERS}
         if uncroppable:
             raise ConfigError(
                 f"model {loaded.name!r} uses KV cache layers that cannot be rolled back "
@@ -35,6 +45,8 @@ class CachedModel:
             )
 
     def _new_cache(self) -> DynamicCache:
+        if self.full_history:
+            return DynamicCache()  # no config: one plain DynamicLayer per layer, created on first use
         cache = DynamicCache(config=self.model.config)
         cache.activate_past_recording()  # lets sliding-window layers roll back past their window
         return cache
@@ -58,6 +70,8 @@ class CachedModel:
 
     def crop_to(self, length: int) -> None:
         """Drop cached positions beyond ``length`` (always called, so sliding layers shrink too)."""
+        if length == self.cached_length == 0:
+            return  # nothing cached yet (a sliding-window layer cannot be cropped before its first forward)
         if length > self.cached_length:
             raise RuntimeError(f"cannot crop a cache of {self.cached_length} positions to {length}")
         self.cache.crop(length - self.cached_length)

@@ -22,6 +22,7 @@ from flyspec.bench.data import BenchPrompt
 from flyspec.bench.methods import Method
 from flyspec.config import DecodeConfig, SamplingConfig
 from flyspec.decoding import Decoder
+from flyspec.drafters.cross_tokenizer import tokenizers_match
 from flyspec.models import LoadedModel
 
 
@@ -116,8 +117,6 @@ class HFGenerateRunner:
         elif method.name == "hf-assisted":
             assert draft is not None
             self.assistant: dict = {"assistant_model": draft.model}
-            from flyspec.drafters.cross_tokenizer import tokenizers_match  # noqa: PLC0415  TEMPORARY
-
             if not tokenizers_match(draft.tokenizer, target.tokenizer):  # Universal Assisted Generation
                 self.assistant.update(tokenizer=target.tokenizer, assistant_tokenizer=draft.tokenizer)
             self.options["num_assistant_tokens"] = settings.speculation.get("num_draft_tokens", 15)

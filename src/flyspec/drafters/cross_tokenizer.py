@@ -7,13 +7,12 @@ writes a continuation, the text is re-tokenized with the target's tokenizer and 
 ``DraftModelDrafter``, with or without a proposer below it). Per step:
 
 1. Sync. The committed target ids (append-only within a generation) are decoded to text, a window
-   at the end at a time (:class:`CommittedText`). The draft-side ids of that text are kept with
-   each id's character span (:class:`IncrementalEncoding`): ids ending before the first changed
-   character, less ``overlap_tokens``, stay; the text after them is re-encoded from one *anchor*
-   id earlier, which must come out unchanged. Texts are compared, never assumed append-only:
-   more ids can change earlier characters (a character split over ids shows as U+FFFD until it
-   completes). The inner drafter is then told how much of its last sequence (draft included)
-   survives, ``rollback(common prefix + 1)``, so its cache stays a prefix of the new ids.
+   at the end at a time (:class:`CommittedText`); the draft-side ids of that text are updated by
+   re-encoding only after the first changed character, less an overlap (:class:`IncrementalEncoding`).
+   Texts are compared, never assumed append-only: more ids can change earlier characters (a
+   character split over ids shows as U+FFFD until it completes). The inner drafter is told how
+   much of its last sequence (draft included) survives, ``rollback(common prefix + 1)``, so its
+   cache stays a prefix of the new ids.
 2. Draft. The inner drafter proposes ``m`` draft tokens, cut at its first special token (EOS, a
    turn marker). ``m`` is ``num_draft_tokens`` scaled by the draft-to-target token ratio seen so
    far (the prompt's text tokenized both ways, then every translation), capped at twice the
@@ -22,14 +21,12 @@ writes a continuation, the text is re-tokenized with the target's tokenizer and 
    the full text); a trailing U+FFFD (the draft stopped inside a character) is dropped.
 3. Translate. ``encode(text of the last context_tokens committed target ids + draft text)``; when
    it starts with exactly those committed ids, the ids after them are the draft. Otherwise (the
-   draft text merges into the last committed token, or the context starts inside a character)
-   the draft text is encoded alone, or else after a special token (a tokenizer that prepends
-   ``▁`` to a string's start does not do so there), whichever first gives ids that decode, after
-   the context, to the context's text followed by the draft text; if neither does the draft is
-   dropped (counted as misaligned). Truncated to ``num_draft_tokens``; nothing left gives
-   ``Draft.empty()`` and the loop takes a plain one-token step. A trailing target token that may
-   be a partial word (the draft stopped mid-word) is *kept*: if wrong, its rejection commits the
-   same recovered token the target would have given as the bonus without it, so it costs one
+   draft text merges into the last committed token) the draft text is encoded alone, or else as
+   the middle of a string (no ``▁`` prepended), whichever first decodes after the context to the
+   context's text + the draft text; if neither does, the draft is dropped (``misaligned``).
+   Truncated to ``num_draft_tokens``; nothing left gives ``Draft.empty()`` (a plain one-token
+   step). A trailing target token that may be a partial word is *kept*: if wrong, its rejection
+   commits the same token the target would have given as the bonus without it, so it costs one
    scored position and can only add an accepted token.
 
 Losslessness. The draft carries no ``draft_probs``: it counts as one-hot in the target vocabulary.
@@ -72,50 +69,6 @@ def tokenizers_match(a: PreTrainedTokenizerBase, b: PreTrainedTokenizerBase) -> 
     return a is b or a.get_vocab() == b.get_vocab()
 
 
-def special_token_ids(tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
-    """Ids of the special tokens (BOS, EOS, chat-turn markers, ...): never part of the text."""
-    added = getattr(tokenizer, "added_tokens_decoder", {})
-    return frozenset(tokenizer.all_special_ids) | frozenset(i for i, token in added.items() if token.special)
-
-
-def leading_special_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
-    """The ids the tokenizer puts before any text when asked for special tokens (a BOS), else []."""
-    probe = "a"
-    with_special = list(tokenizer(probe, add_special_tokens=True)["input_ids"])
-    plain = list(tokenizer(probe, add_special_tokens=False)["input_ids"])
-    for start in range(len(with_special) - len(plain) + 1):
-        if with_special[start : start + len(plain)] == plain:
-            return with_special[:start]
-    return []
-
-
-def decode_text(tokenizer: PreTrainedTokenizerBase, ids: Sequence[int]) -> str:
-    return tokenizer.decode(list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
-
-
-def encode_text(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
-    """Ids of ``text`` as plain text: nothing added, a special token's spelling stays text."""
-    return list(tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
-
-
-def encode_mid_string(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
-    """Ids of ``text`` as the middle of a string: encoded after a special token, which starts a new
-    section of the input, so a rule for the string's start (Metaspace ``prepend_scheme="first"``
-    prepending ``▁``) does not apply. [] if the tokenizer has no special token to lead with."""
-    if not tokenizer.all_special_tokens:
-        return []
-    marker = tokenizer.all_special_tokens[0]
-    ids = list(tokenizer(marker + text, add_special_tokens=False)["input_ids"])
-    return ids[1:] if ids[:1] == [tokenizer.convert_tokens_to_ids(marker)] else []
-
-
-def encode_with_spans(tokenizer: PreTrainedTokenizerBase, text: str, offset: int = 0) -> tuple[list[int], list[Span]]:
-    """Ids of ``text`` and each id's character span, shifted by ``offset``."""
-    encoding = tokenizer(text, add_special_tokens=False, split_special_tokens=True, return_offsets_mapping=True)
-    spans = [(start + offset, end + offset) for start, end in encoding["offset_mapping"]]
-    return list(encoding["input_ids"]), spans
-
-
 def common_prefix_length(a: Sequence[Any], b: Sequence[Any], start: int = 0) -> int:
     """Length of the common prefix of ``a`` and ``b``, given that it is at least ``start``."""
     limit = min(len(a), len(b))
@@ -133,39 +86,84 @@ def cut_at_special(ids: list[int], special_ids: frozenset[int]) -> list[int]:
     return ids
 
 
+class TextCodec:
+    """A tokenizer used for plain text: decoding skips special tokens, encoding adds none and keeps
+    a special token's spelling as text (``split_special_tokens``)."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.tokenizer = tokenizer
+        added = getattr(tokenizer, "added_tokens_decoder", {})
+        specials = set(tokenizer.all_special_ids) | {i for i, token in added.items() if token.special}
+        self.special_ids = frozenset(specials)  # BOS, EOS, chat-turn markers, ...: never text
+        self.marker = tokenizer.bos_token or tokenizer.eos_token or next(iter(tokenizer.all_special_tokens), None)
+        self.marker_id = tokenizer.convert_tokens_to_ids(self.marker) if self.marker else None
+        self.leading_ids = self._leading_ids()
+
+    def _leading_ids(self) -> list[int]:
+        """The ids the tokenizer puts before any text when asked for special tokens (a BOS), else []."""
+        with_special = list(self.tokenizer("a", add_special_tokens=True)["input_ids"])
+        plain = list(self.tokenizer("a", add_special_tokens=False)["input_ids"])
+        starts = [i for i in range(len(with_special)) if with_special[i : i + len(plain)] == plain]
+        return with_special[: starts[0]] if starts else []
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def encode(self, text: str, mid_string: bool = False) -> list[int]:
+        return self.encode_with_spans(text, mid_string=mid_string, spans=False)[0]
+
+    def encode_with_spans(
+        self, text: str, offset: int = 0, mid_string: bool = False, spans: bool = True
+    ) -> tuple[list[int], list[Span]]:
+        """Ids of ``text`` and their character spans (shifted by ``offset``; [] unless ``spans``).
+
+        ``mid_string``: as the middle of a string: encoded after a special token, which starts a
+        new section of the input, so a rule for a string's start (Metaspace
+        ``prepend_scheme="first"`` prepending ``▁``) does not apply; encoded plainly instead when
+        the text spells a special token (here it would be parsed as one).
+        """
+        if mid_string and self.marker:
+            encoding = self.tokenizer(self.marker + text, add_special_tokens=False, return_offsets_mapping=spans)
+            ids, shift = list(encoding["input_ids"]), offset - len(self.marker)
+            if ids[:1] == [self.marker_id] and not self.special_ids.intersection(ids[1:]):
+                return ids[1:], [(a + shift, b + shift) for a, b in encoding.get("offset_mapping", [])[1:]]
+        encoding = self.tokenizer(
+            text, add_special_tokens=False, split_special_tokens=True, return_offsets_mapping=spans
+        )
+        return list(encoding["input_ids"]), [(a + offset, b + offset) for a, b in encoding.get("offset_mapping", [])]
+
+
 class CommittedText:
     """The text of an append-only id sequence, decoding only a window at its end per update.
 
     The last ``overlap_tokens`` ids are decoded again with the new ones because more ids can change
     the text of earlier ones: a character's bytes split over ids, and a run of byte-fallback pieces
-    (``<0xNN>``) that is invalid UTF-8 as a whole decodes to U+FFFD throughout, so the window never
-    starts inside such a run. The window is trusted only if its old text ends the old text and
-    decoding from ``overlap_tokens`` further back ends with its new text; otherwise (or if the ids
-    were not only appended to) everything is decoded again.
+    (``<0xNN>``) invalid as UTF-8 decodes to U+FFFD throughout, so the window never starts inside
+    such a run. The window is trusted only if its old text ends the old text and decoding from
+    ``overlap_tokens`` further back ends with its new text; else everything is decoded again.
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, overlap_tokens: int) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, codec: TextCodec, overlap_tokens: int) -> None:
+        self.codec = codec
         self.overlap_tokens = overlap_tokens
         self.reset([])
 
     def reset(self, ids: list[int]) -> None:
         self.ids = list(ids)
-        self.text = decode_text(self.tokenizer, ids)
+        self.text = self.codec.decode(ids)
         self.num_full_decodes = 0
 
     def update(self, ids: list[int]) -> int:
         """Bring ``text`` up to ``ids``; return how many leading characters are certainly unchanged."""
         start = self._window_start(len(self.ids) - self.overlap_tokens)
-        old_window_text = decode_text(self.tokenizer, self.ids[start:])
-        window_text = decode_text(self.tokenizer, ids[start:])
-        wider_text = decode_text(self.tokenizer, ids[max(0, start - self.overlap_tokens) :])
+        old_window_text = self.codec.decode(self.ids[start:])
+        window_text = self.codec.decode(ids[start:])
+        wider_text = self.codec.decode(ids[max(0, start - self.overlap_tokens) :])
         head_length = len(self.text) - len(old_window_text)
         trusted = self.text.endswith(old_window_text) and wider_text.endswith(window_text)
-        if ids[: len(self.ids)] != self.ids or not trusted:
+        if ids[: len(self.ids)] != self.ids or not trusted:  # not only appended to, or not trusted
             self.num_full_decodes += 1
-            start, head_length = 0, 0
-            window_text = decode_text(self.tokenizer, ids)
+            head_length, window_text = 0, self.codec.decode(ids)
         self.text = self.text[:head_length] + window_text
         self.ids = list(ids)
         return head_length
@@ -178,24 +176,22 @@ class CommittedText:
         return start
 
     def _is_byte_piece(self, index: int) -> bool:
-        token = self.tokenizer.convert_ids_to_tokens(self.ids[index])
+        token = self.codec.tokenizer.convert_ids_to_tokens(self.ids[index])
         return isinstance(token, str) and len(token) == 6 and token.startswith("<0x") and token.endswith(">")
 
 
 class IncrementalEncoding:
     """One tokenizer's ids for a text that changes at its end, re-encoding only a window.
 
-    ``spans[i]`` is the character span of ``ids[i]`` (the byte tokens of one character share its
-    span). On an update, the ids ending before the first changed character, less
-    ``overlap_tokens`` (a BPE merge can reach back over the change), are kept, cut where no
-    character is split. Re-encoding starts one *anchor* id earlier and must reproduce it: that
-    catches tokenizers that treat a string's start specially (a Metaspace ``▁`` prepended to a
-    mid-word start) or merge across the cut. On a mismatch the cut moves back one id; after
-    ``MAX_ANCHOR_TRIES`` the whole text is encoded again.
+    ``spans[i]`` is the character span of ``ids[i]`` (a character's byte tokens share its span).
+    The ids ending before the first changed character, less ``overlap_tokens`` (a BPE merge can
+    reach back over the change), are kept. Re-encoding starts at the *anchor*, the last kept id
+    (at a character boundary), as the middle of a string, and must reproduce it and its span;
+    else the cut moves back an id, and after ``MAX_ANCHOR_TRIES`` the whole text is encoded.
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, overlap_tokens: int) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, codec: TextCodec, overlap_tokens: int) -> None:
+        self.codec = codec
         self.overlap_tokens = overlap_tokens
         self.reset("")
 
@@ -205,7 +201,7 @@ class IncrementalEncoding:
 
     def _encode_all(self, text: str) -> None:
         self.text = text
-        self.ids, self.spans = encode_with_spans(self.tokenizer, text)
+        self.ids, self.spans = self.codec.encode_with_spans(text)
         self.num_reencoded = len(self.ids)  # ids encoded by the last reset/update
 
     def update(self, text: str, unchanged_chars: int = 0) -> int:
@@ -217,30 +213,22 @@ class IncrementalEncoding:
         keep -= self.overlap_tokens
         old_ids = self.ids
         for _ in range(MAX_ANCHOR_TRIES):
-            keep = self._clean_cut(keep)
+            # the anchor ids[keep - 1] must start at a character boundary
+            while keep > 1 and self.spans[keep - 2][1] > self.spans[keep - 1][0]:
+                keep -= 1
             if keep < 2:  # nothing worth keeping before the anchor
                 break
-            if self._reencode_after(keep - 1, text):
-                return common_prefix_length(old_ids, self.ids, keep)
+            if self._reencode_from(keep - 1, text):
+                return common_prefix_length(old_ids, self.ids, keep - 1)
             keep -= 1
         self._encode_all(text)
         self.num_full_encodes += 1
         return common_prefix_length(old_ids, self.ids)
 
-    def _clean_cut(self, keep: int) -> int:
-        """The largest cut ``<= keep`` with no character split at it or at the id before it."""
-        while keep > 0 and not (self._clean_boundary(keep) and self._clean_boundary(keep - 1)):
-            keep -= 1
-        return keep
-
-    def _clean_boundary(self, index: int) -> bool:
-        """True when no character is split between ``ids[index - 1]`` and ``ids[index]``."""
-        return index == 0 or index >= len(self.ids) or self.spans[index - 1][1] <= self.spans[index][0]
-
-    def _reencode_after(self, anchor: int, text: str) -> bool:
+    def _reencode_from(self, anchor: int, text: str) -> bool:
         """Encode ``text`` from the anchor id's start; adopt it when the anchor id comes out unchanged."""
         start = self.spans[anchor][0]
-        ids, spans = encode_with_spans(self.tokenizer, text[start:], offset=start)
+        ids, spans = self.codec.encode_with_spans(text[start:], offset=start, mid_string=True)
         if ids[:1] != [self.ids[anchor]] or spans[0] != self.spans[anchor]:
             return False
         self.ids = self.ids[:anchor] + ids
@@ -252,7 +240,7 @@ class IncrementalEncoding:
 
 @dataclass
 class CrossTokenizerDrafter:
-    """Drafts in the target vocabulary through an ``inner`` drafter in another vocabulary (see module docstring)."""
+    """Drafts in the target vocabulary through an ``inner`` drafter in another vocabulary (module docstring)."""
 
     inner: Drafter
     draft_tokenizer: PreTrainedTokenizerBase
@@ -269,19 +257,17 @@ class CrossTokenizerDrafter:
                 "cross-tokenizer drafting needs a fast (tokenizers-backed) draft tokenizer for character "
                 "offsets; load the draft model's tokenizer with use_fast=True"
             )
-        self.target_text = CommittedText(self.target_tokenizer, self.overlap_tokens)
-        self.draft_side = IncrementalEncoding(self.draft_tokenizer, self.overlap_tokens)
-        self.draft_prefix_ids = leading_special_ids(self.draft_tokenizer)
-        self.draft_special_ids = special_token_ids(self.draft_tokenizer)
-        self.target_special_ids = special_token_ids(self.target_tokenizer)
-        self._inner_sequence: list[int] = []  # the inner drafter's last sequence, its draft included
+        self.draft_codec, self.target_codec = TextCodec(self.draft_tokenizer), TextCodec(self.target_tokenizer)
+        self.target_text = CommittedText(self.target_codec, self.overlap_tokens)
+        self.draft_side = IncrementalEncoding(self.draft_codec, self.overlap_tokens)
+        self._inner_sequence: list[int] | None = None  # its last sequence + draft; None: none since reset
         self._reset_counters()
 
     def _reset_counters(self) -> None:
         self.num_steps = 0
         self.num_empty_drafts = 0  # steps whose re-tokenized draft was empty
-        self.num_context_fallbacks = 0  # draft text encoded alone: the committed context re-encoded differently
-        self.num_misaligned_drafts = 0  # ... and alone it did not spell a continuation of the context: dropped
+        self.num_context_fallbacks = 0  # the committed context re-encoded differently with the draft text
+        self.num_misaligned_drafts = 0  # ... and encoded without it the draft did not continue it: dropped
         self.num_draft_tokens = 0  # draft-vocabulary tokens drafted (before the special-token cut)
         self.num_target_tokens = 0  # target-vocabulary tokens proposed
         self.num_reencoded_tokens = 0  # draft-side ids re-encoded while syncing
@@ -291,16 +277,16 @@ class CrossTokenizerDrafter:
     @property
     def draft_ids(self) -> list[int]:
         """The draft-side ids of the committed text, as last synced: draft prefix (BOS) + text ids."""
-        return self.draft_prefix_ids + self.draft_side.ids
+        return self.draft_codec.leading_ids + self.draft_side.ids
 
     def reset(self, prompt_ids: list[int]) -> None:
         self._reset_counters()
         self.target_text.reset(prompt_ids)
         self.draft_side.reset(self.target_text.text)
-        num_text_ids = sum(token not in self.target_special_ids for token in prompt_ids)
+        num_text_ids = sum(token not in self.target_codec.special_ids for token in prompt_ids)
         self._granularity = [len(self.draft_side.ids) + 1, num_text_ids + 1]
-        self._inner_sequence = self.draft_ids
-        self.inner.reset(self._inner_sequence)
+        self._inner_sequence = None
+        self.inner.reset(self.draft_ids)
 
     def propose(
         self,
@@ -315,14 +301,13 @@ class CrossTokenizerDrafter:
             self.num_empty_drafts += 1
             return Draft.empty()
         # the inner draft's probabilities are over the draft vocabulary: dropped (module docstring)
-        inner_draft = self.inner.propose(sequence, self._num_inner_tokens(num_draft_tokens), sampling, generator)
-        drafted = inner_draft.tokens.tolist()
-        self._inner_sequence = sequence + drafted
-        self.num_draft_tokens += len(drafted)
-        drafted = cut_at_special(drafted, self.draft_special_ids)
-        target_tokens = self._translate(token_ids, sequence, drafted)
-        if drafted and target_tokens:
-            self._granularity[0] += len(drafted)
+        drafted = self.inner.propose(sequence, self._num_inner_tokens(num_draft_tokens), sampling, generator)
+        self._inner_sequence = sequence + drafted.tokens.tolist()
+        self.num_draft_tokens += drafted.num_tokens
+        text_ids = cut_at_special(drafted.tokens.tolist(), self.draft_codec.special_ids)
+        target_tokens = self._translate(token_ids, sequence, text_ids)
+        if text_ids and target_tokens:
+            self._granularity[0] += len(text_ids)
             self._granularity[1] += len(target_tokens)
         target_tokens = target_tokens[:num_draft_tokens]
         self.num_target_tokens += len(target_tokens)
@@ -336,7 +321,7 @@ class CrossTokenizerDrafter:
 
     def finish(self, token_ids: list[int]) -> None:
         """Hand the inner drafter the committed text in its own vocabulary (it may learn from it)."""
-        self.draft_side.update(self.target_text.text, self.target_text.update(token_ids))
+        self._update_draft_side(token_ids)
         self.inner.finish(self.draft_ids)
 
     def report(self) -> dict[str, Any]:
@@ -356,18 +341,22 @@ class CrossTokenizerDrafter:
 
     def _sync(self, token_ids: list[int]) -> list[int]:
         """Update the draft-side ids to the committed text; roll the inner drafter back to what survives."""
-        unchanged_chars = self.target_text.update(token_ids)
-        kept = self.draft_side.update(self.target_text.text, unchanged_chars)
+        kept = self._update_draft_side(token_ids)
         self.num_reencoded_tokens += self.draft_side.num_reencoded
         self.max_reencoded_window = max(self.max_reencoded_window, self.draft_side.num_reencoded)
         sequence = self.draft_ids
-        common = common_prefix_length(self._inner_sequence, sequence, len(self.draft_prefix_ids) + kept)
-        if sequence:
+        if sequence and self._inner_sequence is not None:  # no rollback before the first proposal
+            common = common_prefix_length(self._inner_sequence, sequence, len(self.draft_codec.leading_ids) + kept)
             # Drafter protocol: the first n - 1 ids of its last sequence stand, the n-th may differ;
             # capped so the inner drafter keeps at least one id to feed (its cache lags by one)
             self.inner.rollback(min(common + 1, len(sequence)))
             self._inner_sequence = sequence
         return sequence
+
+    def _update_draft_side(self, token_ids: list[int]) -> int:
+        """Decode the new committed ids, re-encode the changed end; return the draft-side ids kept."""
+        unchanged_chars = self.target_text.update(token_ids)
+        return self.draft_side.update(self.target_text.text, unchanged_chars)
 
     def _num_inner_tokens(self, num_draft_tokens: int) -> int:
         """Draft tokens to ask for: enough text for ``num_draft_tokens`` target tokens, at most twice as many."""
@@ -379,34 +368,31 @@ class CrossTokenizerDrafter:
         if not drafted:
             return []
         context = sequence[-self.context_tokens :]
-        context_text = decode_text(self.draft_tokenizer, context)
-        full_text = decode_text(self.draft_tokenizer, context + drafted)
+        context_text, full_text = self.draft_codec.decode(context), self.draft_codec.decode(context + drafted)
         if full_text.startswith(context_text):
             draft_text = full_text[len(context_text) :]
         else:
-            draft_text = decode_text(self.draft_tokenizer, drafted)
+            draft_text = self.draft_codec.decode(drafted)
         draft_text = draft_text.rstrip(REPLACEMENT_CHARACTER)  # the draft stopped inside a character
-        if not draft_text:
-            return []
-        return self._encode_for_target(token_ids, draft_text)
+        return self._encode_for_target(token_ids, draft_text) if draft_text else []
 
     def _encode_for_target(self, token_ids: list[int], draft_text: str) -> list[int]:
         """Target ids for ``draft_text`` after the committed ids: re-encoded with the last few as context."""
         context = token_ids[-self.context_tokens :]
-        specials = [index for index, token in enumerate(context) if token in self.target_special_ids]
+        specials = [index for index, token in enumerate(context) if token in self.target_codec.special_ids]
         if specials:  # text restarts after a special token (a turn marker): no context across it
             context = context[specials[-1] + 1 :]
         if not context:
-            return encode_text(self.target_tokenizer, draft_text)
-        context_text = decode_text(self.target_tokenizer, context)
-        encoded = encode_text(self.target_tokenizer, context_text + draft_text)
+            return self.target_codec.encode(draft_text)
+        context_text = self.target_codec.decode(context)
+        encoded = self.target_codec.encode(context_text + draft_text)
         if encoded[: len(context)] == context:
             return encoded[len(context) :]
         self.num_context_fallbacks += 1
-        for encode in (encode_text, encode_mid_string):
-            candidate = encode(self.target_tokenizer, draft_text)
+        for mid_string in (False, True):
+            candidate = self.target_codec.encode(draft_text, mid_string=mid_string)
             # encoded without the context, the ids may not continue it (a "▁" prepended mid-word)
-            if decode_text(self.target_tokenizer, context + candidate) == context_text + draft_text:
+            if self.target_codec.decode(context + candidate) == context_text + draft_text:
                 return candidate
         self.num_misaligned_drafts += 1
         return []

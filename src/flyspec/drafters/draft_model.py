@@ -77,7 +77,7 @@ class DraftModelDrafter:
     name: str = "draft-model"
 
     def __post_init__(self) -> None:
-        self.runner = CachedModel(self.draft)
+        self.runner = CachedModel(self.draft, full_history=True)  # rollbacks span several draft forwards
         self._reset_counters()
 
     def _reset_counters(self) -> None:

@@ -1,33 +1,30 @@
 """Layer-skip self-speculation (``layer-skip``): the target drafts for itself with some decoder layers skipped.
 
-No second model and no training (Draft & Verify, Zhang et al. 2023; SWIFT, Xia et al. 2024). A *skip
-view* of the target is a model that shares every parameter tensor with it but presents only the kept
-decoder layers, renumbered ``0..kept-1``, under a copied config (``num_hidden_layers``, ``layer_types``
-cut to match). The model's own forward code then runs unchanged: embeddings (Gemma's scaling), masks and
-rotary embeddings per layer type, final norm, head and soft-capping. The view has its own croppable KV
-cache, sized for the kept layers, so the target verifies with its own cache at the same time; the target
-itself (config, modules, parameters, attention ``layer_idx``) is never touched. Drafting is
-:class:`DraftModelDrafter` over the view, so proposers below it and the confidence stop work as for any
-draft model.
+No second model, no training (Draft & Verify, Zhang et al. 2023; SWIFT, Xia et al. 2024). A *skip view*
+shares every parameter tensor with the target but presents only the kept decoder layers, renumbered
+``0..kept-1``, under a copied config (``num_hidden_layers``, ``layer_types`` cut to match), so the model's
+own forward runs unchanged: scaled embeddings, masks and rotary embeddings per layer type, norm, head,
+soft-capping. The target (config, modules, parameters, ``layer_idx``) is never touched and keeps verifying
+with its own cache. Drafting is :class:`DraftModelDrafter` over the view (proposers and the confidence
+stop come with it), on a cache that keeps every position (``CachedModel(full_history=True)``).
 
-Calibration (``skip_layers=None``), on the first prompt the drafter sees, cached per target model:
+Calibration (``skip_layers=None``) runs on the first prompt the drafter sees, once per target model:
 
-1. One full forward over up to ``MAX_CALIBRATION_TOKENS`` prompt tokens gives the reference greedy
-   tokens and each layer's Block Influence, ``1 - cos(layer input, layer output)`` averaged over
-   positions (ShortGPT, Men et al. 2024): layers that barely change the residual stream rank first.
-   The first and last layers are never candidates.
+1. One full forward over up to ``MAX_CALIBRATION_TOKENS`` prompt tokens gives the reference greedy tokens
+   and each layer's Block Influence, ``1 - cos(layer input, layer output)`` averaged over positions
+   (ShortGPT, Men et al. 2024): layers that barely change the residual stream rank first. The first and
+   last layers are never candidates.
 2. Nested skip sets along that ranking are scored teacher-forced: the share of positions where the skip
    view's argmax equals the full model's estimates the per-token acceptance rate α.
-3. The set maximising the predicted speedup over plain decoding is kept (at least one layer is always
-   skipped): ``E / (k·c + 1)``, with ``E = (1 - α^(k+1)) / (1 - α)`` expected tokens per step and ``c``
-   the draft forward's cost relative to a full forward, counted in parameters (output head + kept
-   layers over output head + all layers; decoding reads every weight once per token, so parameters
-   stand for time both memory- and compute-bound). Verifying ``k + 1`` tokens costs one full forward.
-   The cost model is deterministic on purpose: choices based on timings would differ run to run.
+3. The set with the best predicted speedup over plain decoding is kept (at least one layer is skipped):
+   ``E / (k·c + 1)``, with ``E = (1 - α^(k+1)) / (1 - α)`` expected tokens per step, verification costing
+   one full forward, and ``c`` a draft forward's cost relative to a full one counted in parameters (head
+   + kept layers over head + all layers: decoding reads each weight once per token). Deterministic on
+   purpose: a choice based on timings would change from run to run.
 
 Sizes are scanned coarse to fine (step ``ceil(candidates / 10)``, stopping after two sizes worse than the
-best, then every size next to the best), so a 30-layer model needs about ten short forwards. Prompts
-shorter than ``MIN_CALIBRATION_TOKENS`` are extended with a short built-in text.
+best, then every size next to the best): about ten short forwards for 30 layers. Prompts shorter than
+``MIN_CALIBRATION_TOKENS`` are followed by a short built-in text.
 """
 
 from __future__ import annotations
@@ -96,12 +93,11 @@ def validate_skip_layers(skip_layers: Sequence[int], num_layers: int) -> tuple[i
 
 
 def _shallow_clone(module: nn.Module) -> nn.Module:
-    """The same module sharing parameters and children, with its own child, parameter and hook tables.
-
-    Replacing a child or registering a hook on the clone leaves the original untouched.
-    """
+    """The module sharing parameters and children, with its own child/parameter/hook tables (so edits stay local)."""
     clone = copy.copy(module)
-    clone.__dict__.update({key: copy.copy(value) for key, value in vars(module).items() if isinstance(value, dict | set)})
+    clone.__dict__.update(
+        {key: copy.copy(value) for key, value in vars(module).items() if isinstance(value, dict | set)}
+    )
     return clone
 
 
@@ -287,25 +283,14 @@ _CALIBRATION_LOCK = threading.Lock()
 def cached_calibration(
     target: LoadedModel, prompt_ids: Sequence[int], num_draft_tokens: int
 ) -> tuple[Calibration, bool]:
-    """The model's calibration for ``num_draft_tokens``, running it on this prompt if there is none yet.
-
-    Returns the calibration and whether it was reused.
-    """
+    """(The model's calibration for ``num_draft_tokens``, whether it was reused); calibrates on this prompt if new."""
     with _CALIBRATION_LOCK:
         per_model = _CALIBRATIONS.setdefault(target.model, {})
         if num_draft_tokens in per_model:
             return per_model[num_draft_tokens], True
         calibration = calibrate_skip_layers(target, prompt_ids, num_draft_tokens)
         per_model[num_draft_tokens] = calibration
-    logger.info(
-        "layer-skip calibrated %s: skip %s (acceptance %.2f, predicted speedup %.2f, %d forwards, %.1f s)",
-        target.name,
-        list(calibration.skip_layers),
-        calibration.estimated_acceptance,
-        calibration.estimated_speedup,
-        calibration.num_forwards,
-        calibration.seconds,
-    )
+    logger.info("layer-skip calibrated %s: %s", target.name, calibration)
     return calibration, False
 
 
@@ -339,14 +324,16 @@ class LayerSkipDrafter:
         self.num_layers = len(decoder_layers(target.model))
         self.calibration: Calibration | None = None
         self.calibration_reused = False
+        self.skip_layers: tuple[int, ...] | None = None  # chosen at construction (given) or first reset
         self.drafter: DraftModelDrafter | None = None
         if self.config.skip_layers is not None:
             self._build(validate_skip_layers(self.config.skip_layers, self.num_layers))
 
     def _build(self, skip_layers: tuple[int, ...]) -> None:
         self.skip_layers = skip_layers
+        view = skip_view(self.target, skip_layers)
         self.drafter = DraftModelDrafter(
-            skip_view(self.target, skip_layers),
+            view,
             proposer=self.proposer,
             num_proposal_tokens=self.num_proposal_tokens,
             confidence_threshold=self.confidence_threshold,
@@ -363,7 +350,7 @@ class LayerSkipDrafter:
 
     def _ready(self) -> DraftModelDrafter:
         if self.drafter is None:
-            raise RuntimeError("call reset(prompt_ids) before drafting: the skip set is chosen on the first prompt")
+            raise RuntimeError("call reset(prompt_ids) first: the skip set is chosen on the first prompt")
         return self.drafter
 
     def propose(
@@ -378,9 +365,13 @@ class LayerSkipDrafter:
     def rollback(self, num_committed: int) -> None:
         self._ready().rollback(num_committed)
 
+    def finish(self, token_ids: list[int]) -> None:
+        if self.drafter is not None:  # None: the generation failed before drafting (calibration)
+            self.drafter.finish(token_ids)
+
     def report(self) -> dict[str, Any]:
         report: dict[str, Any] = {
-            "skip_layers": list(self.skip_layers) if self.drafter is not None else None,
+            "skip_layers": list(self.skip_layers) if self.skip_layers is not None else None,
             "num_layers": self.num_layers,
             "skip_source": "given" if self.config.skip_layers is not None else "calibrated",
         }

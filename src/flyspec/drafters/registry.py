@@ -20,13 +20,12 @@ from collections.abc import Sequence
 
 from flyspec.config import ConfigError, DraftLengthConfig, LayerSkipConfig, NgramCacheConfig, NgramConfig
 from flyspec.drafters.base import Drafter
+from flyspec.drafters.cross_tokenizer import CrossTokenizerDrafter, tokenizers_match
 from flyspec.drafters.draft_model import DraftModelDrafter
+from flyspec.drafters.layer_skip import LayerSkipDrafter
 from flyspec.drafters.ngram import NgramDrafter
 from flyspec.drafters.ngram_cache import NgramCache, NgramCacheDrafter, shared_ngram_cache
 from flyspec.models import LoadedModel
-
-# TEMPORARY lazy imports while the modules are written
-
 
 DRAFTERS = ("ngram", "ngram-cache", "draft-model", "multilevel", "layer-skip", "stack")
 NGRAM_LEVELS = ("ngram", "ngram-cache")
@@ -135,8 +134,6 @@ class _StackBuilder:
 
     def _model_level(self, level: Level, model: LoadedModel, proposer: Drafter | None) -> Drafter:
         if level == LAYER_SKIP:
-            from flyspec.drafters.layer_skip import LayerSkipDrafter
-
             return LayerSkipDrafter(
                 model,
                 self.layer_skip,
@@ -157,8 +154,6 @@ class _StackBuilder:
         """``drafter`` as seen by ``listener``: re-tokenized when their tokenizers differ."""
         if drafter is None or speaks is None or speaks.tokenizer is listener.tokenizer:
             return drafter
-        from flyspec.drafters.cross_tokenizer import CrossTokenizerDrafter, tokenizers_match
-
         if tokenizers_match(speaks.tokenizer, listener.tokenizer):
             return drafter
         return CrossTokenizerDrafter(drafter, speaks.tokenizer, listener.tokenizer, name=drafter.name)

@@ -154,8 +154,7 @@ class Planner:
             )
         if resolved.drafter == "stack" and not resolved.stack:
             raise bad_request(
-                "drafter 'stack' needs its levels, and this server was started without --stack; "
-                "use another drafter",
+                "drafter 'stack' needs its levels, and this server was started without --stack; use another drafter",
                 param="speculative.drafter",
             )
         return resolved
