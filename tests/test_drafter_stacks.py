@@ -234,3 +234,13 @@ def test_stack_mixing_tokenizers_and_layer_skip_is_lossless(
     )
     stats = assert_lossless(tiny_target, skipping, config)
     assert stats[0].drafter["skip_layers"] == [1]
+
+
+def test_bench_gives_ngram_cache_methods_a_private_cache(tiny_target: LoadedModel) -> None:
+    """Sharing the process-wide cache, a method would find this very prompt's answer left by the others."""
+    from flyspec.bench.methods import parse_method
+    from flyspec.bench.runners import FlyspecRunner, RunSettings
+    from flyspec.drafters.ngram_cache import shared_ngram_cache
+
+    runner = FlyspecRunner(parse_method("ngram-cache+exact"), tiny_target, None, RunSettings(SamplingConfig(), {}))
+    assert runner.decoder.drafter.cache is not shared_ngram_cache(tiny_target.name)

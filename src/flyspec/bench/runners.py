@@ -23,6 +23,7 @@ from flyspec.bench.methods import Method
 from flyspec.config import DecodeConfig, SamplingConfig
 from flyspec.decoding import Decoder
 from flyspec.drafters.cross_tokenizer import tokenizers_match
+from flyspec.drafters.ngram_cache import NgramCache
 from flyspec.models import LoadedModel
 
 
@@ -76,8 +77,13 @@ class FlyspecRunner:
             self.decoder = PlainDecoder(target, DecodeConfig(sampling=settings.sampling))
         else:
             assert method.verifier is not None
+            speculation = dict(settings.speculation)
+            if method.drafter in ("ngram-cache", "stack"):
+                # a cache of its own: shared with the other methods it would hold this very prompt's
+                # answer (they run it first), and the method would be measured on repeated requests
+                speculation["ngram_cache"] = NgramCache(speculation.get("ngram_cache"), speculation.get("ngram"))
             self.decoder = build_decoder(
-                target, method.drafter, method.verifier, draft, sampling=settings.sampling, **settings.speculation
+                target, method.drafter, method.verifier, draft, sampling=settings.sampling, **speculation
             )
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, seed: int) -> TurnOutput:
