@@ -142,10 +142,10 @@ class SpeculativeDecoder(Decoder):
                 draft_length.observe(num_drafted, verdict.num_accepted)
                 self.target.rollback(len(token_ids))
                 self.drafter.rollback(len(token_ids))
-                stats.drafter = self.drafter.report()
                 yield committed, verdict.loose_positions
         finally:  # also when the stream is closed early: the committed tokens are still worth remembering
             self.drafter.finish(token_ids)
+            stats.drafter = self.drafter.report()  # once, not per step (it can take the n-gram cache's lock)
 
     def _step(
         self,

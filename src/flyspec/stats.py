@@ -24,7 +24,7 @@ class DecodeStats:
     target_time_s: float = 0.0  # in target verification forwards (after prefill)
     draft_time_s: float = 0.0  # in Drafter.propose (model forwards for model drafters, lookups for n-gram)
     requested_draft_lengths: dict[int, int] = field(default_factory=dict)  # draft length asked for → steps
-    drafter: dict[str, Any] = field(default_factory=dict)  # the drafter's own counters (Drafter.report)
+    drafter: dict[str, Any] = field(default_factory=dict)  # Drafter.report() at the end of the generation
 
     def observe(
         self, num_proposed: int, verdict: Verdict | None, num_committed: int, requested: int | None = None
