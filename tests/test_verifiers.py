@@ -21,6 +21,7 @@ from flyspec.config import (
     ConfigError,
     DecodeConfig,
     FlyConfig,
+    GuardConfig,
     MarginConfig,
     NgramConfig,
     SamplingConfig,
@@ -37,6 +38,9 @@ from flyspec.verifiers import (
     make_verifier,
 )
 from flyspec.verifiers.fly import topk_entropy
+
+# These tests pin the papers' rules themselves; the trust guards are tested in test_guard.py.
+BARE = GuardConfig.bare()
 
 VOCAB = 10
 GREEDY = SamplingConfig()
@@ -104,7 +108,7 @@ def draft_of(tokens: list[int], draft_probs: torch.Tensor | None = None) -> Draf
 
 
 def fly(window_size: int = 6, entropy_threshold: float = 0.3, rule: str = "rejection") -> FlyVerifier:
-    return FlyVerifier(FlyConfig(window_size, entropy_threshold, temperature_rule=rule))
+    return FlyVerifier(FlyConfig(window_size, entropy_threshold, temperature_rule=rule), guard=BARE)
 
 
 def naive_top3_entropy(logits: list[float]) -> float:
@@ -162,7 +166,7 @@ def test_exact_literal_table() -> None:
 
 
 @pytest.mark.parametrize(
-    "verifier", [ExactVerifier(), RejectionVerifier(), fly(), MarginVerifier(), TypicalVerifier()]
+    "verifier", [ExactVerifier(), RejectionVerifier(), fly(), MarginVerifier(guard=BARE), TypicalVerifier(guard=BARE)]
 )
 def test_empty_draft_commits_the_targets_next_token(verifier: Verifier) -> None:
     logits = table([certain(6)])
@@ -192,7 +196,7 @@ def test_rejection_greedy_equals_exact_and_draws_nothing(mismatches: set[int]) -
 
 
 @pytest.mark.parametrize(
-    "verifier", [ExactVerifier(), RejectionVerifier(), fly(), MarginVerifier(), TypicalVerifier()]
+    "verifier", [ExactVerifier(), RejectionVerifier(), fly(), MarginVerifier(guard=BARE), TypicalVerifier(guard=BARE)]
 )
 def test_greedy_path_draws_no_random_numbers(verifier: Verifier) -> None:
     draft, logits, _ = scenario(15, {3, 12}, uncertain_at={3, 7, 12})
@@ -499,7 +503,7 @@ def test_fly_two_sample_accepts_more_often_than_rejection() -> None:
 )
 def test_margin_single_position(values: dict[int, float], base: float, draft_token: int, loose: bool) -> None:
     logits = table([row(values, base), certain(5)])
-    verdict = MarginVerifier().verify(draft_of([draft_token]), logits, GREEDY, None)
+    verdict = MarginVerifier(guard=BARE).verify(draft_of([draft_token]), logits, GREEDY, None)
     if loose:
         assert verdict == Verdict(tokens=[draft_token, 5], num_accepted=1, loose_positions=(0,), bonus=True)
     else:
@@ -516,20 +520,20 @@ def test_margin_multi_position() -> None:
             certain(0),
         ]
     )
-    verdict = MarginVerifier().verify(draft_of([4, 3, 8, 1]), logits, GREEDY, None)
+    verdict = MarginVerifier(guard=BARE).verify(draft_of([4, 3, 8, 1]), logits, GREEDY, None)
     assert verdict == Verdict(tokens=[4, 3, 8, 6], num_accepted=3, loose_positions=(1,))
 
 
 def test_margin_ratio_is_configurable() -> None:
     logits = table([row({0: 10.0, 1: 8.9}), certain(5)])
-    verdict = MarginVerifier(MarginConfig(logit_ratio=0.85)).verify(draft_of([1]), logits, GREEDY, None)
+    verdict = MarginVerifier(MarginConfig(logit_ratio=0.85), guard=BARE).verify(draft_of([1]), logits, GREEDY, None)
     assert verdict == Verdict(tokens=[1, 5], num_accepted=1, loose_positions=(0,), bonus=True)
 
 
 def test_margin_sampling_keeps_close_runner_up_over_certain_rejection() -> None:
     logits = table([row({0: 10.0, 1: 9.5}), row({3: 10.0, 4: 5.0}), certain(5)])
     sampling = SamplingConfig(temperature=0.7, top_k=1)
-    verdict = MarginVerifier().verify(draft_of([1, 4]), logits, sampling, torch.Generator().manual_seed(3))
+    verdict = MarginVerifier(guard=BARE).verify(draft_of([1, 4]), logits, sampling, torch.Generator().manual_seed(3))
     assert verdict == Verdict(tokens=[1, 3], num_accepted=1, loose_positions=(0,))
 
 
@@ -537,7 +541,7 @@ def test_margin_tied_top_logits_keep_the_other_tied_token() -> None:
     # z1 == z2 (ratio 1 > 0.9): whichever tied token the draft proposes is a target top-2 token.
     # argmax picks token 0, so the runner-up must be token 1 even though torch.topk orders the tie [1, 0].
     logits = table([row({0: 5.0, 1: 5.0}), certain(5)])
-    verdict = MarginVerifier().verify(draft_of([1]), logits, GREEDY, None)
+    verdict = MarginVerifier(guard=BARE).verify(draft_of([1]), logits, GREEDY, None)
     assert verdict == Verdict(tokens=[1, 5], num_accepted=1, loose_positions=(0,), bonus=True)
 
 
@@ -574,7 +578,7 @@ def test_typical_thresholds_of_the_tables() -> None:
 )
 def test_typical_single_position(probs: list[float], draft_token: int, accepted: bool) -> None:
     logits = table([logits_from_probs(probs), certain(5)])
-    verdict = TypicalVerifier().verify(draft_of([draft_token]), logits, GREEDY, None)
+    verdict = TypicalVerifier(guard=BARE).verify(draft_of([draft_token]), logits, GREEDY, None)
     if accepted:
         assert verdict == Verdict(tokens=[draft_token, 5], num_accepted=1, loose_positions=(0,), bonus=True)
     else:
@@ -592,13 +596,13 @@ def test_typical_loose_positions_exclude_argmax_tokens() -> None:
             certain(2),
         ]
     )
-    verdict = TypicalVerifier().verify(draft_of([0, 1, 7, 3, 5]), logits, GREEDY, None)
+    verdict = TypicalVerifier(guard=BARE).verify(draft_of([0, 1, 7, 3, 5]), logits, GREEDY, None)
     assert verdict == Verdict(tokens=[0, 1, 7, 3, 0], num_accepted=4, loose_positions=(1, 3))
 
 
 def test_typical_config_changes_the_threshold() -> None:
     logits = table([logits_from_probs(SPREAD), certain(5)])
-    verifier = TypicalVerifier(TypicalConfig(epsilon=0.03, delta=0.3))  # threshold 0.03
+    verifier = TypicalVerifier(TypicalConfig(epsilon=0.03, delta=0.3), guard=BARE)  # threshold 0.03
     verdict = verifier.verify(draft_of([4]), logits, GREEDY, None)
     assert verdict == Verdict(tokens=[4, 5], num_accepted=1, loose_positions=(0,), bonus=True)
 
@@ -607,7 +611,7 @@ def test_typical_sampling_uses_the_filtered_distribution() -> None:
     # At T>0 the criterion reads target_probs after top-k: token 3 (0.08 at T=1) is filtered out.
     logits = table([logits_from_probs(SPREAD), certain(5)])
     sampling = SamplingConfig(temperature=1.0, top_k=1)
-    verdict = TypicalVerifier().verify(draft_of([3]), logits, sampling, torch.Generator().manual_seed(0))
+    verdict = TypicalVerifier(guard=BARE).verify(draft_of([3]), logits, sampling, torch.Generator().manual_seed(0))
     assert verdict == Verdict(tokens=[0], num_accepted=0)
 
 

@@ -27,8 +27,7 @@ from flyspec.drafters.ngram_cache import NgramCache
 from flyspec.drafters.registry import LAYER_SKIP, NGRAM_LEVELS, Level, make_drafter
 from flyspec.models import DEFAULT_MODEL, LoadedModel, load_model, resolve_dtype, set_threads
 from flyspec.types import GenerationResult
-from flyspec.verifiers.guard import protected_mask
-from flyspec.verifiers.registry import LOSSLESS_VERIFIERS, make_verifier
+from flyspec.verifiers.registry import make_verifier
 
 ModelRef = str | LoadedModel
 
@@ -69,7 +68,8 @@ def build_decoder(
 ) -> SpeculativeDecoder:
     """A :class:`SpeculativeDecoder` from component names (the CLI, bench and server use this).
 
-    ``guard`` protects token classes from loose acceptance (lossy verifiers only; see ``verifiers/guard.py``).
+    ``guard``: the lossy verifiers' trust guards (default on; ``GuardConfig.bare()`` = the papers' bare
+    rules; see ``verifiers/guard.py``).
     ``draft_length`` makes the draft length adaptive; ``stack`` lists the levels of drafter ``"stack"``,
     bottom first: ``"ngram"``/``"ngram-cache"``, ``"layer-skip"`` or draft models (names, paths or loaded).
     ``ngram_cache``: the cache object (or its size) for ``ngram-cache``; by default one per model per process.
@@ -80,9 +80,7 @@ def build_decoder(
     )
     make_verifier(verifier)  # an unknown name fails before any model is loaded
     target_model = resolve_model(target, dtype)
-    verifier_obj = make_verifier(
-        verifier, fly=fly, margin=margin, typical=typical, protected=_guard_mask(target_model, guard, verifier)
-    )
+    verifier_obj = make_verifier(verifier, fly=fly, margin=margin, typical=typical, guard=guard)
     draft = resolve_model(draft_model, dtype) if draft_model is not None else None
     drafter_obj = make_drafter(
         drafter,
@@ -103,18 +101,6 @@ def _resolve_level(level: ModelRef, dtype: str | torch.dtype) -> Level:
     if isinstance(level, str) and level in (*NGRAM_LEVELS, LAYER_SKIP):
         return level
     return resolve_model(level, dtype)
-
-
-def _guard_mask(target: LoadedModel, guard: GuardConfig | None, verifier: str) -> torch.Tensor | None:
-    """The ``[vocab]`` protected-token mask for a lossy verifier, or None (no guard, or nothing to guard)."""
-    if guard is None or not guard.protect or verifier in LOSSLESS_VERIFIERS:
-        return None
-    return _cached_mask(target.tokenizer, guard.protect, int(getattr(target.model.config, "vocab_size", 0) or 0))
-
-
-@functools.lru_cache(maxsize=8)
-def _cached_mask(tokenizer: object, protect: tuple[str, ...], vocab_size: int) -> torch.Tensor:
-    return protected_mask(tokenizer, protect, vocab_size)  # type: ignore[arg-type]
 
 
 def generate(

@@ -157,6 +157,7 @@ def _record(
         "draft_model": args.draft_model,
         "verifier": args.verifier,
         "lossless": args.verifier in LOSSLESS_VERIFIERS,
+        "trust_guards": None if args.verifier in LOSSLESS_VERIFIERS else "bare" if args.bare_rule else "on",
         "dtype": str(dtype).removeprefix("torch."),
         "num_draft_tokens": args.num_draft_tokens,
         "temperature": args.temperature,
@@ -176,14 +177,34 @@ def _record(
     return record
 
 
+def _loose_lines(record: dict[str, Any], shown: int = 5) -> list[str]:
+    """One line explaining the first loose accepts, one for what the trust guards refused."""
+    lines = []
+    accepts = record["loose_accepts"]
+    if accepts:
+        explained = "; ".join(
+            f"#{a['index']} {a['draft_text']!r} for {a['target_text']!r} ({a['source']}, evidence {a['evidence']:.2f})"
+            for a in accepts[:shown]
+        )
+        more = f"; … {len(accepts) - shown} more (--json: loose_accepts)" if len(accepts) > shown else ""
+        lines.append(f"[loose accepts: kept instead of the target's choice] {explained}{more}")
+    if record["guard_vetoes"]:
+        vetoes = ", ".join(f"{reason} {count}" for reason, count in record["guard_vetoes"].items())
+        lines.append(f"[trust guards refused loose accepts] {vetoes}")
+    return lines
+
+
 def _print_summary(record: dict[str, Any]) -> None:
     label = "lossless" if record["lossless"] else "LOSSY: output may differ from plain decoding"
+    if record["trust_guards"] == "bare":
+        label += "; bare rule, no trust guards"
     lines = [
         f"[{record['drafter']} + {record['verifier']} ({label}), {record['dtype']}] "
         f"{record['num_new_tokens']} tokens in {record['wall_time_s']:.2f} s = {record['tokens_per_s']:.1f} tok/s, "
         f"τ = {record['mean_acceptance_length']:.2f} tokens/forward, "
         f"{record['num_loose_accepts']} loose accepts",
     ]
+    lines.extend(_loose_lines(record))
     if record["drafter_stats"]:
         lines.append(f"[drafter {record['drafter']}] {json.dumps(record['drafter_stats'], ensure_ascii=False)}")
     if len(record["requested_draft_lengths"]) > 1:

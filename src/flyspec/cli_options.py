@@ -28,7 +28,7 @@ from flyspec.models import DEFAULT_MODEL, DTYPES
 from flyspec.verifiers.registry import VERIFIERS
 
 _FLY, _MARGIN, _TYPICAL, _NGRAM = FlyConfig(), MarginConfig(), TypicalConfig(), NgramConfig()
-_LENGTH, _CACHE = DraftLengthConfig(), NgramCacheConfig()
+_LENGTH, _CACHE, _GUARD = DraftLengthConfig(), NgramCacheConfig(), GuardConfig()
 DEFAULT_NUM_NGRAM_TOKENS = 6
 
 
@@ -109,10 +109,16 @@ def add_speculation_options(parser: argparse.ArgumentParser, *, components: bool
     spec.add_argument(
         "--protect",
         action="append",
-        default=[],
-        choices=PROTECT_CLASSES,
-        help="lossy verifiers: never loosely accept a mismatch whose draft or target token has a digit "
-        "(digits) or an identifier character (identifiers, for code); repeatable; off by default",
+        choices=(*PROTECT_CLASSES, "none"),
+        help="lossy verifiers: token classes never loosely accepted (repeatable; replaces the default "
+        f"{'+'.join(_GUARD.protect)}): digits; names = identifiers inside code and names/identifiers of the "
+        "prompt; identifiers = every word; none",
+    )
+    spec.add_argument(
+        "--bare-rule",
+        action="store_true",
+        help="lossy verifiers: the paper's bare rule without flyspec's trust guards (top-3, protected tokens, "
+        "loop and copy checks), for ablations; EOS and n-gram-cache tokens stay protected",
     )
     spec.add_argument("--typical-epsilon", type=float, default=_TYPICAL.epsilon, help="typical acceptance epsilon")
     spec.add_argument("--typical-delta", type=float, default=_TYPICAL.delta, help="typical acceptance delta")
@@ -180,12 +186,26 @@ def speculation_options(args: argparse.Namespace) -> dict[str, Any]:
         "typical": TypicalConfig(args.typical_epsilon, args.typical_delta),
         "ngram": NgramConfig(args.max_ngram, args.min_ngram),
         "num_ngram_tokens": args.num_ngram_tokens,
-        "guard": GuardConfig(tuple(dict.fromkeys(args.protect))),
+        "guard": guard_options(args),
         "draft_length": DraftLengthConfig(args.adaptive_draft, args.min_draft_tokens, args.draft_confidence),
         "layer_skip": LayerSkipConfig(parse_skip_layers(args.skip_layers)),
         "ngram_cache": NgramCacheConfig(args.ngram_cache_entries),
         "stack": tuple(level.strip() for level in args.stack.split(",") if level.strip()),
     }
+
+
+def guard_options(args: argparse.Namespace) -> GuardConfig:
+    """The trust guards from ``--protect`` and ``--bare-rule``."""
+    if args.bare_rule:
+        if args.protect:
+            raise ConfigError("--bare-rule turns every trust guard off; drop --protect (or --bare-rule)")
+        return GuardConfig.bare()
+    if not args.protect:
+        return GuardConfig()
+    classes = tuple(dict.fromkeys(name for name in args.protect if name != "none"))
+    if classes and "none" in args.protect:
+        raise ConfigError("--protect none cannot be combined with other classes")
+    return GuardConfig(protect=classes)
 
 
 def parse_skip_layers(text: str) -> tuple[int, ...] | None:

@@ -166,18 +166,28 @@ class TypicalConfig:
         _require(0 < self.delta <= 1, f"delta must be in (0, 1] (got {self.delta})")
 
 
-PROTECT_CLASSES = ("digits", "identifiers")
+PROTECT_CLASSES = ("digits", "names", "identifiers")
 
 
 @dataclass(frozen=True)
 class GuardConfig:
-    """Protected-token guard for the lossy verifiers (see ``verifiers/guard.py``).
+    """Trust guards of the lossy verifiers (fly, margin, typical); see ``verifiers/guard.py``.
 
-    ``protect`` names token classes that are never loosely accepted: a mismatch whose draft token
-    or target top token belongs to a class is judged strictly. ``()`` (the default) disables it.
+    On by default. :meth:`bare` gives the papers' bare rules for ablations; even then EOS and
+    n-gram-cache tokens are never loosely accepted (those are defects, not trade-offs).
+
+    ``protect``: token classes never loosely accepted (``digits``; ``names`` = identifiers inside
+    code and names/identifiers that occur in the prompt; ``identifiers`` = every word).
+    ``top_k``: a loose accept must be one of the target's ``top_k`` tokens (0: off).
+    ``repeat_ngram``: n-gram length of the loop and copy guards (0: both off).
+    ``copy_ratio``: a loose token inside a copy of the prompt needs
+    ``p_target(token) >= copy_ratio * p_target(top token)`` (0: copies are not checked).
     """
 
-    protect: tuple[str, ...] = ()
+    protect: tuple[str, ...] = ("digits", "names")
+    top_k: int = 3
+    repeat_ngram: int = 4
+    copy_ratio: float = 0.5
 
     def __post_init__(self) -> None:
         for name in self.protect:
@@ -185,6 +195,23 @@ class GuardConfig:
                 name in PROTECT_CLASSES,
                 f"unknown protected token class {name!r}; choose from: {', '.join(PROTECT_CLASSES)}",
             )
+        _require(self.top_k >= 0, f"guard top_k must be >= 0 (got {self.top_k}); 0 disables it")
+        _require(
+            self.repeat_ngram == 0 or self.repeat_ngram >= 2,
+            f"guard repeat_ngram must be 0 (off) or >= 2 (got {self.repeat_ngram})",
+        )
+        _require(
+            0 <= self.copy_ratio <= 1, f"guard copy_ratio must be in [0, 1] (got {self.copy_ratio}); 0 disables it"
+        )
+
+    @staticmethod
+    def bare() -> GuardConfig:
+        """The papers' bare rules: only the always-on EOS and cache guards remain."""
+        return GuardConfig(protect=(), top_k=0, repeat_ngram=0, copy_ratio=0.0)
+
+    @property
+    def is_bare(self) -> bool:
+        return self == GuardConfig.bare()
 
 
 @dataclass(frozen=True)

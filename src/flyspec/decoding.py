@@ -18,7 +18,7 @@ from flyspec.stats import DecodeStats
 from flyspec.stopping import Stopper
 from flyspec.streaming import GenerationStream, Step
 from flyspec.target import Target
-from flyspec.types import Draft, GenerationResult, Verdict
+from flyspec.types import Draft, GenerationResult, Verdict, VerifyContext
 from flyspec.verifiers.base import Verifier
 
 Prompt = str | list[dict[str, str]] | list[int]
@@ -110,16 +110,13 @@ class SpeculativeDecoder(Decoder):
         self.verifier = verifier
         self.validate(self.config)
 
-    def _window_size(self) -> int:
-        """FLy's deferred window (0 for other verifiers): adaptive drafts never get shorter than it."""
-        return int(getattr(getattr(self.verifier, "config", None), "window_size", 0))
-
     def validate(self, config: DecodeConfig) -> None:
-        window = self._window_size()
-        if window > config.num_draft_tokens:
+        shortest = self.verifier.min_draft_tokens
+        if config.num_draft_tokens < shortest:
             raise ConfigError(
-                f"window_size ({window}) is larger than num_draft_tokens ({config.num_draft_tokens}); "
-                "no mismatch could ever be judged: lower --window-size or raise --num-draft-tokens"
+                f"num_draft_tokens ({config.num_draft_tokens}) is too short for verifier {self.verifier.name!r}: "
+                f"it needs at least {shortest} (FLy: window_size + 1, or no mismatch could ever be judged); "
+                "raise --num-draft-tokens or lower --window-size"
             )
 
     def _steps(
@@ -132,11 +129,12 @@ class SpeculativeDecoder(Decoder):
     ) -> Iterator[Step]:
         self.drafter.reset(prompt_ids)
         token_ids = self._prefill(prompt_ids, stats)
-        draft_length = DraftLength(config.draft_length, config.num_draft_tokens, floor=self._window_size())
+        context = VerifyContext(token_ids, len(prompt_ids), self.loaded.vocabulary)  # shares token_ids
+        draft_length = DraftLength(config.draft_length, config.num_draft_tokens, floor=self.verifier.min_draft_tokens)
         try:
             while not stopper.finished:
                 length = draft_length.next()
-                committed, verdict, num_drafted = self._step(token_ids, length, config, generator, stopper, stats)
+                committed, verdict, num_drafted = self._step(context, length, config, generator, stopper, stats)
                 token_ids += committed
                 stats.observe(num_drafted, verdict, len(committed), requested=length)
                 draft_length.observe(num_drafted, verdict.num_accepted)
@@ -149,7 +147,7 @@ class SpeculativeDecoder(Decoder):
 
     def _step(
         self,
-        token_ids: list[int],
+        context: VerifyContext,
         length: int,
         config: DecodeConfig,
         generator: torch.Generator | None,
@@ -159,11 +157,12 @@ class SpeculativeDecoder(Decoder):
         """Draft ≤ ``length`` tokens, score them in one target forward, verify: (committed, verdict, drafted)."""
         # never draft past the length limit: the last slot is the recovered/bonus token
         budget = min(length, stopper.remaining - 1)
+        token_ids = context.token_ids
         started = time.perf_counter()
         draft = self.drafter.propose(token_ids, budget, config.sampling, generator) if budget > 0 else Draft.empty()
         drafted = time.perf_counter()
         target_logits = self.target.score(token_ids[-1], draft.tokens)  # [k + 1, vocab]
         stats.draft_time_s += drafted - started
         stats.target_time_s += time.perf_counter() - drafted
-        verdict = self.verifier.verify(draft, target_logits, config.sampling, generator)
+        verdict = self.verifier.verify(draft, target_logits, config.sampling, generator, context)
         return stopper.commit(verdict.tokens), verdict, draft.num_tokens

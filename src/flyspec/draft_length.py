@@ -19,7 +19,7 @@ class DraftLength:
     def __init__(self, config: DraftLengthConfig, num_draft_tokens: int, floor: int = 1) -> None:
         self.adaptive = config.adaptive
         self.maximum = num_draft_tokens
-        # never below the floor (e.g. FLy's window, so mismatches stay judgeable), never above the maximum
+        # never below the floor (the verifier's min_draft_tokens: FLy's window + 1), never above the maximum
         self.minimum = min(max(config.min_tokens, floor), num_draft_tokens)
         self.current = num_draft_tokens
 

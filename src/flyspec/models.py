@@ -11,6 +11,7 @@ and the transformers version, so a changed file or a new converter gets a fresh 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import logging
@@ -27,6 +28,7 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from flyspec.config import ConfigError
+from flyspec.verifiers.tokens import Vocabulary
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +74,12 @@ class LoadedModel:
             elif source is not None:
                 ids.update(int(i) for i in source)
         return frozenset(ids)
+
+    @functools.cached_property
+    def vocabulary(self) -> Vocabulary:
+        """Token facts for the trust guards (EOS ids, token classes), built once per loaded model."""
+        vocab_size = int(getattr(self.model.config, "vocab_size", 0) or 0)
+        return Vocabulary(self.tokenizer, self.eos_token_ids, vocab_size)
 
     @property
     def has_chat_template(self) -> bool:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from flyspec.types import Verdict
@@ -25,6 +25,9 @@ class DecodeStats:
     draft_time_s: float = 0.0  # in Drafter.propose (model forwards for model drafters, lookups for n-gram)
     requested_draft_lengths: dict[int, int] = field(default_factory=dict)  # draft length asked for → steps
     drafter: dict[str, Any] = field(default_factory=dict)  # Drafter.report() at the end of the generation
+    # every committed loose accept, explained (types.LooseAccept + "index" into the output; texts added at the end)
+    loose_accepts: list[dict[str, Any]] = field(default_factory=list)
+    guard_vetoes: dict[str, int] = field(default_factory=dict)  # trust guard → loose accepts it refused
 
     def observe(
         self, num_proposed: int, verdict: Verdict | None, num_committed: int, requested: int | None = None
@@ -34,9 +37,15 @@ class DecodeStats:
         if requested is not None:
             self.requested_draft_lengths[requested] = self.requested_draft_lengths.get(requested, 0) + 1
         self.num_proposed += num_proposed
+        offset = self.num_new_tokens  # output index of this step's first token
         self.num_new_tokens += num_committed
         if verdict is None:  # plain decoding step
             return
+        for loose in verdict.loose:
+            if loose.position < num_committed:
+                self.loose_accepts.append({"index": offset + loose.position, **asdict(loose)})
+        for reason in verdict.vetoes:
+            self.guard_vetoes[reason] = self.guard_vetoes.get(reason, 0) + 1
         # Only what was committed counts: EOS / stop / length may cut a verdict short.
         accepted = min(verdict.num_accepted, num_committed)
         self.num_accepted += accepted
@@ -58,6 +67,13 @@ class DecodeStats:
         """The mean draft length asked of the drafter (constant unless the length is adaptive)."""
         steps = sum(self.requested_draft_lengths.values())
         return sum(length * count for length, count in self.requested_draft_lengths.items()) / steps if steps else 0.0
+
+    @property
+    def loose_accepts_by_source(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for record in self.loose_accepts:
+            counts[record["source"]] = counts.get(record["source"], 0) + 1
+        return dict(sorted(counts.items()))
 
     @property
     def acceptance_rate(self) -> float:
@@ -88,6 +104,9 @@ class DecodeStats:
             },
             "mean_requested_draft_length": self.mean_requested_draft_length,
             "drafter_stats": dict(self.drafter),
+            "loose_accepts": [dict(record) for record in self.loose_accepts],
+            "loose_accepts_by_source": self.loose_accepts_by_source,
+            "guard_vetoes": dict(sorted(self.guard_vetoes.items())),
             "wall_time_s": self.wall_time_s,
             "prefill_time_s": self.prefill_time_s,
             "target_time_s": self.target_time_s,

@@ -39,6 +39,7 @@ class GenerationStream:
             if piece:
                 yield piece
         self._stats.wall_time_s = time.perf_counter() - started
+        self._explain_loose_accepts()
         final = self._stopper.text()
         self.result = GenerationResult(
             text=final,
@@ -57,6 +58,15 @@ class GenerationStream:
             pass
         assert self.result is not None
         return self.result
+
+    def _explain_loose_accepts(self) -> None:
+        """Add the texts of each loose accept's tokens, and the output text before it, to its record."""
+        tokenizer = self._stopper.tokenizer
+        generated = self._stopper.generated
+        for record in self._stats.loose_accepts:
+            record["draft_text"] = tokenizer.decode([record["draft_token"]])
+            record["target_text"] = tokenizer.decode([record["target_token"]])
+            record["before"] = tokenizer.decode(generated[max(0, record["index"] - 8) : record["index"]])
 
     def _settled_delta(self) -> str:
         text = self._stopper.text()

@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 if TYPE_CHECKING:
     from flyspec.stats import DecodeStats
+
+
+# Where a draft token came from. The trust guards (verifiers/guard.py) treat copies and cache
+# entries differently from model drafts, and every loose accept reports its source.
+PROMPT_COPY = "prompt-copy"  # copied from the prompt (n-gram lookup)
+OUTPUT_COPY = "output-copy"  # copied from the text generated so far (n-gram lookup)
+CACHE = "cache"  # from the n-gram cache of earlier generations: memory, not this request's text
+MODEL = "model"  # proposed (or checked) by a draft model
+UNKNOWN_SOURCE = "unknown"
+SOURCES = (PROMPT_COPY, OUTPUT_COPY, CACHE, MODEL, UNKNOWN_SOURCE)
 
 
 @dataclass(frozen=True)
@@ -21,12 +31,19 @@ class Draft:
 
     tokens: torch.Tensor  # [k] int64, k may be 0
     draft_probs: torch.Tensor | None = None  # [k, vocab] float32
+    sources: tuple[str, ...] | None = None  # [k] provenance of each token (SOURCES); None = unknown
 
     def __post_init__(self) -> None:
         if self.tokens.dim() != 1:
             raise ValueError(f"draft tokens must be 1-D, got shape {tuple(self.tokens.shape)}")
         if self.draft_probs is not None and self.draft_probs.shape[0] != self.tokens.shape[0]:
             raise ValueError("draft_probs must have one row per draft token")
+        if self.sources is not None and len(self.sources) != self.tokens.shape[0]:
+            raise ValueError("sources must name one provenance per draft token")
+
+    def source(self, position: int) -> str:
+        """Where draft token ``position`` came from (one of :data:`SOURCES`)."""
+        return self.sources[position] if self.sources is not None else UNKNOWN_SOURCE
 
     @property
     def num_tokens(self) -> int:
@@ -35,6 +52,22 @@ class Draft:
     @staticmethod
     def empty() -> Draft:
         return Draft(torch.empty(0, dtype=torch.long))
+
+
+@dataclass(frozen=True)
+class LooseAccept:
+    """One loose accept, explained: what the target wanted, what was kept instead, and why.
+
+    ``evidence`` is the lossy rule's own measure at that position: FLy's top-k entropy (nats),
+    MARS's closeness (``z2/z1``, or ``p2/p1`` where a logit is <= 0), typical acceptance's
+    target probability of the draft token.
+    """
+
+    position: int  # draft position j (the decoder turns it into an index into the output)
+    draft_token: int  # the token kept
+    target_token: int  # the target's top choice at j
+    evidence: float
+    source: str  # where the draft token came from (SOURCES)
 
 
 @dataclass(frozen=True)
@@ -48,10 +81,36 @@ class Verdict:
     num_accepted: int
     loose_positions: tuple[int, ...] = ()
     bonus: bool = False
+    loose: tuple[LooseAccept, ...] = field(default=(), compare=False)  # one per loose position: why it was kept
+    vetoes: tuple[str, ...] = field(default=(), compare=False)  # guards that refused the first rejected position
 
     def __post_init__(self) -> None:
         if len(self.tokens) != self.num_accepted + 1:
             raise ValueError("a verdict commits the accepted draft tokens plus one recovered/bonus token")
+
+
+@dataclass
+class VerifyContext:
+    """What a verifier may know besides the draft and the target's logits: the generation so far.
+
+    Built by the decoder once per generation; ``token_ids`` is the decoder's own list of
+    committed tokens (prompt, then output), so it is current at every step. ``vocabulary`` holds
+    the target's per-model token facts (EOS ids, token classes; ``verifiers/tokens.py``).
+    ``memo`` keeps values derived from the prompt once per generation (e.g. its names).
+    """
+
+    token_ids: list[int]
+    prompt_length: int
+    vocabulary: Any = None  # verifiers.tokens.Vocabulary, or None (then only vocabulary-free guards apply)
+    memo: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.token_ids[: self.prompt_length]
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_length :]
 
 
 @dataclass

@@ -38,9 +38,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     run_group = parser.add_argument_group("run")
     run_group.add_argument(
         "--methods",
-        help="comma-separated: baseline, <ngram|ngram-cache|draft|multilevel|layer-skip|stack>+<verifier>, "
-        "hf-plain, hf-lookup, hf-assisted, "
-        "llamacpp-plain, llamacpp-lookup (default: baseline, ngram+{exact,fly,margin,typical}, hf-plain, hf-lookup; "
+        help="comma-separated: baseline, <ngram|ngram-cache|draft|multilevel|layer-skip|stack>+<verifier>[+bare] "
+        "(+bare: a lossy verifier without the trust guards), hf-plain, hf-lookup, hf-assisted, "
+        "llamacpp-plain, llamacpp-lookup (default: baseline, ngram+{exact,fly,fly+bare,margin,typical}, hf-plain, "
+        "hf-lookup; "
         "with --draft-model also draft+exact, draft+fly, multilevel+fly, hf-assisted)",
     )
     run_group.add_argument("--repeats", type=int, default=1, help="runs per prompt and method; medians reported")

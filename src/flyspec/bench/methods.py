@@ -1,10 +1,11 @@
 """Benchmark method names: ours (``drafter+verifier``, ``baseline``) and peers.
 
 ``baseline`` is flyspec's plain autoregressive decoding, the denominator of every speedup.
-Our speculative methods are ``<drafter>+<verifier>`` with drafter ``ngram``, ``ngram-cache``
+Our speculative methods are ``<drafter>+<verifier>[+bare]`` with drafter ``ngram``, ``ngram-cache``
 (prompt lookup plus the n-gram cache of earlier generations), ``draft`` (a separate draft model,
 any tokenizer), ``multilevel`` (n-gram → draft model → target), ``layer-skip`` (the target with
-layers skipped) or ``stack`` (the ``--stack`` levels), and any verifier.
+layers skipped) or ``stack`` (the ``--stack`` levels), and any verifier; ``+bare`` runs a lossy
+verifier as the paper's bare rule, without flyspec's trust guards (``GuardConfig.bare()``).
 Peers run in the same process on the same prompt ids and weights:
 
 * ``hf-plain``: transformers ``generate()`` greedy;
@@ -34,7 +35,16 @@ PEERS = ("hf-plain", "hf-lookup", "hf-assisted", "llamacpp-plain", "llamacpp-loo
 # The plain decoding each peer's own speedup is measured against.
 PEER_PLAIN = {"hf-lookup": "hf-plain", "hf-assisted": "hf-plain", "llamacpp-lookup": "llamacpp-plain"}
 
-DEFAULT_METHODS = ("baseline", "ngram+exact", "ngram+fly", "ngram+margin", "ngram+typical", "hf-plain", "hf-lookup")
+DEFAULT_METHODS = (
+    "baseline",
+    "ngram+exact",
+    "ngram+fly",
+    "ngram+fly+bare",
+    "ngram+margin",
+    "ngram+typical",
+    "hf-plain",
+    "hf-lookup",
+)
 DEFAULT_DRAFT_METHODS = ("draft+exact", "draft+fly", "multilevel+fly", "hf-assisted")
 
 
@@ -46,6 +56,7 @@ class Method:
     drafter: str | None = None  # registry name; None for baseline and peers
     verifier: str | None = None
     peer: bool = False
+    bare: bool = False  # a lossy verifier without the trust guards (the paper's bare rule)
 
     @property
     def lossless(self) -> bool:
@@ -64,10 +75,13 @@ def parse_method(name: str) -> Method:
     if name in PEERS:
         return Method(name, peer=True)
     drafter, plus, verifier = name.partition("+")
-    if plus and drafter in DRAFTER_ALIASES and verifier in VERIFIERS:
-        return Method(name, DRAFTER_ALIASES[drafter], verifier)
+    verifier, _, variant = verifier.partition("+")
+    if variant == "bare" and verifier in LOSSLESS_VERIFIERS:
+        raise ConfigError(f"method {name!r}: {verifier} is lossless and has no trust guards to remove; drop +bare")
+    if plus and drafter in DRAFTER_ALIASES and verifier in VERIFIERS and variant in ("", "bare"):
+        return Method(name, DRAFTER_ALIASES[drafter], verifier, bare=variant == "bare")
     raise ConfigError(
-        f"unknown method {name!r}; use baseline, <drafter>+<verifier> with drafter in "
+        f"unknown method {name!r}; use baseline, <drafter>+<verifier>[+bare] with drafter in "
         f"{'/'.join(DRAFTER_ALIASES)} and verifier in {'/'.join(VERIFIERS)}, or a peer: {', '.join(PEERS)}"
     )
 

@@ -20,7 +20,7 @@ from flyspec.api import build_decoder, make_generator
 from flyspec.baseline import PlainDecoder
 from flyspec.bench.data import BenchPrompt
 from flyspec.bench.methods import Method
-from flyspec.config import DecodeConfig, SamplingConfig
+from flyspec.config import DecodeConfig, GuardConfig, SamplingConfig
 from flyspec.decoding import Decoder
 from flyspec.drafters.cross_tokenizer import tokenizers_match
 from flyspec.drafters.ngram_cache import NgramCache
@@ -82,6 +82,8 @@ class FlyspecRunner:
                 # a cache of its own: shared with the other methods it would hold this very prompt's
                 # answer (they run it first), and the method would be measured on repeated requests
                 speculation["ngram_cache"] = NgramCache(speculation.get("ngram_cache"), speculation.get("ngram"))
+            if method.bare:
+                speculation["guard"] = GuardConfig.bare()
             self.decoder = build_decoder(
                 target, method.drafter, method.verifier, draft, sampling=settings.sampling, **speculation
             )

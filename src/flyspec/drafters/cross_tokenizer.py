@@ -56,7 +56,7 @@ from transformers import PreTrainedTokenizerBase
 
 from flyspec.config import ConfigError, SamplingConfig
 from flyspec.drafters.base import Drafter
-from flyspec.types import Draft
+from flyspec.types import MODEL, Draft
 
 REPLACEMENT_CHARACTER = "\ufffd"  # what an incomplete UTF-8 sequence decodes to
 MAX_ANCHOR_TRIES = 4  # cut points tried before a draft-side update re-encodes the whole text
@@ -314,7 +314,7 @@ class CrossTokenizerDrafter:
         if not target_tokens:
             self.num_empty_drafts += 1
             return Draft.empty()
-        return Draft(torch.tensor(target_tokens, dtype=torch.long))
+        return Draft(torch.tensor(target_tokens, dtype=torch.long), sources=(MODEL,) * len(target_tokens))
 
     def rollback(self, num_committed: int) -> None:
         """Nothing to do now: the next ``propose`` re-syncs from the committed ids it is given."""

@@ -28,7 +28,7 @@ from flyspec.drafters.ngram import NgramDrafter
 from flyspec.models import LoadedModel
 from flyspec.sampling import logits_to_probs, uniform
 from flyspec.target import CachedModel
-from flyspec.types import Draft
+from flyspec.types import MODEL, Draft
 from flyspec.verifiers.base import draft_probs_or_one_hot, num_leading_true
 from flyspec.verifiers.rejection import rejection_accept_mask, rejection_next_token
 
@@ -124,7 +124,7 @@ class DraftModelDrafter:
                 self.num_confidence_stops += 1
                 break
         draft_probs = torch.cat(probs) if probs else None
-        return Draft(torch.tensor(drafted, dtype=torch.long), draft_probs)
+        return Draft(torch.tensor(drafted, dtype=torch.long), draft_probs, sources=(MODEL,) * len(drafted))
 
     def _proposal(
         self, sequence: list[int], room: int, sampling: SamplingConfig, generator: torch.Generator | None

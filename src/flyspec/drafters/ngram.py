@@ -17,11 +17,12 @@ import numpy as np
 import torch
 
 from flyspec.config import NgramConfig, SamplingConfig
-from flyspec.types import Draft
+from flyspec.types import OUTPUT_COPY, PROMPT_COPY, Draft
 
 
-def ngram_lookup(token_ids: list[int], max_tokens: int, max_ngram: int, min_ngram: int) -> list[int]:
-    """Continuation (≤ ``max_tokens`` tokens) of an earlier match of the longest matching suffix."""
+def ngram_match(token_ids: list[int], max_tokens: int, max_ngram: int, min_ngram: int) -> list[int]:
+    """Where the draft is copied from: context indices of the continuation (≤ ``max_tokens``) of an
+    earlier match of the longest matching suffix; empty when nothing matches."""
     if max_tokens <= 0:
         return []
     context = np.asarray(token_ids, dtype=np.int64)
@@ -33,17 +34,29 @@ def ngram_lookup(token_ids: list[int], max_tokens: int, max_ngram: int, min_ngra
         if starts.size:
             begin = int(starts[-1]) + n
             period = length - begin  # the continuation runs into the suffix: copy it on, LZ77-style
-            return [int(context[begin + step % period]) for step in range(max_tokens)]
+            return [begin + step % period for step in range(max_tokens)]
     return []
+
+
+def ngram_lookup(token_ids: list[int], max_tokens: int, max_ngram: int, min_ngram: int) -> list[int]:
+    """Continuation (≤ ``max_tokens`` tokens) of an earlier match of the longest matching suffix."""
+    return [token_ids[index] for index in ngram_match(token_ids, max_tokens, max_ngram, min_ngram)]
+
+
+def copy_sources(indices: list[int], prompt_length: int) -> tuple[str, ...]:
+    """Each copied token's provenance: from the prompt or from the generated output."""
+    return tuple(PROMPT_COPY if index < prompt_length else OUTPUT_COPY for index in indices)
 
 
 @dataclass
 class NgramDrafter:
     config: NgramConfig = field(default_factory=NgramConfig)
     name: str = "ngram"
+    prompt_length: int = 0  # per generation: tells prompt copies from output copies
 
     def reset(self, prompt_ids: list[int]) -> None:
-        """Stateless: the lookup reads the committed tokens passed to ``propose``."""
+        """The lookup reads the committed tokens passed to ``propose``; only the prompt's length is kept."""
+        self.prompt_length = len(prompt_ids)
 
     def propose(
         self,
@@ -52,8 +65,9 @@ class NgramDrafter:
         sampling: SamplingConfig,
         generator: torch.Generator | None,
     ) -> Draft:
-        tokens = ngram_lookup(token_ids, num_draft_tokens, self.config.max_ngram, self.config.min_ngram)
-        return Draft(torch.tensor(tokens, dtype=torch.long))
+        indices = ngram_match(token_ids, num_draft_tokens, self.config.max_ngram, self.config.min_ngram)
+        tokens = [token_ids[index] for index in indices]
+        return Draft(torch.tensor(tokens, dtype=torch.long), sources=copy_sources(indices, self.prompt_length))
 
     def rollback(self, num_committed: int) -> None:
         """Stateless: nothing to roll back."""

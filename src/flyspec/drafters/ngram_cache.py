@@ -7,7 +7,7 @@ cache per target model is shared by all requests of a process (``shared_ngram_ca
 
 Draft rule of :class:`NgramCacheDrafter`: the longest match wins. For ``n`` from ``max_ngram``
 down to ``min_ngram``: if the last ``n`` committed tokens occur earlier in the current context,
-draft the prompt-lookup continuation (``ngram_lookup``); otherwise, if the cache knows those ``n``
+draft the prompt-lookup continuation (``ngram_match``); otherwise, if the cache knows those ``n``
 tokens, draft the cache's chained continuation. A 3-gram cache hit thus beats a 1-gram context
 match; at equal length the context wins (its continuation is read off one occurrence and is
 extended periodically, while the cache can only chain single-token predictions).
@@ -29,8 +29,8 @@ from typing import Any
 import torch
 
 from flyspec.config import ConfigError, NgramCacheConfig, NgramConfig, SamplingConfig
-from flyspec.drafters.ngram import ngram_lookup
-from flyspec.types import Draft
+from flyspec.drafters.ngram import copy_sources, ngram_match
+from flyspec.types import CACHE, Draft
 
 logger = logging.getLogger(__name__)
 
@@ -293,6 +293,7 @@ class NgramCacheDrafter:
     def reset(self, prompt_ids: list[int]) -> None:
         self.counters = NgramCacheCounters()
         self._num_committed = len(prompt_ids)
+        self._prompt_length = len(prompt_ids)
         self._pending: tuple[str, int] = ("none", 0)  # source and size of the draft being verified
 
     def propose(
@@ -303,7 +304,7 @@ class NgramCacheDrafter:
         generator: torch.Generator | None,
     ) -> Draft:
         self._num_committed = len(token_ids)
-        source, tokens = self._draft(token_ids, num_draft_tokens)
+        source, tokens, sources = self._draft(token_ids, num_draft_tokens)
         self._pending = (source, len(tokens))
         if source == "context":
             self.counters.context_drafts += 1
@@ -311,22 +312,23 @@ class NgramCacheDrafter:
         elif source == "cache":
             self.counters.cache_drafts += 1
             self.counters.cache_draft_tokens += len(tokens)
-        return Draft(torch.tensor(tokens, dtype=torch.long))
+        return Draft(torch.tensor(tokens, dtype=torch.long), sources=sources)
 
-    def _draft(self, token_ids: list[int], num_tokens: int) -> tuple[str, list[int]]:
-        """(source, tokens): the longest match of the context and the cache; the context wins ties."""
+    def _draft(self, token_ids: list[int], num_tokens: int) -> tuple[str, list[int], tuple[str, ...]]:
+        """(source, tokens, per-token provenance): the longest match of the context and the cache; the
+        context wins ties. Cache tokens are marked ``CACHE``: the trust guards never loosely accept them."""
         if num_tokens <= 0:
-            return "none", []
+            return "none", [], ()
         match = self.cache.longest_match(token_ids, self.ngram.max_ngram, self.ngram.min_ngram)
         self.counters.cache_lookups += 1
         self.counters.cache_hits += match is not None
         # the context needs a match at least as long as the cache's to win
         shortest = self.ngram.min_ngram if match is None else match[0]
-        tokens = ngram_lookup(token_ids, num_tokens, self.ngram.max_ngram, shortest)
-        if tokens:
-            return "context", tokens
+        indices = ngram_match(token_ids, num_tokens, self.ngram.max_ngram, shortest)
+        if indices:
+            return "context", [token_ids[i] for i in indices], copy_sources(indices, self._prompt_length)
         if match is None:
-            return "none", []
+            return "none", [], ()
         first = match[1]
         rest = self.cache.continuation(
             [*token_ids[-self.ngram.max_ngram :], first], num_tokens - 1, self.ngram.max_ngram, self.ngram.min_ngram
@@ -334,7 +336,7 @@ class NgramCacheDrafter:
         # counted as NgramCache.continuation does: one lookup per token, plus the miss that ended the chain
         self.counters.cache_lookups += len(rest) + (len(rest) < num_tokens - 1)
         self.counters.cache_hits += len(rest)
-        return "cache", [first, *rest]
+        return "cache", [first, *rest], (CACHE,) * (1 + len(rest))
 
     def rollback(self, num_committed: int) -> None:
         """Credit the accepted draft tokens to their source: the step committed them plus one recovered/bonus."""

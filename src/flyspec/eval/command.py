@@ -46,7 +46,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     work.add_argument(
         "--methods",
         default=",".join(DEFAULT_METHODS),
-        help="comma-separated VERIFIER[+guard|+digits|+identifiers]; plain decoding always runs "
+        help="comma-separated VERIFIER[+bare|+guard|+digits|+names|+identifiers]; plain decoding always runs "
         f"(default {','.join(DEFAULT_METHODS)})",
     )
     work.add_argument("--limit", type=int, help="first N items per task (default: all)")
@@ -85,8 +85,10 @@ def _build_config(args: argparse.Namespace) -> Any:
         raise ConfigError(f"--max-new-tokens must be >= 1 (got {args.max_new_tokens})")
     if not 0 <= args.floor < 1 or args.resamples < 100:
         raise ConfigError("--floor must be in [0, 1) and --resamples >= 100")
-    if args.protect:
-        raise ConfigError("eval sets the guard per method: use e.g. --methods fly,fly+guard,fly+digits, not --protect")
+    if args.protect or args.bare_rule:
+        raise ConfigError(
+            "eval sets the guards per method: use e.g. --methods fly,fly+bare,fly+guard, not --protect/--bare-rule"
+        )
     methods = parse_methods(args.methods)
     tasks = resolve_tasks(_split(args.tasks)) + [custom_task(Path(f), args.metric) for f in args.task_file]
     if not tasks:

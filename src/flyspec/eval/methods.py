@@ -1,26 +1,30 @@
-"""Method specs: a verifier name, optionally with the protected-token guard.
+"""Method specs: a verifier name, optionally with a variant of the trust guards.
 
-``VERIFIER[+GUARD]`` where ``VERIFIER`` is one of ``flyspec.verifiers.VERIFIERS`` and ``GUARD``:
+``VERIFIER[+VARIANT]`` where ``VERIFIER`` is one of ``flyspec.verifiers.VERIFIERS``. A lossy
+verifier runs with its default trust guards (``GuardConfig()``, see ``verifiers/guard.py``) unless
+``VARIANT`` says otherwise:
 
+``+bare``
+    the paper's bare rule (``GuardConfig.bare()``), for ablations;
 ``+guard``
-    digits on every task, digits and identifiers on code tasks (HumanEval);
-``+digits`` / ``+identifiers``
-    that token class on every task.
+    the default guards, protecting digits on every task and digits and every identifier on code tasks;
+``+digits`` / ``+names`` / ``+identifiers``
+    the default guards, protecting only that token class on every task.
 
-Examples: ``exact``, ``fly``, ``fly+guard``, ``margin+digits``. Plain decoding (``plain``) is
+Examples: ``exact``, ``fly``, ``fly+bare``, ``margin+identifiers``. Plain decoding (``plain``) is
 always run: it is the baseline every method is compared with.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from flyspec.config import PROTECT_CLASSES, ConfigError
+from flyspec.config import PROTECT_CLASSES, ConfigError, GuardConfig
 from flyspec.verifiers.registry import LOSSLESS_VERIFIERS, VERIFIERS
 
 BASELINE = "plain"
-DEFAULT_METHODS = ("exact", "fly", "fly+guard", "margin")
-GUARDS = ("guard", *PROTECT_CLASSES)
+DEFAULT_METHODS = ("exact", "fly", "fly+bare", "margin")
+GUARDS = ("bare", "guard", *PROTECT_CLASSES)
 
 
 @dataclass(frozen=True)
@@ -33,13 +37,19 @@ class Method:
     def lossless(self) -> bool:
         return self.verifier in LOSSLESS_VERIFIERS
 
-    def protect(self, task_kind: str) -> tuple[str, ...]:
-        """The token classes the guard protects on a task of this kind."""
-        if self.guard is None:
-            return ()
+    def guard_config(self, task_kind: str) -> GuardConfig:
+        """The trust guards this method runs with on a task of this kind."""
+        if self.guard == "bare":
+            return GuardConfig.bare()
         if self.guard == "guard":
-            return ("digits", "identifiers") if task_kind == "code" else ("digits",)
-        return (self.guard,)
+            return replace(GuardConfig(), protect=("digits", "identifiers") if task_kind == "code" else ("digits",))
+        if self.guard is not None:
+            return replace(GuardConfig(), protect=(self.guard,))
+        return GuardConfig()
+
+    def protect(self, task_kind: str) -> tuple[str, ...]:
+        """The token classes protected on a task of this kind (none for lossless methods)."""
+        return () if self.lossless else self.guard_config(task_kind).protect
 
 
 def parse_method(spec: str) -> Method:
@@ -52,7 +62,9 @@ def parse_method(spec: str) -> Method:
     if guard and guard not in GUARDS:
         raise ConfigError(f"unknown guard {guard!r} in method {spec!r}; choose +{', +'.join(GUARDS)}")
     if guard and verifier in LOSSLESS_VERIFIERS:
-        raise ConfigError(f"method {spec!r}: {verifier} is lossless and never loosely accepts, so a guard does nothing")
+        raise ConfigError(
+            f"method {spec!r}: {verifier} is lossless and never loosely accepts, so a guard variant does nothing"
+        )
     return Method(spec.strip(), verifier, guard or None)
 
 

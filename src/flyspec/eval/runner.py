@@ -20,7 +20,7 @@ from typing import Any
 
 from flyspec.api import build_decoder, make_generator
 from flyspec.baseline import PlainDecoder
-from flyspec.config import ConfigError, DecodeConfig, GuardConfig
+from flyspec.config import ConfigError, DecodeConfig
 from flyspec.decoding import Decoder
 from flyspec.eval import fidelity
 from flyspec.eval.data import EvalItem, LoadReport
@@ -189,7 +189,7 @@ class EvalRunner:
                 method.verifier,
                 max_new_tokens=max_new_tokens,
                 stop=task.stop,
-                guard=GuardConfig(method.protect(task.kind)),
+                guard=method.guard_config(task.kind),
                 **self.config.speculation,
             )
         for decoder in decoders.values():  # warm-up: the first call pays one-off costs

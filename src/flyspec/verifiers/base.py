@@ -32,12 +32,14 @@ number of leading positions its acceptance mask keeps.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Protocol, runtime_checkable
 
 import torch
 
-from flyspec.config import SamplingConfig
-from flyspec.types import Draft, Verdict
+from flyspec.config import GuardConfig, SamplingConfig
+from flyspec.types import Draft, LooseAccept, Verdict, VerifyContext
+from flyspec.verifiers.guard import guard_loose_mask
 
 
 @runtime_checkable
@@ -51,12 +53,18 @@ class Verifier(Protocol):
         """True when the output distribution provably equals plain decoding's."""
         ...
 
+    @property
+    def min_draft_tokens(self) -> int:
+        """The shortest draft length at which the rule can do what it is for (FLy: its window + 1)."""
+        ...
+
     def verify(
         self,
         draft: Draft,
         target_logits: torch.Tensor,  # [k + 1, vocab]
         sampling: SamplingConfig,
         generator: torch.Generator | None,
+        context: VerifyContext | None = None,
     ) -> Verdict: ...
 
 
@@ -83,6 +91,32 @@ def build_verdict(
         loose_positions=loose_positions,
         bonus=num_accepted == draft_tokens.shape[0],
     )
+
+
+def loose_verdict(
+    draft: Draft,
+    target_logits: torch.Tensor,  # [k + 1, vocab]
+    base_accept: torch.Tensor,  # [k] bool, the strict rule's acceptance
+    candidates: torch.Tensor,  # [k] bool, mismatches the lossy rule would keep
+    evidence: torch.Tensor,  # [k], the lossy rule's measure at each position (see LooseAccept)
+    next_token: Callable[[int], int],
+    guard: GuardConfig,
+    context: VerifyContext | None,
+) -> Verdict:
+    """A lossy verifier's verdict: candidates filtered by the trust guards, each loose accept explained."""
+    kept, vetoes = guard_loose_mask(base_accept, candidates, draft, target_logits, guard, context)
+    verdict = build_verdict(draft.tokens, base_accept | kept, kept, next_token)
+    loose = tuple(
+        LooseAccept(
+            position=j,
+            draft_token=int(draft.tokens[j]),
+            target_token=int(target_logits[j].argmax()),
+            evidence=float(evidence[j]),
+            source=draft.source(j),
+        )
+        for j in verdict.loose_positions
+    )
+    return replace(verdict, loose=loose, vetoes=vetoes.get(verdict.num_accepted, ()))
 
 
 def draft_probs_or_one_hot(draft: Draft, vocab_size: int) -> torch.Tensor:

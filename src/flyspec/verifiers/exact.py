@@ -15,7 +15,7 @@ import torch
 
 from flyspec.config import SamplingConfig
 from flyspec.sampling import choose_tokens
-from flyspec.types import Draft, Verdict
+from flyspec.types import Draft, Verdict, VerifyContext
 from flyspec.verifiers.base import build_verdict
 
 
@@ -32,12 +32,17 @@ class ExactVerifier:
     def lossless(self) -> bool:
         return True
 
+    @property
+    def min_draft_tokens(self) -> int:
+        return 1
+
     def verify(
         self,
         draft: Draft,
         target_logits: torch.Tensor,
         sampling: SamplingConfig,
         generator: torch.Generator | None,
+        context: VerifyContext | None = None,
     ) -> Verdict:
         target_tokens = choose_tokens(target_logits, sampling, generator)  # [k + 1]
         accept = exact_accept_mask(draft.tokens, target_tokens)

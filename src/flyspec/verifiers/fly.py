@@ -33,11 +33,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flyspec.config import FlyConfig, SamplingConfig
+from flyspec.config import FlyConfig, GuardConfig, SamplingConfig
 from flyspec.sampling import choose_tokens
-from flyspec.types import Draft, Verdict
-from flyspec.verifiers.base import build_verdict
-from flyspec.verifiers.guard import guard_loose_mask
+from flyspec.types import Draft, Verdict, VerifyContext
+from flyspec.verifiers.base import loose_verdict
 from flyspec.verifiers.rejection import strict_base_rule
 
 
@@ -73,11 +72,16 @@ def fly_loose_mask(
 class FlyVerifier:
     config: FlyConfig = field(default_factory=FlyConfig)
     name: str = "fly"
-    protected: torch.Tensor | None = field(default=None, compare=False, repr=False)  # [vocab] bool, guard.py
+    guard: GuardConfig = field(default_factory=GuardConfig)  # trust guards, verifiers/guard.py
 
     @property
     def lossless(self) -> bool:
         return False
+
+    @property
+    def min_draft_tokens(self) -> int:
+        """A draft of ``W`` tokens leaves no position with a judgeable window: FLy needs ``W + 1``."""
+        return self.config.window_size + 1
 
     def verify(
         self,
@@ -85,6 +89,7 @@ class FlyVerifier:
         target_logits: torch.Tensor,
         sampling: SamplingConfig,
         generator: torch.Generator | None,
+        context: VerifyContext | None = None,
     ) -> Verdict:
         k = draft.num_tokens
         if sampling.greedy or self.config.temperature_rule == "rejection":
@@ -97,6 +102,5 @@ class FlyVerifier:
                 return int(samples[0, n])
 
         entropy = topk_entropy(target_logits[:k], self.config.entropy_top_k)
-        loose = fly_loose_mask(base_accept, entropy, self.config.window_size, self.config.entropy_threshold)
-        loose = guard_loose_mask(loose, draft.tokens, target_logits, self.protected)
-        return build_verdict(draft.tokens, base_accept | loose, loose, next_token)
+        candidates = fly_loose_mask(base_accept, entropy, self.config.window_size, self.config.entropy_threshold)
+        return loose_verdict(draft, target_logits, base_accept, candidates, entropy, next_token, self.guard, context)

@@ -1,82 +1,199 @@
-"""Protected-token guard for the lossy verifiers (an extension beyond the FLy paper).
+"""Trust guards: which loose accepts a lossy verifier (fly, margin, typical) may keep. flyspec's own.
 
-Loose acceptance can swap a digit or a name and keep a fluent but wrong output ("42" for "24",
-``left`` for ``right``). The guard vetoes a loose accept at draft position ``i`` when the draft
-token ``d_i`` **or** the target's top token at ``i`` (its argmax, the token it would have chosen
-greedily) belongs to a protected class; the position is then judged by the strict base rule,
-exactly as if the lossy rule had not kept it. The guard only removes loose accepts, so it never
-changes a lossless verdict and never adds an accept.
+A lossy rule proposes *candidates*: mismatching draft tokens it would keep. A guard vetoes a
+candidate, which is then judged by the strict base rule exactly as if the lossy rule had not kept
+it. Guards only remove loose accepts: they never change a lossless verdict and never add an accept.
 
-Token classes, decided on each token's decoded text:
+Always on (also in the paper's bare rule, ``GuardConfig.bare()``), because they are defects, not
+trade-offs:
 
-``digits``
-    The text contains a decimal digit (``str.isdigit``): numbers, dates, indices, ``x1``.
-``identifiers``
-    The text contains an identifier character, a letter, digit or underscore (``str.isalnum`` or
-    ``_``; a superset of ``digits``). This is the code guard: names, keywords and literals are
-    judged strictly; only whitespace, indentation, punctuation and operators can still be
-    loosely accepted. The trade-off is deliberate: a swapped name (``a``/``b``) is the error that
-    silently breaks code, and a looser test (say, only tokens with ``_`` or camelCase) misses
-    exactly those one-letter names. On prose it protects almost every word, so use it for code.
+``eos``
+    The draft token or the target's top token is an end-of-sequence token. Loosely accepting an
+    EOS the target did not choose ends the answer early; loosening past one it did choose writes
+    on after the target wanted to stop.
+``cache``
+    The draft token came from the n-gram cache of *earlier generations* (``Draft.sources``).
+    Loose acceptance would turn that memory into an oracle: a token that only the cache (maybe
+    another user's prompt) proposed could be emitted although the target never chose it. Cache
+    drafts are kept only where the target's own choice agrees.
+
+On by default (``GuardConfig()``), off in ``GuardConfig.bare()``:
+
+``top-k``
+    The draft token must be one of the target's ``top_k`` tokens at that position. FLy's entropy
+    gate says the target is unsure *among its top 3*; a token outside them is not one it was
+    unsure about.
+``protect``
+    The draft or the target's top token belongs to a protected class (``verifiers/tokens.py``):
+    ``digits`` (numbers, dates), ``names`` (identifiers inside code, names and identifiers of
+    the prompt), ``identifiers`` (every word: code-only workloads).
+``loop``
+    The candidate makes the output repeat itself: an n-gram (``repeat_ngram`` tokens) of the
+    output that contains the candidate already occurred earlier in the output (or the draft),
+    while the target's own choice there would not have repeated it. n-gram drafts are copies, and
+    once a copy of the output is committed the target tends to follow it, so the deferred window
+    is satisfied by the very repetition it should judge.
+``copy``
+    The candidate is part of a copy of the prompt (an n-gram containing it occurs in the prompt)
+    and the target does not nearly agree: ``p_target(draft token) < copy_ratio · p_target(top)``.
+    Where the target wanted to leave a copy, the window after it is weak evidence for the same
+    reason; so copies need the target's near-agreement, a check by the model itself.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
-from transformers import PreTrainedTokenizerBase
 
-from flyspec.config import ConfigError
+from flyspec.config import GuardConfig
+from flyspec.types import CACHE, Draft, VerifyContext
 
-
-def _has_digit(text: str) -> bool:
-    return any(char.isdigit() for char in text)
+Vetoes = dict[int, tuple[str, ...]]  # draft position -> the guards that refused its loose accept
 
 
-def _has_identifier_char(text: str) -> bool:
-    return any(char.isalnum() or char == "_" for char in text)
+def top_k_mask(draft_tokens: torch.Tensor, target_logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    """``[k]`` bool: the draft token is among the target's ``top_k`` tokens at its position."""
+    k = draft_tokens.shape[0]
+    top = torch.topk(target_logits[:k].float(), min(top_k, target_logits.shape[-1]), dim=-1).indices  # [k, top_k]
+    return (top == draft_tokens.unsqueeze(-1)).any(-1)
 
 
-TOKEN_CLASSES: dict[str, Callable[[str], bool]] = {"digits": _has_digit, "identifiers": _has_identifier_char}
+def probability_ratio(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
+    """``[k]``: ``p_target(draft token) / p_target(top token)`` at temperature 1 (= ``exp(z_d - z_max)``)."""
+    logits = target_logits[: draft_tokens.shape[0]].float()
+    return torch.exp(logits.gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1) - logits.max(-1).values)
 
 
-def is_protected(text: str, classes: Sequence[str]) -> bool:
-    """True when the token text belongs to any of the named classes."""
-    for name in classes:
-        if name not in TOKEN_CLASSES:
-            raise ConfigError(f"unknown protected token class {name!r}; choose from: {', '.join(TOKEN_CLASSES)}")
-    return any(TOKEN_CLASSES[name](text) for name in classes)
+def _first_starts(sequence: Sequence[int], n: int) -> dict[tuple[int, ...], int]:
+    """Each n-gram of ``sequence`` → where it first starts."""
+    starts: dict[tuple[int, ...], int] = {}
+    for start in range(len(sequence) - n + 1):
+        starts.setdefault(tuple(sequence[start : start + n]), start)
+    return starts
 
 
-def protected_mask(
-    tokenizer: PreTrainedTokenizerBase, classes: Sequence[str], vocab_size: int | None = None
-) -> torch.Tensor:
-    """``[vocab_size]`` bool: token ids whose decoded text belongs to a protected class.
+def repeats_earlier(sequence: Sequence[int], index: int, n: int) -> bool:
+    """Some n-gram of ``sequence`` containing ``index`` also starts earlier than it does."""
+    starts = _first_starts(sequence, n)
+    for start in range(max(0, index - n + 1), min(index, len(sequence) - n) + 1):
+        if starts[tuple(sequence[start : start + n])] < start:
+            return True
+    return False
 
-    ``vocab_size`` is the width of the target's logits (it may be padded beyond the tokenizer);
-    padding ids are never protected.
-    """
-    size = max(len(tokenizer), vocab_size or 0)
-    mask = torch.zeros(size, dtype=torch.bool)
-    if not classes:
-        return mask
-    texts = tokenizer.batch_decode([[token_id] for token_id in range(len(tokenizer))])
-    flags = [is_protected(text, classes) for text in texts]
-    mask[: len(flags)] = torch.tensor(flags, dtype=torch.bool)
-    return mask
+
+def occurs_in(sequence: Sequence[int], index: int, n: int, ngrams: set[tuple[int, ...]]) -> bool:
+    """Some n-gram of ``sequence`` containing ``index`` is in ``ngrams``."""
+    starts = range(max(0, index - n + 1), min(index, len(sequence) - n) + 1)
+    return any(tuple(sequence[start : start + n]) in ngrams for start in starts)
+
+
+def _prompt_ngrams(context: VerifyContext, n: int) -> set[tuple[int, ...]]:
+    key = f"prompt-{n}-grams"
+    if key not in context.memo:
+        context.memo[key] = set(_first_starts(context.prompt_ids, n))
+    return context.memo[key]
+
+
+def _prompt_names(context: VerifyContext) -> tuple[frozenset[int], bool]:
+    if "prompt-names" not in context.memo:
+        vocabulary = context.vocabulary
+        context.memo["prompt-names"] = (
+            vocabulary.prompt_names(context.prompt_ids),
+            vocabulary.prompt_is_code(context.prompt_ids),
+        )
+    return context.memo["prompt-names"]
+
+
+def _protected(token: int, position: int, draft: Draft, config: GuardConfig, context: VerifyContext) -> bool:
+    vocabulary = context.vocabulary
+    wide = [name for name in config.protect if name != "names"]
+    if wide and bool(vocabulary.mask(wide)[token]):
+        return True
+    if "names" not in config.protect:
+        return False
+    names, prompt_is_code = _prompt_names(context)
+    if token in names:
+        return True
+    if not bool(vocabulary.mask(("identifiers",))[token]):
+        return False
+    in_code = prompt_is_code != vocabulary.opens_code(context.output_ids + draft.tokens[:position].tolist())
+    return in_code
+
+
+def _vetoes_at(
+    position: int, draft: Draft, target_logits: torch.Tensor, config: GuardConfig, context: VerifyContext | None
+) -> list[str]:
+    """The guards that refuse a loose accept of draft token ``position`` (empty: it may be kept)."""
+    draft_token = int(draft.tokens[position])
+    target_token = int(target_logits[position].argmax())
+    reasons = []
+    if draft.source(position) == CACHE:
+        reasons.append("cache")
+    if context is None or context.vocabulary is None:
+        return reasons
+    if draft_token in context.vocabulary.eos_token_ids or target_token in context.vocabulary.eos_token_ids:
+        reasons.append("eos")
+    if config.protect and any(_protected(t, position, draft, config, context) for t in (draft_token, target_token)):
+        reasons.append("protect")
+    if config.repeat_ngram:
+        reasons.extend(_repetition_vetoes(position, target_token, draft, target_logits, config, context))
+    return reasons
+
+
+def _repetition_vetoes(
+    position: int,
+    target_token: int,
+    draft: Draft,
+    target_logits: torch.Tensor,
+    config: GuardConfig,
+    context: VerifyContext,
+) -> list[str]:
+    """``loop`` or ``copy`` (see the module docstring), judged on the n-grams that contain the candidate."""
+    n = config.repeat_ngram
+    ahead = draft.tokens[: position + n].tolist()  # the candidate, the draft before it and up to n - 1 after
+    output = context.output_ids + ahead
+    index = len(context.output_ids) + position
+    if repeats_earlier(output, index, n) and not repeats_earlier([*output[:index], target_token], index, n):
+        return ["loop"]
+    if config.copy_ratio <= 0:
+        return []
+    sequence = context.token_ids + ahead
+    if not occurs_in(sequence, len(context.token_ids) + position, n, _prompt_ngrams(context, n)):
+        return []
+    candidate = slice(position, position + 1)
+    ratio = float(probability_ratio(draft.tokens[candidate], target_logits[candidate]))
+    return ["copy"] if ratio < config.copy_ratio else []
 
 
 def guard_loose_mask(
-    loose: torch.Tensor,  # [k] bool, positions the lossy rule keeps although the base rule rejects them
-    draft_tokens: torch.Tensor,  # [k]
+    base_accept: torch.Tensor,  # [k] bool, the strict base rule's acceptance
+    loose: torch.Tensor,  # [k] bool, candidates: mismatches the lossy rule would keep
+    draft: Draft,
     target_logits: torch.Tensor,  # [k (+1), vocab]
-    protected: torch.Tensor | None,  # [vocab] bool, or None for no guard
-) -> torch.Tensor:
-    """``[k]`` bool: the loose accepts that survive the guard (``loose`` itself when there is none)."""
-    if protected is None:
-        return loose
-    k = draft_tokens.shape[0]
-    target_tokens = target_logits[:k].argmax(-1)  # [k]
-    vetoed = protected[draft_tokens] | protected[target_tokens]
-    return loose & ~vetoed
+    config: GuardConfig,
+    context: VerifyContext | None,
+) -> tuple[torch.Tensor, Vetoes]:
+    """``([k] bool, vetoes)``: the candidates that survive the guards, and why the others did not.
+
+    Candidates are judged in order up to the first position that ends the accepted prefix
+    (nothing after it can be committed). Without a ``context`` (a verifier used on its own) only
+    the guards that need neither the generation so far nor the vocabulary apply (``cache``, ``top-k``).
+    """
+    kept = loose & ~base_accept
+    if config.top_k:
+        kept &= top_k_mask(draft.tokens, target_logits, config.top_k)
+    vetoes: Vetoes = {}
+    for position in range(draft.num_tokens):
+        if base_accept[position]:
+            continue
+        if not kept[position]:
+            if loose[position]:
+                vetoes[position] = ("top-k",)
+            break  # the accepted prefix ends here
+        reasons = _vetoes_at(position, draft, target_logits, config, context)
+        if reasons:
+            kept[position] = False
+            vetoes[position] = tuple(reasons)
+            break
+    return kept, vetoes

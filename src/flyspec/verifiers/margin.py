@@ -1,14 +1,15 @@
 """MARS margin-aware verification (arXiv 2601.15498). Lossy.
 
-At a position the base rule rejects, keep the draft token when it is the target's *second*
-choice and the target's top-2 logits are close ("low margin"): the target hardly prefers its top
-choice. Closeness is ``z2 / z1 > logit_ratio`` (default 0.9) when both logits are positive, as in
-the paper. A ratio of logits means nothing when either is <= 0, so there we fall back to the
-probability ratio ``p2 / p1 = exp(z2 - z1) > logit_ratio`` (temperature-free, i.e. a logit gap
-below ``-ln(logit_ratio)`` ≈ 0.105 at the default).
+Where the target's top-2 logits are close ("low margin") the target hardly prefers its top choice,
+so a draft token that is *either* of the two is kept. Closeness is ``z2 / z1 > logit_ratio``
+(default 0.9) when both logits are positive, as in the paper. A ratio of logits means nothing when
+either is <= 0, so there we fall back to the probability ratio ``p2 / p1 = exp(z2 - z1) >
+logit_ratio`` (temperature-free, i.e. a logit gap below ``-ln(logit_ratio)`` ≈ 0.105 at the default).
 
-Base rule: exact match when greedy, rejection sampling at T>0 (recovered tokens from the
-residual, so a position the margin rule does not keep is handled losslessly).
+Base rule: exact match when greedy, rejection sampling at T>0 (recovered tokens from the residual,
+so a position the margin rule does not keep is handled losslessly). When greedy only the runner-up
+can be a mismatch; at T>0 rejection sampling also rejects the target's own top-1 token part of
+the time, and MARS keeps it too (the reference keeps "top-1 or top-2" at a low-margin position).
 """
 
 from __future__ import annotations
@@ -17,11 +18,24 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flyspec.config import MarginConfig, SamplingConfig
-from flyspec.types import Draft, Verdict
-from flyspec.verifiers.base import build_verdict
-from flyspec.verifiers.guard import guard_loose_mask
+from flyspec.config import GuardConfig, MarginConfig, SamplingConfig
+from flyspec.types import Draft, Verdict, VerifyContext
+from flyspec.verifiers.base import loose_verdict
 from flyspec.verifiers.rejection import strict_base_rule
+
+
+def margin_closeness(target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``[n, vocab]`` → ``(closeness, top1_token, top2_token)``, each ``[n]``; see the module docstring."""
+    logits = target_logits.float()
+    top1_token = logits.argmax(-1, keepdim=True)  # the same tie-break as the exact base rule
+    top1_logit = logits.gather(-1, top1_token).squeeze(-1)
+    # runner-up = best token other than the argmax (topk's order of tied logits may differ from argmax's)
+    others = logits.scatter(-1, top1_token, float("-inf"))
+    top2_logit, top2_token = others.max(-1)
+    both_positive = (top1_logit > 0) & (top2_logit > 0)
+    logit_ratio = top2_logit / torch.where(both_positive, top1_logit, torch.ones_like(top1_logit))
+    closeness = torch.where(both_positive, logit_ratio, torch.exp(top2_logit - top1_logit))
+    return closeness, top1_token.squeeze(-1), top2_token
 
 
 def margin_loose_mask(
@@ -29,30 +43,24 @@ def margin_loose_mask(
     target_logits: torch.Tensor,  # [k (+1), vocab]
     logit_ratio: float,
 ) -> torch.Tensor:
-    """``[k]`` bool: draft token is the target's runner-up and the top-2 margin is small."""
-    k = draft_tokens.shape[0]
-    logits = target_logits[:k].float()
-    top1_token = logits.argmax(-1, keepdim=True)  # the same tie-break as the exact base rule
-    top1_logit = logits.gather(-1, top1_token).squeeze(-1)
-    # runner-up = best token other than the argmax (topk's order of tied logits may differ from argmax's)
-    others = logits.scatter(-1, top1_token, float("-inf"))
-    top2_logit, top2_token = others.max(-1)
-    both_positive = (top1_logit > 0) & (top2_logit > 0)
-    logit_close = top2_logit / torch.where(both_positive, top1_logit, torch.ones_like(top1_logit)) > logit_ratio
-    prob_close = torch.exp(top2_logit - top1_logit) > logit_ratio
-    close = torch.where(both_positive, logit_close, prob_close)
-    return close & (draft_tokens == top2_token)
+    """``[k]`` bool: the margin is small and the draft token is the target's top-1 or top-2."""
+    closeness, top1_token, top2_token = margin_closeness(target_logits[: draft_tokens.shape[0]])
+    return (closeness > logit_ratio) & ((draft_tokens == top1_token) | (draft_tokens == top2_token))
 
 
 @dataclass(frozen=True)
 class MarginVerifier:
     config: MarginConfig = field(default_factory=MarginConfig)
     name: str = "margin"
-    protected: torch.Tensor | None = field(default=None, compare=False, repr=False)  # [vocab] bool, guard.py
+    guard: GuardConfig = field(default_factory=GuardConfig)  # trust guards, verifiers/guard.py
 
     @property
     def lossless(self) -> bool:
         return False
+
+    @property
+    def min_draft_tokens(self) -> int:
+        return 1
 
     def verify(
         self,
@@ -60,8 +68,10 @@ class MarginVerifier:
         target_logits: torch.Tensor,
         sampling: SamplingConfig,
         generator: torch.Generator | None,
+        context: VerifyContext | None = None,
     ) -> Verdict:
+        k = draft.num_tokens
         base_accept, next_token = strict_base_rule(draft, target_logits, sampling, generator)
-        loose = margin_loose_mask(draft.tokens, target_logits, self.config.logit_ratio) & ~base_accept
-        loose = guard_loose_mask(loose, draft.tokens, target_logits, self.protected)
-        return build_verdict(draft.tokens, base_accept | loose, loose, next_token)
+        candidates = margin_loose_mask(draft.tokens, target_logits, self.config.logit_ratio) & ~base_accept
+        closeness = margin_closeness(target_logits[:k])[0]
+        return loose_verdict(draft, target_logits, base_accept, candidates, closeness, next_token, self.guard, context)

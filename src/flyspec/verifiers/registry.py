@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import torch
-
-from flyspec.config import ConfigError, FlyConfig, MarginConfig, TypicalConfig
+from flyspec.config import ConfigError, FlyConfig, GuardConfig, MarginConfig, TypicalConfig
 from flyspec.verifiers.base import Verifier
 from flyspec.verifiers.exact import ExactVerifier
 from flyspec.verifiers.fly import FlyVerifier
@@ -22,22 +20,21 @@ def make_verifier(
     fly: FlyConfig | None = None,
     margin: MarginConfig | None = None,
     typical: TypicalConfig | None = None,
-    protected: torch.Tensor | None = None,
+    guard: GuardConfig | None = None,
 ) -> Verifier:
     """Build a verifier by name; component configs default to their dataclass defaults.
 
-    ``protected`` (``[vocab]`` bool, from :func:`flyspec.verifiers.guard.protected_mask`) turns on the
-    protected-token guard of the lossy verifiers; the lossless ones never loosely accept, so it is a
-    no-op for them.
+    ``guard`` configures the trust guards of the lossy verifiers (default: on; ``GuardConfig.bare()``
+    for the papers' bare rules); the lossless ones never loosely accept, so it is a no-op for them.
     """
     if name == "exact":
         return ExactVerifier()
     if name == "rejection":
         return RejectionVerifier()
     if name == "fly":
-        return FlyVerifier(fly or FlyConfig(), protected=protected)
+        return FlyVerifier(fly or FlyConfig(), guard=guard or GuardConfig())
     if name == "margin":
-        return MarginVerifier(margin or MarginConfig(), protected=protected)
+        return MarginVerifier(margin or MarginConfig(), guard=guard or GuardConfig())
     if name == "typical":
-        return TypicalVerifier(typical or TypicalConfig(), protected=protected)
+        return TypicalVerifier(typical or TypicalConfig(), guard=guard or GuardConfig())
     raise ConfigError(f"unknown verifier {name!r}; choose one of: {', '.join(VERIFIERS)}")

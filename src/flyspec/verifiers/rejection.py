@@ -17,7 +17,7 @@ import torch
 
 from flyspec.config import SamplingConfig
 from flyspec.sampling import logits_to_probs, sample, uniform
-from flyspec.types import Draft, Verdict
+from flyspec.types import Draft, Verdict, VerifyContext
 from flyspec.verifiers.base import build_verdict, draft_probs_or_one_hot
 from flyspec.verifiers.exact import exact_accept_mask
 
@@ -82,12 +82,17 @@ class RejectionVerifier:
     def lossless(self) -> bool:
         return True
 
+    @property
+    def min_draft_tokens(self) -> int:
+        return 1
+
     def verify(
         self,
         draft: Draft,
         target_logits: torch.Tensor,
         sampling: SamplingConfig,
         generator: torch.Generator | None,
+        context: VerifyContext | None = None,
     ) -> Verdict:
         accept, next_token = strict_base_rule(draft, target_logits, sampling, generator)
         return build_verdict(draft.tokens, accept, torch.zeros_like(accept), next_token)

@@ -15,11 +15,10 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from flyspec.config import SamplingConfig, TypicalConfig
+from flyspec.config import GuardConfig, SamplingConfig, TypicalConfig
 from flyspec.sampling import choose_tokens, logits_to_probs
-from flyspec.types import Draft, Verdict
-from flyspec.verifiers.base import build_verdict
-from flyspec.verifiers.guard import guard_loose_mask
+from flyspec.types import Draft, Verdict, VerifyContext
+from flyspec.verifiers.base import loose_verdict
 
 
 def typical_accept_mask(
@@ -39,11 +38,15 @@ def typical_accept_mask(
 class TypicalVerifier:
     config: TypicalConfig = field(default_factory=TypicalConfig)
     name: str = "typical"
-    protected: torch.Tensor | None = field(default=None, compare=False, repr=False)  # [vocab] bool, guard.py
+    guard: GuardConfig = field(default_factory=GuardConfig)  # trust guards, verifiers/guard.py
 
     @property
     def lossless(self) -> bool:
         return False
+
+    @property
+    def min_draft_tokens(self) -> int:
+        return 1
 
     def verify(
         self,
@@ -51,12 +54,22 @@ class TypicalVerifier:
         target_logits: torch.Tensor,
         sampling: SamplingConfig,
         generator: torch.Generator | None,
+        context: VerifyContext | None = None,
     ) -> Verdict:
         k = draft.num_tokens
         criterion_sampling = replace(sampling, temperature=1.0) if sampling.greedy else sampling
         target_probs = logits_to_probs(target_logits, criterion_sampling)  # [k + 1, vocab]
         greedy_match = draft.tokens == target_logits[:k].argmax(-1)
         accept = typical_accept_mask(draft.tokens, target_probs, self.config.epsilon, self.config.delta)
-        loose = guard_loose_mask(accept & ~greedy_match, draft.tokens, target_logits, self.protected)
+        draft_probability = target_probs[:k].gather(-1, draft.tokens.unsqueeze(-1)).squeeze(-1)  # [k]
         target_tokens = choose_tokens(target_logits, sampling, generator)  # [k + 1]
-        return build_verdict(draft.tokens, greedy_match | loose, loose, lambda n: target_tokens[n])
+        return loose_verdict(
+            draft,
+            target_logits,
+            greedy_match,
+            accept & ~greedy_match,
+            draft_probability,
+            lambda n: int(target_tokens[n]),
+            self.guard,
+            context,
+        )
