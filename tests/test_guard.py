@@ -12,7 +12,15 @@ from scipy import stats as scipy_stats
 
 from flyspec.api import build_decoder
 from flyspec.cli import main
-from flyspec.config import ConfigError, DecodeConfig, FlyConfig, GuardConfig, MarginConfig, SamplingConfig, TypicalConfig
+from flyspec.config import (
+    ConfigError,
+    DecodeConfig,
+    FlyConfig,
+    GuardConfig,
+    MarginConfig,
+    SamplingConfig,
+    TypicalConfig,
+)
 from flyspec.decoding import SpeculativeDecoder
 from flyspec.drafters.ngram import NgramDrafter
 from flyspec.models import LoadedModel
@@ -163,7 +171,9 @@ def test_loop_guard_refuses_a_loose_accept_that_repeats_the_output() -> None:
 def test_loop_guard_lets_through_what_the_target_would_repeat_anyway() -> None:
     output = [THE, CAT, SAT, ON, THE, DOG, SAT, ON]
     # both " cat" (draft) and " dog" (target) continue an earlier " the X sat on": the target repeats anyway
-    verdict = verify([THE, CAT, SAT, ON], logits_for([THE, DOG, SAT, ON, DOT], [0, CAT, 0, 0, 0]), context([ASK], output))
+    verdict = verify(
+        [THE, CAT, SAT, ON], logits_for([THE, DOG, SAT, ON, DOT], [0, CAT, 0, 0, 0]), context([ASK], output)
+    )
     assert verdict.loose_positions == (1,)
 
 
@@ -365,8 +375,11 @@ def test_generate_cli_guard_options(tiny_model_dir: Path, capsys: pytest.Capture
     assert isinstance(record["loose_accepts"], list) and isinstance(record["guard_vetoes"], dict)
     assert main([*argv, *options, "--bare-rule"]) == 0
     assert json.loads(capsys.readouterr().out)["trust_guards"] == "bare"
-    for bad, message in ((["--protect", "numbers"], "invalid choice: 'numbers'"),
-                         (["--bare-rule", "--protect", "digits"], "--bare-rule turns every trust guard off")):  # fmt: skip
+    bad_options = [
+        (["--protect", "numbers"], "invalid choice: 'numbers'"),
+        (["--bare-rule", "--protect", "digits"], "--bare-rule turns every trust guard off"),
+    ]
+    for bad, message in bad_options:
         with pytest.raises(SystemExit) as exit_info:
             main([*argv, *options, *bad])
         assert exit_info.value.code == 2

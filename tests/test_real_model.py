@@ -9,6 +9,8 @@ import pytest
 from flyspec import (
     DecodeConfig,
     DraftModelDrafter,
+    FlyVerifier,
+    GuardConfig,
     NgramDrafter,
     PlainDecoder,
     SpeculativeDecoder,
@@ -77,3 +79,31 @@ def test_fly_on_smollm2_is_labelled_and_counted(smollm2: LoadedModel, plain_outp
         else:  # identical up to the first loosely accepted token
             first = result.loose_token_indices[0]
             assert result.token_ids[:first] == plain_outputs[prompt][:first]
+
+
+DEMO_PROMPT = "Write a Python function that checks whether a number is prime, then explain it."  # `make demo`
+
+
+def longest_repeat_count(token_ids: list[int], n: int = 8) -> int:
+    """How often the most frequent n-gram occurs: a line repeated a dozen times scores ~12."""
+    counts: dict[tuple[int, ...], int] = {}
+    for start in range(len(token_ids) - n + 1):
+        key = tuple(token_ids[start : start + n])
+        counts[key] = counts.get(key, 0) + 1
+    return max(counts.values(), default=0)
+
+
+def test_default_fly_does_not_loop_where_the_bare_rule_does(smollm2: LoadedModel) -> None:
+    """The `make demo` prompt: the paper's bare FLy rule locks into a repeated line; the guarded default does not."""
+    config = DecodeConfig(max_new_tokens=128)
+    plain = PlainDecoder(smollm2, config).generate(DEMO_PROMPT)
+    bare = SpeculativeDecoder(smollm2, NgramDrafter(), FlyVerifier(guard=GuardConfig.bare()), config)
+    guarded = SpeculativeDecoder(smollm2, NgramDrafter(), FlyVerifier(), config)
+    bare_result, guarded_result = bare.generate(DEMO_PROMPT), guarded.generate(DEMO_PROMPT)
+    assert longest_repeat_count(plain.token_ids) <= 2
+    assert longest_repeat_count(bare_result.token_ids) >= 4  # the defect the guards exist for
+    assert longest_repeat_count(guarded_result.token_ids) <= 2
+    assert guarded_result.stats.guard_vetoes.get("loop", 0) >= 1
+    # every loose accept is explained in the stats (texts included)
+    for record in bare_result.stats.loose_accepts:
+        assert {"index", "draft_text", "target_text", "source", "evidence"} <= set(record)

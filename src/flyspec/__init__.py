@@ -14,6 +14,7 @@ from flyspec.config import (
     DecodeConfig,
     DraftLengthConfig,
     FlyConfig,
+    GuardConfig,
     LayerSkipConfig,
     MarginConfig,
     NgramCacheConfig,
@@ -36,7 +37,7 @@ from flyspec.drafters import (
 from flyspec.models import DEFAULT_MODEL, LoadedModel, ModelLoadError, load_model
 from flyspec.stats import DecodeStats
 from flyspec.streaming import GenerationStream
-from flyspec.types import Draft, GenerationResult, Verdict
+from flyspec.types import Draft, GenerationResult, LooseAccept, Verdict
 from flyspec.verifiers import (
     ExactVerifier,
     FlyVerifier,
@@ -69,6 +70,8 @@ __all__ = [
     "FlyVerifier",
     "GenerationResult",
     "GenerationStream",
+    "GuardConfig",
+    "LooseAccept",
     "LoadedModel",
     "MarginConfig",
     "MarginVerifier",

@@ -194,6 +194,20 @@ def _loose_lines(record: dict[str, Any], shown: int = 5) -> list[str]:
     return lines
 
 
+def _identity(record: dict[str, Any]) -> str:
+    """Whether the output equals plain decoding's, and why not."""
+    if record["identical_to_baseline"]:
+        return "yes"
+    if record["num_loose_accepts"]:
+        return f"no ({record['num_loose_accepts']} loose accepts: a lossy verifier's output may differ)"
+    if record["dtype"] != "float32":
+        return (
+            f"no, with no loose accept: {record['dtype']} rounds the batched verification forward differently "
+            "from one-token forwards (--dtype float32 compares exactly)"
+        )
+    return "no"
+
+
 def _print_summary(record: dict[str, Any]) -> None:
     label = "lossless" if record["lossless"] else "LOSSY: output may differ from plain decoding"
     if record["trust_guards"] == "bare":
@@ -214,7 +228,7 @@ def _print_summary(record: dict[str, Any]) -> None:
     if "speedup" in record:
         lines.append(
             f"[plain decoding] {record['baseline_tokens_per_s']:.1f} tok/s → speedup {record['speedup']:.2f}x, "
-            f"identical to plain decoding: {'yes' if record['identical_to_baseline'] else 'no'}"
+            f"identical to plain decoding: {_identity(record)}"
         )
     print("\n".join(lines), file=sys.stderr)
 
