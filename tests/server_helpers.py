@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
 from dataclasses import dataclass, field
 from types import TracebackType
+from typing import Any
 
 import httpx
-import uvicorn
 from fastapi import FastAPI
 
 from flyspec.server.engine import EngineHooks, Job, Outcome
+from flyspec.server.lifecycle import GracefulServer, server_config
 
 START_TIMEOUT_S = 20.0
 WORDS = ("capital", "France", "Paris", "Italy", "Rome", "def", "add", "return", "print", "Speculative", "decoding")
@@ -29,21 +31,22 @@ MALFORMED_REQUESTS = [
     ("string number", "/v1/completions", {"prompt": "hi", "temperature": "0.5"}, 400, "temperature", "invalid_value"),
     ("messages type", "/v1/chat/completions", {"messages": "hi"}, 400, "messages", "invalid_value"),
     ("no messages", "/v1/chat/completions", {"messages": []}, 400, "messages", "invalid_value"),
-    ("bad role", "/v1/chat/completions", {"messages": [{"role": "bot", "content": "x"}]}, 400, "messages.0.role", None),
+    ("bad role", "/v1/chat/completions", {"messages": [{"role": "bot", "content": "x"}]}, 400, "messages.0.role",
+     "invalid_value"),
     ("unknown verifier", "/v1/completions", {"prompt": "hi", "speculative": {"verifier": "nope"}}, 400,
-     "speculative.verifier", None),
+     "speculative.verifier", "invalid_value"),
     ("param of another verifier", "/v1/completions", {"prompt": "hi", "speculative": {"window_size": 2}}, 400,
-     "speculative", None),
+     "speculative", "invalid_value"),
     ("no draft model", "/v1/completions", {"prompt": "hi", "speculative": {"drafter": "draft-model"}}, 400,
-     "speculative.drafter", None),
+     "speculative.drafter", "invalid_value"),
     ("no stack", "/v1/completions", {"prompt": "hi", "speculative": {"drafter": "stack"}}, 400,
-     "speculative.drafter", None),
+     "speculative.drafter", "invalid_value"),
     ("adaptive not bool", "/v1/completions", {"prompt": "hi", "speculative": {"adaptive_draft": "yes"}}, 400,
-     "speculative.adaptive_draft", None),
+     "speculative.adaptive_draft", "invalid_value"),
     ("window > k", "/v1/completions", {"prompt": "hi", "speculative": {"verifier": "fly", "window_size": 9}}, 400,
-     "speculative", None),
-    ("max_tokens 0", "/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens", None),
-    ("max_tokens < 0", "/v1/chat/completions", {**CHAT, "max_tokens": -1}, 400, "max_tokens", None),
+     "speculative", "invalid_value"),
+    ("max_tokens 0", "/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens", "invalid_value"),
+    ("max_tokens < 0", "/v1/chat/completions", {**CHAT, "max_tokens": -1}, 400, "max_tokens", "invalid_value"),
     ("above the cap", "/v1/completions", {"prompt": "hi", "max_tokens": 100_000}, 400, "max_tokens",
      "max_tokens_too_large"),
     ("huge prompt", "/v1/completions", {"prompt": "Paris Rome " * 600}, 400, "prompt", "context_length_exceeded"),
@@ -53,12 +56,12 @@ MALFORMED_REQUESTS = [
     ("logprobs", "/v1/chat/completions", {**CHAT, "logprobs": True}, 400, "logprobs", "unsupported_parameter"),
     ("tools", "/v1/chat/completions", {**CHAT, "tools": [{"type": "x"}]}, 400, "tools", "unsupported_parameter"),
     ("unknown field", "/v1/completions", {"prompt": "hi", "frobnicate": 1}, 400, "frobnicate", "unknown_parameter"),
-    ("empty stop", "/v1/completions", {"prompt": "hi", "stop": [""]}, 400, "stop", None),
+    ("empty stop", "/v1/completions", {"prompt": "hi", "stop": [""]}, 400, "stop", "invalid_value"),
     ("stream_options alone", "/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400,
-     "stream_options", None),
-    ("empty prompt", "/v1/completions", {"prompt": "  "}, 400, "prompt", None),
-    ("two prompts", "/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt", None),
-    ("token id out of vocab", "/v1/completions", {"prompt": [1, 999_999]}, 400, "prompt", None),
+     "stream_options", "invalid_value"),
+    ("empty prompt", "/v1/completions", {"prompt": "  "}, 400, "prompt", "invalid_value"),
+    ("two prompts", "/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt", "invalid_value"),
+    ("token id out of vocab", "/v1/completions", {"prompt": [1, 999_999]}, 400, "prompt", "invalid_value"),
     ("unknown model", "/v1/completions", {"model": "gpt-4", "prompt": "hi"}, 404, "model", "model_not_found"),
 ]
 # fmt: on
@@ -73,8 +76,8 @@ class RunningServer:
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._socket.bind(("127.0.0.1", 0))  # bound here, so no other process can take the port meanwhile
         self.port = self._socket.getsockname()[1]
-        config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
-        self._server = uvicorn.Server(config)
+        config = server_config(app, log_level="warning", lifespan="on")
+        self._server = GracefulServer(config, app.state.lifecycle)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]}, daemon=True)
 
     @property
@@ -96,6 +99,14 @@ class RunningServer:
         self._server.should_exit = True
         self._thread.join(15)
         self._socket.close()
+
+    def signal(self, sig: int) -> None:
+        """What SIGTERM/SIGINT do to ``flyspec serve`` (signals reach only the main thread)."""
+        self._server.handle_exit(sig, None)
+
+    def wait_stopped(self, timeout_s: float) -> bool:
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
 
     def metric(self, name: str, labels: str = "") -> float:
         """One sample from ``GET /metrics`` (``labels`` as in the exposition, e.g. ``endpoint="/health"``)."""
@@ -155,3 +166,28 @@ class Recorder:
         self.release.clear()
         with self.done:
             self.finished.clear()
+
+
+def sse_events(lines: Any) -> list[Any]:
+    """The JSON objects (and ``"[DONE]"``) of a server-sent event stream, from its text lines."""
+    events = []
+    for line in lines:
+        if line.startswith("data: "):
+            data = line.removeprefix("data: ")
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def raw_request(port: int, head: bytes, timeout_s: float = 10.0) -> socket.socket:
+    """A client socket that sent ``head`` (request line, headers, and maybe part of a body) and waits."""
+    client = socket.create_connection(("127.0.0.1", port), timeout=timeout_s)
+    client.sendall(head)
+    return client
+
+
+def read_until_closed(client: socket.socket) -> bytes:
+    """Everything the server sends until it closes the connection (socket.timeout if it never does)."""
+    received = b""
+    while chunk := client.recv(65536):
+        received += chunk
+    return received

@@ -384,3 +384,23 @@ def test_generate_cli_guard_options(tiny_model_dir: Path, capsys: pytest.Capture
             main([*argv, *options, *bad])
         assert exit_info.value.code == 2
         assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 5e-324, 1e-6])
+def test_tiny_temperatures_are_greedy(temperature: float) -> None:
+    assert SamplingConfig(temperature=temperature).greedy
+    assert not SamplingConfig(temperature=1e-3).greedy
+
+
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (lambda: SamplingConfig(temperature=float("inf")), "temperature must be a finite number"),
+        (lambda: SamplingConfig(temperature=float("nan")), "temperature must be a finite number"),
+        (lambda: FlyConfig(entropy_threshold=float("inf")), "entropy_threshold must be a finite number"),
+        (lambda: FlyConfig(entropy_threshold=float("nan")), "entropy_threshold must be a finite number"),
+    ],
+)
+def test_non_finite_settings_are_config_errors(build, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        build()

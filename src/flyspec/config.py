@@ -6,12 +6,14 @@ message that says what to change. The CLI turns a ``ConfigError`` into exit code
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 # FLy reference config (AMD-AGI/FLy): 15 draft tokens, window 6, entropy threshold 0.3 over the
 # target's top-3 probabilities.
 DEFAULT_NUM_DRAFT_TOKENS = 15
 DEFAULT_MAX_NEW_TOKENS = 128
+GREEDY_BELOW = 1e-5  # temperatures below this are greedy (SamplingConfig)
 
 
 class ConfigError(ValueError):
@@ -25,20 +27,27 @@ def _require(condition: bool, message: str) -> None:
 
 @dataclass(frozen=True)
 class SamplingConfig:
-    """How the target's next token is chosen. ``temperature=0`` is greedy and draws no random numbers."""
+    """How the target's next token is chosen. ``temperature=0`` is greedy and draws no random numbers.
+
+    Temperatures below ``GREEDY_BELOW`` are greedy too (as in vLLM): dividing logits by 1e-300
+    overflows to infinities and NaN probabilities, and such a temperature means "greedy" anyway.
+    """
 
     temperature: float = 0.0
     top_k: int = 0  # 0 = no top-k filter
     top_p: float = 1.0  # 1.0 = no nucleus filter
 
     def __post_init__(self) -> None:
-        _require(self.temperature >= 0, f"temperature must be >= 0 (got {self.temperature}); use 0 for greedy")
+        _require(
+            math.isfinite(self.temperature) and self.temperature >= 0,
+            f"temperature must be a finite number >= 0 (got {self.temperature}); use 0 for greedy",
+        )
         _require(self.top_k >= 0, f"top_k must be >= 0 (got {self.top_k}); use 0 to disable it")
         _require(0 < self.top_p <= 1, f"top_p must be in (0, 1] (got {self.top_p}); use 1 to disable it")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
 
 @dataclass(frozen=True)
@@ -129,8 +138,8 @@ class FlyConfig:
     def __post_init__(self) -> None:
         _require(self.window_size >= 0, f"window_size must be >= 0 (got {self.window_size}); 0 disables it")
         _require(
-            self.entropy_threshold >= 0,
-            f"entropy_threshold must be >= 0 (got {self.entropy_threshold}); 0 disables the gate",
+            math.isfinite(self.entropy_threshold) and self.entropy_threshold >= 0,
+            f"entropy_threshold must be a finite number >= 0 (got {self.entropy_threshold}); 0 disables the gate",
         )
         _require(self.entropy_top_k >= 2, f"entropy_top_k must be >= 2 (got {self.entropy_top_k})")
         _require(

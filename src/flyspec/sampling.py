@@ -1,7 +1,7 @@
 """Logits → probabilities (temperature, top-k, top-p), greedy choice and seeded sampling.
 
 Pure tensor functions. Randomness only through a passed ``torch.Generator``; the greedy path
-(``temperature == 0``) never draws a random number.
+(``SamplingConfig.greedy``: temperature below 1e-5) never draws a random number.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from flyspec.config import SamplingConfig
 def logits_to_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
     """Filtered, temperature-scaled probabilities. ``logits``: ``[..., vocab]`` → same shape, float32.
 
-    At ``temperature == 0`` the result is one-hot on the argmax (the greedy distribution).
+    When greedy (temperature below 1e-5) the result is one-hot on the argmax (the greedy distribution).
     """
     logits = logits.float()
     if sampling.greedy:

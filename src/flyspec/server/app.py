@@ -1,10 +1,11 @@
-"""The OpenAI-compatible app: ``create_app(target, defaults, limits)``.
+"""The OpenAI-compatible app: ``create_app(target, defaults, limits, security)``.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``stream``),
-``GET /v1/models``, ``GET /health``, ``GET /metrics``. A request is validated and planned
+``GET /v1/models``, ``GET /health``, ``GET /metrics``. A request passes the host check, CORS,
+the API key and the body limits (:mod:`security`, :mod:`middleware`), is validated and planned
 (:mod:`planning`), queued on the model's worker (:mod:`engine`), and answered as one JSON body
 or as server-sent events (:mod:`responses`). A client that goes away, while queued or while
-generating, cancels its job.
+generating, cancels its job; so does the request's deadline (``request_timeout_s``).
 """
 
 from __future__ import annotations
@@ -24,17 +25,24 @@ from flyspec.config import ConfigError
 from flyspec.models import LoadedModel
 from flyspec.server.engine import Engine, EngineHooks, Event, Job, QueueFullError, ShuttingDownError
 from flyspec.server.errors import APIError, from_config_error, install_error_handlers, internal_error
+from flyspec.server.lifecycle import Lifecycle
 from flyspec.server.metrics import CONTENT_TYPE, ServerMetrics
-from flyspec.server.middleware import BodyLimitMiddleware, RequestMetricsMiddleware
+from flyspec.server.middleware import (
+    CLIENT_CLOSED_REQUEST,
+    BodyLimitMiddleware,
+    RequestMetricsMiddleware,
+    record_status,
+)
 from flyspec.server.planning import Planner, parse_request
 from flyspec.server.responses import Kind, ResponseBuilder, sse
 from flyspec.server.schemas import ChatCompletionRequest, CompletionRequest
-from flyspec.server.settings import ServerLimits, SpeculationDefaults
+from flyspec.server.security import CORS, AuthMiddleware, HostCheckMiddleware, request_tenant
+from flyspec.server.settings import ServerLimits, ServerSecurity, SpeculationDefaults
 from flyspec.types import GenerationResult
 
 GENERATION_ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 OTHER_ENDPOINTS = ("/v1/models", "/health", "/metrics")
-CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away"; only ever seen in metrics and logs
+STREAM_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}  # no proxy may cache or buffer events
 T = TypeVar("T")
 
 
@@ -42,10 +50,15 @@ class ClientDisconnectedError(Exception):
     """The client closed the connection before its response was ready."""
 
 
+class DeadlineExceededError(Exception):
+    """The request's deadline (``request_timeout_s``) passed before its response was ready."""
+
+
 def create_app(
     target: LoadedModel,
     defaults: SpeculationDefaults | None = None,
     limits: ServerLimits | None = None,
+    security: ServerSecurity | None = None,
     *,
     draft_model: LoadedModel | None = None,
     served_model_name: str | None = None,
@@ -53,29 +66,50 @@ def create_app(
 ) -> FastAPI:
     """An app serving ``target`` (loaded once, shared by every request) under ``served_model_name``."""
     limits = limits or ServerLimits()
+    security = security or ServerSecurity()
     served = served_model_name or target.name
     metrics = ServerMetrics()
     engine = Engine(limits.max_queue, metrics, min_retry_after_s=limits.retry_after_s, hooks=hooks)
+    lifecycle = Lifecycle(engine, limits.shutdown_timeout_s)
     planner = Planner(
         target,
         defaults or SpeculationDefaults(),
         limits,
+        security,
         draft_model=draft_model,
         model_names=tuple(dict.fromkeys((served, target.name))),
     )
-    generations = Generations(planner, engine, metrics, served)
+    generations = Generations(planner, engine, metrics, served, limits.request_timeout_s)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine.start()
         yield
-        engine.stop()
+        lifecycle.finish()
         planner.close()
 
     app = FastAPI(title="flyspec", version=__version__, lifespan=lifespan)
     app.state.engine, app.state.metrics, app.state.planner = engine, metrics, planner
+    app.state.lifecycle, app.state.limits = lifecycle, limits
     install_error_handlers(app)
-    app.add_middleware(BodyLimitMiddleware, max_body_bytes=limits.max_body_bytes)
+    # added innermost first: metrics → host check → CORS → API key and content type → body limits → routes
+    app.add_middleware(
+        BodyLimitMiddleware,
+        max_body_bytes=limits.max_body_bytes,
+        body_timeout_s=limits.body_timeout_s,
+        draining=lifecycle.draining,
+    )
+    app.add_middleware(AuthMiddleware, api_keys=security.api_keys)
+    if security.cors_origins:
+        app.add_middleware(
+            CORS,
+            allow_origins=list(security.cors_origins),
+            allow_methods=["GET", "POST"],
+            allow_headers=["authorization", "content-type"],
+            expose_headers=["x-request-id", "x-flyspec-verifier", "x-flyspec-lossless"],
+        )
+    if security.allowed_hosts is not None:
+        app.add_middleware(HostCheckMiddleware, allowed_hosts=security.allowed_hosts)
     app.add_middleware(
         RequestMetricsMiddleware,
         metrics=metrics,
@@ -83,7 +117,9 @@ def create_app(
         timed=GENERATION_ENDPOINTS,
     )
     created = int(time.time())
-    model_card = {"id": served, "object": "model", "created": created, "owned_by": "flyspec"}
+
+    def model_card(name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": created, "owned_by": "flyspec"}
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -95,12 +131,12 @@ def create_app(
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card]}
+        return {"object": "list", "data": [model_card(served)]}
 
     @app.get("/v1/models/{model:path}")
     async def get_model(model: str) -> dict[str, Any]:
         planner.check_model(model)
-        return model_card
+        return model_card(model)  # the name asked for: the target's own name is accepted beside an alias
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -108,52 +144,65 @@ def create_app(
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
+        metrics.observe_caches(planner.caches.totals())
         return Response(metrics.exposition(), media_type=CONTENT_TYPE)
 
     return app
 
 
 class Generations:
-    """The two generation endpoints: plan, queue, then answer as JSON or as a stream."""
+    """The two generation endpoints: check, reserve a place, prepare, queue, then answer as JSON or a stream."""
 
-    def __init__(self, planner: Planner, engine: Engine, metrics: ServerMetrics, served_model: str) -> None:
+    def __init__(
+        self, planner: Planner, engine: Engine, metrics: ServerMetrics, served_model: str, timeout_s: float
+    ) -> None:
         self.planner = planner
         self.engine = engine
         self.metrics = metrics
         self.served_model = served_model
+        self.timeout_s = timeout_s
 
     async def respond(self, request: Request, kind: Kind) -> Response:
         arrived = time.perf_counter()
+        deadline = asyncio.get_running_loop().time() + self.timeout_s
         schema = ChatCompletionRequest if kind == "chat" else CompletionRequest
         body = parse_request(await request.body(), schema)
-        self._admit(self.engine.check_room)  # a full server refuses before tokenizing anything
-        plan = await self.planner.plan(body)
-        builder = ResponseBuilder(kind, self.served_model, plan.speculation.describe(), body.include_usage)
-        job = Job(plan.decoder, plan.prompt_ids, body.seed, label=builder.request_id)
-        self._admit(lambda: self.engine.submit(job))
+        speculation = self.planner.check(body)  # 4xx before a place in the queue is taken
+        builder = ResponseBuilder(kind, self.served_model, speculation.describe(), body.include_usage)
+        job = Job(body.seed, label=builder.request_id)
+        self._admit(lambda: self.engine.reserve(job))  # counts against the queue while it is tokenized
         disconnected = asyncio.create_task(_wait_for_disconnect(request.receive))
         try:
-            first = await _unless_disconnected(job.next_event(), disconnected)
+            prepare = self.planner.prepare(body, speculation, request_tenant(request.scope))
+            plan = await _until(prepare, disconnected, deadline)
+            self._admit(lambda: self.engine.submit(job, plan.decoder, plan.prompt_ids))
+            first = await _until(job.next_event(), disconnected, deadline)
             if first[0] != "error":
                 self.metrics.time_to_first_token.labels(request.url.path).observe(time.perf_counter() - arrived)
             if body.stream:
                 self._raise_for_error(first)  # nothing sent yet: a plain error response with its status
-                stream = self._stream(job, first, builder)
-                return StreamingResponse(stream, media_type="text/event-stream", headers=builder.headers())
-            result = await _unless_disconnected(self._collect(job, first), disconnected)
+                stream = self._stream(request, job, first, builder, deadline)
+                headers = {**builder.headers(), **STREAM_HEADERS}
+                return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
+            result = await _until(self._collect(job, first), disconnected, deadline)
         except ClientDisconnectedError:
             self.engine.cancel(job)
+            self.metrics.cancelled.inc()
             return Response(status_code=CLIENT_CLOSED_REQUEST)
+        except DeadlineExceededError as error:
+            self.engine.cancel(job)
+            self.metrics.timed_out.inc()
+            raise _deadline_error(self.timeout_s) from error
         except BaseException:  # an error response, or the server stopping: the job has no reader any more
             self.engine.cancel(job)
             raise
         finally:
             disconnected.cancel()
-        self.metrics.observe_result(result, plan.speculation.verifier, plan.speculation.drafter)
+        self.metrics.observe_result(result, speculation.verifier, speculation.drafter)
         return JSONResponse(builder.body(result), headers=builder.headers())
 
     def _admit(self, admit: Callable[[], None]) -> None:
-        """Run ``admit`` (a queue check or a submission), mapping a full queue to 429 and shutdown to 503."""
+        """Run ``admit`` (a reservation or a submission), mapping a full queue to 429 and shutdown to 503."""
         try:
             admit()
         except QueueFullError as error:
@@ -170,7 +219,9 @@ class Generations:
         self._raise_for_error(event)
         return event[1]
 
-    async def _stream(self, job: Job, first: Event, builder: ResponseBuilder) -> AsyncIterator[str]:
+    async def _stream(
+        self, request: Request, job: Job, first: Event, builder: ResponseBuilder, deadline: float
+    ) -> AsyncIterator[str]:
         """Server-sent events; leaving early (the client went away) cancels the job."""
         finished = False
         try:
@@ -179,10 +230,19 @@ class Generations:
             event = first
             while event[0] == "piece":
                 yield builder.piece_chunk(event[1])
-                event = await job.next_event()
+                try:
+                    async with asyncio.timeout_at(deadline):  # around the wait only: never across a yield
+                        event = await job.next_event()
+                except TimeoutError:
+                    event = ("error", DeadlineExceededError())
             finished = True
             if event[0] == "error":  # headers are sent: the error goes in the stream, as OpenAI does
-                yield sse(self._error_for(event[1]).body())
+                self.engine.cancel(job)
+                error = self._error_for(event[1])
+                if isinstance(event[1], DeadlineExceededError):
+                    self.metrics.timed_out.inc()
+                record_status(request.scope, error.status)
+                yield sse(error.body())
                 return
             self.metrics.observe_result(event[1], builder.flyspec["verifier"], builder.flyspec["drafter"])
             for chunk in builder.last_chunks(event[1]):
@@ -190,18 +250,25 @@ class Generations:
         finally:
             if not finished:
                 self.engine.cancel(job)
+                self.metrics.cancelled.inc()
 
     def _raise_for_error(self, event: Event) -> None:
         if event[0] == "error":
             raise self._error_for(event[1])
 
-    @staticmethod
-    def _error_for(error: BaseException) -> APIError:
+    def _error_for(self, error: BaseException) -> APIError:
         if isinstance(error, ConfigError):
             return from_config_error(error)
         if isinstance(error, ShuttingDownError):
             return APIError(503, str(error), code="shutting_down")
+        if isinstance(error, DeadlineExceededError):
+            return _deadline_error(self.timeout_s)
         return internal_error()  # the engine logged the exception; the client gets no details
+
+
+def _deadline_error(timeout_s: float) -> APIError:
+    message = f"the request did not finish within this server's --request-timeout of {timeout_s:g} s"
+    return APIError(504, message, code="deadline_exceeded")
 
 
 async def _wait_for_disconnect(receive: Receive) -> None:
@@ -209,11 +276,19 @@ async def _wait_for_disconnect(receive: Receive) -> None:
         pass
 
 
-async def _unless_disconnected(awaitable: Awaitable[T], disconnected: asyncio.Task[None]) -> T:
-    """Await ``awaitable``, or raise :class:`ClientDisconnectedError` if the client leaves first."""
+async def _until(awaitable: Awaitable[T], disconnected: asyncio.Task[None], deadline: float) -> T:
+    """Await ``awaitable``, unless the client leaves first (ClientDisconnectedError) or ``deadline`` passes.
+
+    ``deadline`` is in the event loop's clock; passing it raises DeadlineExceededError.
+    """
     task = asyncio.ensure_future(awaitable)
-    await asyncio.wait({task, disconnected}, return_when=asyncio.FIRST_COMPLETED)
+    timeout = max(deadline - asyncio.get_running_loop().time(), 0.0)
+    try:
+        await asyncio.wait({task, disconnected}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        raise
     if task.done():
         return task.result()
     task.cancel()
-    raise ClientDisconnectedError
+    raise ClientDisconnectedError if disconnected.done() else DeadlineExceededError

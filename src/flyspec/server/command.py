@@ -7,16 +7,26 @@ start fast. Invalid options raise :class:`ConfigError` before any model is loade
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
+import os
+from pathlib import Path
 
 from flyspec.cli_options import add_model_options, add_speculation_options, speculation_options
 from flyspec.config import ConfigError
-from flyspec.server.settings import ServerLimits, SpeculationDefaults
+from flyspec.server.settings import (
+    ALLOW_REQUEST_SPECULATIVE,
+    LOOPBACK_HOSTS,
+    ServerLimits,
+    ServerSecurity,
+    SpeculationDefaults,
+)
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
+API_KEY_ENV = "FLYSPEC_API_KEY"
 _LIMITS = ServerLimits()
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
@@ -59,9 +69,112 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         default=_LIMITS.max_body_bytes,
         help=f"largest request body; larger get 413 (default {_LIMITS.max_body_bytes})",
     )
+    server.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=_LIMITS.max_prompt_tokens,
+        help=f"longest prompt, in tokens; longer get 400 (default {_LIMITS.max_prompt_tokens})",
+    )
+    _add_seconds(server, "--request-timeout", _LIMITS.request_timeout_s, "a request's deadline, queueing included")
+    _add_seconds(server, "--body-timeout", _LIMITS.body_timeout_s, "time to send a request body; then 408")
+    _add_seconds(server, "--keep-alive-timeout", _LIMITS.keep_alive_timeout_s, "idle keep-alive connections close")
+    _add_seconds(
+        server, "--shutdown-timeout", _LIMITS.shutdown_timeout_s, "after SIGTERM, time the running generation gets"
+    )
+    add_security_options(parser)
     server.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="server log level (default info)")
     server.add_argument("-v", "--verbose", action="store_true", help="also log model loading (transformers)")
     parser.set_defaults(handler=run)
+
+
+def _add_seconds(group: argparse._ArgumentGroup, flag: str, default: float, meaning: str) -> None:
+    group.add_argument(flag, type=float, default=default, metavar="SECONDS", help=f"{meaning} (default {default:g})")
+
+
+def add_security_options(parser: argparse.ArgumentParser) -> None:
+    """API keys, host names, CORS, and what a request may change (README: security model)."""
+    security = parser.add_argument_group("security")
+    security.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help=f"require Authorization: Bearer KEY on every route but /health; repeatable, each key its own "
+        f"tenant; also --api-key-file and ${API_KEY_ENV} (comma-separated)",
+    )
+    security.add_argument("--api-key-file", metavar="PATH", help="API keys, one per line (# comments)")
+    security.add_argument(
+        "--allowed-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a Host header name to accept besides the bound address (on loopback, also localhost); "
+        "repeatable; other names get 400 (DNS rebinding)",
+    )
+    security.add_argument(
+        "--cors-origin",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="a browser origin allowed to call the API (e.g. https://app.example); repeatable; default none",
+    )
+    security.add_argument(
+        "--allow-request-speculative",
+        default="lossless",
+        choices=ALLOW_REQUEST_SPECULATIVE,
+        help="what a request's `speculative` field may change: none, lossless settings only, or all (default lossless)",
+    )
+    security.add_argument(
+        "--share-ngram-cache",
+        action="store_true",
+        help="one n-gram cache for all API keys (default: one per key); clients can then infer each other's "
+        "text from acceptance statistics and timing",
+    )
+    security.add_argument(
+        "--allow-special-tokens-in-messages",
+        action="store_true",
+        help="keep chat-template control tokens typed in chat messages (default: removed, so no message can "
+        "forge a turn)",
+    )
+
+
+def api_keys_from(args: argparse.Namespace) -> tuple[str, ...]:
+    """Keys from --api-key, --api-key-file and the environment, in that order, without repeats."""
+    keys = list(args.api_key)
+    if args.api_key_file:
+        try:
+            lines = Path(args.api_key_file).read_text(encoding="utf-8").splitlines()
+        except OSError as error:
+            raise ConfigError(f"cannot read --api-key-file {args.api_key_file!r}: {error.strerror}") from error
+        keys += [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+    keys += [key.strip() for key in os.environ.get(API_KEY_ENV, "").split(",") if key.strip()]
+    return tuple(dict.fromkeys(keys))
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def security_from_args(args: argparse.Namespace) -> ServerSecurity:
+    """On loopback only the bound address and local names are accepted as Host; elsewhere any, unless named."""
+    named = tuple(args.allowed_host)
+    if is_loopback(args.host):
+        allowed_hosts: tuple[str, ...] | None = (*LOOPBACK_HOSTS, args.host, *named)
+    else:
+        allowed_hosts = (args.host, *named) if named else None
+    return ServerSecurity(
+        api_keys=api_keys_from(args),
+        allowed_hosts=allowed_hosts,
+        cors_origins=tuple(args.cors_origin),
+        allow_request_speculative=args.allow_request_speculative,
+        share_ngram_cache=args.share_ngram_cache,
+        allow_special_tokens_in_messages=args.allow_special_tokens_in_messages,
+    )
 
 
 def settings_from_args(args: argparse.Namespace) -> tuple[SpeculationDefaults, ServerLimits]:
@@ -71,8 +184,13 @@ def settings_from_args(args: argparse.Namespace) -> tuple[SpeculationDefaults, S
     limits = ServerLimits(
         default_max_tokens=args.default_max_tokens,
         max_tokens_cap=args.max_tokens_cap,
+        max_prompt_tokens=args.max_prompt_tokens,
         max_queue=args.max_queue,
         max_body_bytes=args.max_body_bytes,
+        request_timeout_s=args.request_timeout,
+        body_timeout_s=args.body_timeout,
+        keep_alive_timeout_s=args.keep_alive_timeout,
+        shutdown_timeout_s=args.shutdown_timeout,
     )
     defaults = SpeculationDefaults(drafter=args.drafter, verifier=args.verifier, **speculation_options(args))
     if defaults.drafter in ("draft-model", "multilevel") and not args.draft_model:
@@ -85,18 +203,18 @@ def settings_from_args(args: argparse.Namespace) -> tuple[SpeculationDefaults, S
 def run(args: argparse.Namespace) -> int:
     """Load the model(s), check the defaults once, and serve until interrupted."""
     defaults, limits = settings_from_args(args)
-    import uvicorn  # noqa: PLC0415 - heavy imports only when serving
-
-    from flyspec.api import build_decoder  # noqa: PLC0415
+    security = security_from_args(args)
+    from flyspec.api import build_decoder  # noqa: PLC0415 - heavy imports only when serving
     from flyspec.models import load_model  # noqa: PLC0415
     from flyspec.server.app import create_app  # noqa: PLC0415
+    from flyspec.server.lifecycle import GracefulServer, server_config  # noqa: PLC0415
 
     logging.getLogger("flyspec").setLevel(getattr(logging, args.log_level.upper()))
     target = load_model(args.target, dtype=args.dtype, threads=args.threads)
     draft = load_model(args.draft_model, dtype=args.dtype) if args.draft_model else None
     # bad defaults fail now, not per request (and stack models and layer-skip calibration load once)
     build_decoder(target, draft_model=draft, dtype=target.dtype, **defaults.build_kwargs())
-    app = create_app(target, defaults, limits, draft_model=draft, served_model_name=args.served_model_name)
+    app = create_app(target, defaults, limits, security, draft_model=draft, served_model_name=args.served_model_name)
     described = ", ".join(f"{name}={value}" for name, value in defaults.describe().items())
     logger.info(
         "serving %s (%s, %s) at http://%s:%d/v1",
@@ -106,7 +224,25 @@ def run(args: argparse.Namespace) -> int:
         args.host,
         args.port,
     )
+    log_exposure(args.host, defaults, security)
+    config = server_config(app, host=args.host, port=args.port, log_level=args.log_level)
+    GracefulServer(config, app.state.lifecycle).run()
+    return 0
+
+
+def log_exposure(host: str, defaults: SpeculationDefaults, security: ServerSecurity) -> None:
+    """Start-up warnings: a lossy default, a non-loopback address without API keys, a cache shared by keys."""
     if not defaults.lossless:
         logger.warning("the default verifier %r is LOSSY: output may differ from plain decoding", defaults.verifier)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
-    return 0
+    if security.api_keys:
+        logger.info("API keys: %d (each key is its own tenant)", len(security.api_keys))
+    elif not is_loopback(host):
+        logger.warning(
+            "!!! NO API KEY: %s is not a loopback address, so anyone who can reach this port can use the "
+            "model and share one n-gram cache with every other client. Pass --api-key (or $%s) unless a "
+            "proxy in front authenticates clients. !!!",
+            host,
+            API_KEY_ENV,
+        )
+    if security.share_ngram_cache and len(security.api_keys) > 1:
+        logger.warning("--share-ngram-cache: the n-gram cache is shared by all API keys (see the security model)")

@@ -5,8 +5,13 @@ serialized: the event loop only enqueues jobs and awaits their events; the worke
 each job's :class:`~flyspec.streaming.GenerationStream` (one target forward per step) and hands the
 text pieces back to the loop with ``call_soon_threadsafe``.
 
-Cancellation: a client that goes away calls :meth:`Engine.cancel`. A queued job is dropped at
-once (its slot is free immediately); a running job stops before its next target forward.
+A job's life: ``reserve`` (a place in the queue, taken before its prompt is tokenized, so
+requests being prepared count against ``max_queue`` too) → ``submit`` (prepared: queued) →
+running → finished. Cancellation (the client went away, or its deadline passed) drops a reserved
+or queued job at once (its place is free immediately) and stops a running one before its next
+target forward. Shutdown: :meth:`Engine.drain` fails every job not yet running with
+:class:`ShuttingDownError` and refuses new ones; :meth:`Engine.abort_running` ends the running one
+the same way; :meth:`Engine.stop` does both and joins the worker.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ logger = logging.getLogger(__name__)
 EventKind = Literal["piece", "done", "error"]
 Event = tuple[EventKind, Any]  # ("piece", str) | ("done", GenerationResult) | ("error", BaseException)
 Outcome = Literal["done", "cancelled", "error"]
+JobState = Literal["new", "preparing", "queued", "running", "cancelled", "finished"]
 _MAX_RETRY_AFTER_S = 60
 _job_ids = itertools.count(1)
 
@@ -63,13 +69,13 @@ class EngineHooks:
 class Job:
     """One request's generation: what to run, and the events the worker sends back to the loop."""
 
-    def __init__(self, decoder: Decoder, prompt_ids: list[int], seed: int | None, label: str = "") -> None:
+    def __init__(self, seed: int | None = None, label: str = "") -> None:
         self.id = next(_job_ids)
         self.label = label
-        self.decoder = decoder
-        self.prompt_ids = prompt_ids
         self.seed = seed
-        self.state: Literal["new", "queued", "running", "cancelled", "finished"] = "new"
+        self.decoder: Decoder | None = None  # set by Engine.submit
+        self.prompt_ids: list[int] = []
+        self.state: JobState = "new"
         self.num_pieces = 0
         self.events: asyncio.Queue[Event] = asyncio.Queue()
         self._loop = asyncio.get_running_loop()
@@ -80,7 +86,7 @@ class Job:
         return self._cancel.is_set()
 
     def emit(self, kind: EventKind, value: Any) -> None:
-        """Called from the worker thread; a closed loop means nobody is listening any more."""
+        """Called from any thread; a closed loop means nobody is listening any more."""
         try:
             self._loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
         except RuntimeError:
@@ -91,7 +97,7 @@ class Job:
 
 
 class Engine:
-    """Serializes generations on one model. ``max_queue`` jobs may wait besides the one running."""
+    """Serializes generations on one model. ``max_queue`` jobs may wait (or be prepared) besides the one running."""
 
     def __init__(
         self, max_queue: int, metrics: ServerMetrics, *, min_retry_after_s: int = 1, hooks: EngineHooks | None = None
@@ -102,9 +108,8 @@ class Engine:
         self._min_retry_after_s = min_retry_after_s
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._lock = threading.Lock()
-        self._waiting = 0
+        self._waiting: set[Job] = set()  # reserved (being prepared) or queued
         self._running: Job | None = None
-        self._jobs: set[Job] = set()  # admitted and not finished
         self._mean_duration_s = 0.0  # exponential moving average of generation time
         self._stopping = False
         self._thread = threading.Thread(target=self._work, name="flyspec-engine", daemon=True)
@@ -112,56 +117,77 @@ class Engine:
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self, timeout_s: float = 10.0) -> None:
-        """Refuse new jobs, fail the queued ones, stop the running one, and join the worker."""
+    def reserve(self, job: Job) -> None:
+        """Take a place in the queue for a job about to be prepared, or raise QueueFull/ShuttingDown."""
         with self._lock:
-            self._stopping = True
-            pending = list(self._jobs)
-        for job in pending:
-            job.emit("error", ShuttingDownError("the server is shutting down"))
-            self.cancel(job)
-        self._queue.put(None)
-        if self._thread.is_alive():
-            self._thread.join(timeout_s)
+            if self._stopping:
+                raise ShuttingDownError("the server is shutting down")
+            if len(self._waiting) + (self._running is not None) > self.max_queue:
+                raise QueueFullError(self._retry_after())
+            self._waiting.add(job)
+            job.state = "preparing"
+            self.metrics.queue_depth.set(len(self._waiting))
 
-    def check_room(self) -> None:
-        """Raise :class:`QueueFullError` / :class:`ShuttingDownError` now, before a request is prepared."""
+    def submit(self, job: Job, decoder: Decoder, prompt_ids: list[int]) -> None:
+        """Queue a reserved job, now that it is prepared; ShuttingDownError if the server began stopping."""
         with self._lock:
-            self._check_room_locked()
-
-    def submit(self, job: Job) -> None:
-        """Queue a job, or raise :class:`QueueFullError` / :class:`ShuttingDownError`."""
-        with self._lock:
-            self._check_room_locked()
-            self._waiting += 1
-            self._jobs.add(job)
+            if job.state != "preparing" or self._stopping:
+                raise ShuttingDownError("the server is shutting down")
+            job.decoder, job.prompt_ids = decoder, prompt_ids
             job.state = "queued"
-            self.metrics.queue_depth.set(self._waiting)
         self._queue.put(job)
 
     def cancel(self, job: Job) -> None:
-        """The client is gone: drop a queued job now, or stop a running one before its next forward."""
+        """Drop a reserved or queued job now, or stop a running one before its next target forward."""
         with self._lock:
-            if job.state == "queued":
-                job.state = "cancelled"
-                self._waiting -= 1
-                self._jobs.discard(job)
-                self.metrics.queue_depth.set(self._waiting)
-                self.metrics.cancelled.inc()
+            self._drop_locked(job)
         job._cancel.set()
 
-    def _check_room_locked(self) -> None:
-        if self._stopping:
-            raise ShuttingDownError("the server is shutting down")
-        if self._waiting + (self._running is not None) > self.max_queue:
-            raise QueueFullError(self._retry_after())
+    def drain(self) -> None:
+        """Refuse new jobs and fail every job not yet running with ShuttingDownError (first shutdown signal)."""
+        with self._lock:
+            self._stopping = True
+            waiting = list(self._waiting)
+            for job in waiting:
+                self._drop_locked(job)
+        for job in waiting:
+            job.emit("error", ShuttingDownError("the server is shutting down; this request was not started"))
+            job._cancel.set()
+
+    def abort_running(self) -> None:
+        """End the running job with ShuttingDownError (the shutdown timeout passed, or a second signal)."""
+        with self._lock:
+            job = self._running
+        if job is not None and not job.cancelled:
+            job.emit("error", ShuttingDownError("the server shut down before this generation finished"))
+            job._cancel.set()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Drain, abort the running job, and join the worker (it stops before its next target forward)."""
+        self.drain()
+        self.abort_running()
+        self._queue.put(None)
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                logger.warning("the generation worker did not stop within %.0f s", timeout_s)
 
     @property
     def queue_depth(self) -> int:
-        return self._waiting
+        return len(self._waiting)
+
+    @property
+    def worker_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _drop_locked(self, job: Job) -> None:
+        if job in self._waiting:
+            self._waiting.discard(job)
+            job.state = "cancelled"
+            self.metrics.queue_depth.set(len(self._waiting))
 
     def _retry_after(self) -> int:
-        estimate = math.ceil(self._mean_duration_s * (self._waiting + 1))
+        estimate = math.ceil(self._mean_duration_s * (len(self._waiting) + 1))
         return min(max(self._min_retry_after_s, estimate), _MAX_RETRY_AFTER_S)
 
     def _work(self) -> None:
@@ -173,10 +199,7 @@ class Engine:
             with self._lock:
                 job.state = "finished"
                 self._running = None
-                self._jobs.discard(job)
                 self._mean_duration_s = 0.8 * self._mean_duration_s + 0.2 * (time.perf_counter() - started)
-            if outcome == "cancelled":
-                self.metrics.cancelled.inc()
             logger.debug("job %d (%s) %s after %d pieces", job.id, job.label, outcome, job.num_pieces)
             if self.hooks.on_finish is not None:
                 self.hooks.on_finish(job, outcome)
@@ -187,12 +210,13 @@ class Engine:
                 return False
             job.state = "running"
             self._running = job
-            self._waiting -= 1
-            self.metrics.queue_depth.set(self._waiting)
+            self._waiting.discard(job)
+            self.metrics.queue_depth.set(len(self._waiting))
             return True
 
     def _generate(self, job: Job) -> Outcome:
         """Run one job to its end, its cancellation, or its failure; send the events."""
+        assert job.decoder is not None
         try:
             stream = job.decoder.stream(job.prompt_ids, generator=make_generator(job.seed))
             pieces = iter(stream)

@@ -1,13 +1,16 @@
 """Errors in the OpenAI shape: ``{"error": {"message", "type", "param", "code"}}`` with the right status.
 
-Bad input is always a 4xx with a message that says what to change; an unexpected failure is a
-500 with a fixed, safe message (the exception and its traceback go to the log, never the client).
+Bad input is always a 4xx with a message that says what to change, and every error has a
+``code``; an unexpected failure is a 500 with a fixed, safe message (the exception and its
+traceback go to the log, never the client). :func:`parse_json_object` refuses what would make
+later stages fail: NaN/Infinity, lone surrogates, deep nesting and oversized integers.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 from typing import Any
 
@@ -22,15 +25,24 @@ from flyspec.config import ConfigError
 logger = logging.getLogger(__name__)
 
 INTERNAL_ERROR_MESSAGE = "the server failed while generating; the error was logged (try again or report it)"
+MAX_JSON_DEPTH = 32  # a request body is a few levels deep; deeper only costs recursion
 _UNION_MEMBER = re.compile(r"^(str|int|float|bool)$|\[")
-_TYPES = {
-    400: "invalid_request_error",
-    404: "invalid_request_error",
-    405: "invalid_request_error",
-    413: "invalid_request_error",
-    429: "rate_limit_error",
-    500: "server_error",
-    503: "server_error",
+_TOO_DEEP = f"the request body is nested more than {MAX_JSON_DEPTH} levels deep; no field needs that"
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+_TYPES = {429: "rate_limit_error"}  # others: invalid_request_error below 500, server_error from 500
+_CODES = {  # an error raised without a code gets its status's
+    400: "invalid_value",
+    401: "invalid_api_key",
+    403: "forbidden",
+    404: "not_found",
+    405: "method_not_allowed",
+    408: "request_timeout",
+    413: "request_too_large",
+    415: "unsupported_media_type",
+    429: "rate_limit_exceeded",
+    500: "internal_error",
+    503: "service_unavailable",
+    504: "deadline_exceeded",
 }
 
 
@@ -62,10 +74,17 @@ class APIError(Exception):
 
 def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     error_type = _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+    code = code or _CODES.get(status, "invalid_request" if status < 500 else "server_error")
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
-def bad_request(message: str, *, param: str | None = None, code: str | None = None) -> APIError:
+def shorten(value: Any, limit: int = 80) -> str:
+    """``repr(value)``, cut to about ``limit`` characters: a client's value never makes a message huge."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def bad_request(message: str, *, param: str | None = None, code: str = "invalid_value") -> APIError:
     return APIError(400, message, param=param, code=code)
 
 
@@ -113,15 +132,63 @@ def from_validation_error(error: ValidationError | RequestValidationError) -> AP
     return bad_request(f"{subject}: {message}", param=param, code="invalid_value")
 
 
+class _NonFinite(float):
+    """A NaN or Infinity literal (or an overflowing number) in the body, kept so the check can name its field."""
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    return value if math.isfinite(value) else _NonFinite(value)
+
+
 def parse_json_object(raw: bytes) -> dict[str, Any]:
-    """The request body as a JSON object, or a 400."""
+    """The request body as a JSON object, or a 400.
+
+    Refused here, naming the field: NaN, Infinity and numbers that overflow to infinity (not
+    JSON; Python's parser accepts them), strings with a lone surrogate (``"\\ud800"``: no
+    tokenizer or response can encode it), nesting deeper than :data:`MAX_JSON_DEPTH`, and integers
+    of more than 4300 digits (Python refuses to convert them).
+    """
     try:
-        data = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise bad_request(f"the request body is not valid JSON ({error})", code="invalid_json") from error
+        data = json.loads(raw, parse_constant=lambda name: _NonFinite(name), parse_float=_finite_float)
+    except RecursionError as error:
+        raise bad_request(_TOO_DEEP, code="invalid_json") from error
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise bad_request(f"the request body is not valid JSON ({str(error)[:200]})", code="invalid_json") from error
+    except ValueError as error:  # an integer too long for Python to convert (sys.get_int_max_str_digits)
+        raise bad_request("a number in the request body has thousands of digits; no field needs that") from error
     if not isinstance(data, dict):
         raise bad_request("the request body must be a JSON object", code="invalid_json")
+    _check_values(data)
     return data
+
+
+def _check_values(data: dict[str, Any]) -> None:
+    """Walk the parsed body (iteratively: no recursion on hostile nesting) for values nothing downstream can handle."""
+    pending: list[tuple[Any, tuple[str, ...]]] = [(data, ())]
+    while pending:
+        value, path = pending.pop()
+        param = ".".join(path)[:200] or None
+        if len(path) > MAX_JSON_DEPTH:
+            raise bad_request(_TOO_DEEP, code="invalid_json")
+        if isinstance(value, _NonFinite):
+            raise bad_request(
+                f"invalid value for {param!r}: {value} is not a finite number (JSON has no NaN or Infinity)",
+                param=param,
+            )
+        if isinstance(value, str) and _LONE_SURROGATE.search(value):
+            raise bad_request(
+                f"invalid value for {param!r}: the text contains a lone UTF-16 surrogate (an escape like "
+                "\\ud800 without its pair), which is not a character; fix the client's encoding",
+                param=param,
+            )
+        if isinstance(value, dict):
+            for key, inner in value.items():
+                if _LONE_SURROGATE.search(key):
+                    raise bad_request("a field name contains a lone UTF-16 surrogate", param=param)
+                pending.append((inner, (*path, key)))
+        elif isinstance(value, list):
+            pending.extend((inner, (*path, str(index))) for index, inner in enumerate(value))
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -137,9 +204,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, error: StarletteHTTPException) -> JSONResponse:
-        message = {404: f"no route {request.url.path!r}", 405: f"method {request.method} not allowed here"}
-        code = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code)
-        body = error_body(error.status_code, message.get(error.status_code, str(error.detail)), code=code)
+        message = {404: f"no route {shorten(request.url.path)}", 405: f"method {request.method} not allowed here"}
+        body = error_body(error.status_code, message.get(error.status_code, str(error.detail)))
         return JSONResponse(body, status_code=error.status_code, headers=getattr(error, "headers", None))
 
     @app.exception_handler(Exception)

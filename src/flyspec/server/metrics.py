@@ -66,13 +66,16 @@ class ServerMetrics:
         )
         self.ngram_cache = Gauge(
             "flyspec_ngram_cache",
-            "The shared n-gram cache (ngram-cache drafter) after the last generation that used it",
+            "The n-gram caches of the ngram-cache drafter (one per tenant), summed",
             ["quantity"],
             registry=registry,
         )
         self.queue_depth = Gauge("flyspec_queue_depth", "Requests waiting for the model", registry=registry)
         self.cancelled = Counter(
-            "flyspec_cancelled_requests", "Generations stopped because the client went away", registry=registry
+            "flyspec_cancelled_requests", "Requests whose client went away before the answer ended", registry=registry
+        )
+        self.timed_out = Counter(
+            "flyspec_timed_out_requests", "Requests stopped at their deadline (--request-timeout)", registry=registry
         )
         self.failed = Counter("flyspec_failed_generations", "Generations that raised an error", registry=registry)
         self.rejected = Counter(
@@ -83,8 +86,6 @@ class ServerMetrics:
         stats = result.stats
         self.draft_tokens.labels(drafter, "proposed").inc(stats.num_proposed)
         self.draft_tokens.labels(drafter, "accepted").inc(stats.num_accepted)
-        for quantity, value in _ngram_cache_stats(stats.drafter).items():
-            self.ngram_cache.labels(quantity).set(value)
         self.prompt_tokens.inc(len(result.prompt_token_ids))
         self.generated_tokens.labels(verifier).inc(result.num_new_tokens)
         self.target_forwards.labels(verifier).inc(stats.num_target_forwards)
@@ -92,17 +93,9 @@ class ServerMetrics:
         if stats.num_target_forwards:
             self.acceptance_length.labels(verifier).observe(stats.mean_acceptance_length)
 
+    def observe_caches(self, totals: dict[str, float]) -> None:
+        for quantity, value in totals.items():
+            self.ngram_cache.labels(quantity).set(value)
+
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
-
-
-def _ngram_cache_stats(report: dict) -> dict[str, float]:
-    """The shared cache's numeric totals from a drafter report, wherever it sits in a stack."""
-    if "cache" in report and isinstance(report["cache"], dict):
-        return {key: value for key, value in report["cache"].items() if isinstance(value, int | float)}
-    for nested in ("proposer", "inner"):
-        if isinstance(report.get(nested), dict):
-            found = _ngram_cache_stats(report[nested])
-            if found:
-                return found
-    return {}

@@ -1,12 +1,17 @@
 """Pure ASGI middleware (no BaseHTTPMiddleware, which would buffer streams and hide disconnects).
 
-``BodyLimitMiddleware`` refuses request bodies over the limit with a 413 before any parsing;
-``RequestMetricsMiddleware`` counts every response by endpoint and status and times the
-generation endpoints up to their last byte (so a stream is timed to its end).
+``BodyLimitMiddleware`` reads the whole request body before any parsing, refusing one over the
+size limit (413), one that does not arrive within the body timeout (408: a client stalled
+mid-body holds nothing for long), and one still arriving when the server starts shutting down
+(503). ``RequestMetricsMiddleware`` counts every response by endpoint and status and times the
+generation endpoints up to their last byte (so a stream is timed to its end); a response the
+client left before its end counts as 499, and the app may record another final status
+(a stream ended by its deadline or by shutdown) under :data:`STATUS_KEY` in the scope's state.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Collection
@@ -16,20 +21,39 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from flyspec.server.errors import error_body
 from flyspec.server.metrics import ServerMetrics
 
+STATUS_KEY = "flyspec.status"
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away"; only ever seen in metrics and logs
 
-async def send_error(send: Send, status: int, message: str, code: str) -> None:
+
+async def send_error(
+    send: Send, status: int, message: str, code: str, *, headers: dict[str, str] | None = None
+) -> None:
     body = json.dumps(error_body(status, message, code=code)).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
+    raw_headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    raw_headers += [(name.encode(), value.encode()) for name, value in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": raw_headers})
     await send({"type": "http.response.body", "body": body})
 
 
-class BodyLimitMiddleware:
-    """Read at most ``max_body_bytes`` of a request body; a larger one gets a 413 in the OpenAI shape."""
+def record_status(scope: Scope, status: int) -> None:
+    """The status the metrics should count for this request, when it differs from the one sent."""
+    scope.setdefault("state", {})[STATUS_KEY] = status
 
-    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+
+class _TooLarge(Exception):
+    pass
+
+
+class BodyLimitMiddleware:
+    """Read the body (at most ``max_body_bytes``, within ``body_timeout_s``) before the app sees the request."""
+
+    def __init__(
+        self, app: ASGIApp, max_body_bytes: int, body_timeout_s: float, draining: asyncio.Event | None = None
+    ) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s
+        self.draining = draining or asyncio.Event()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
@@ -39,24 +63,48 @@ class BodyLimitMiddleware:
         if declared is not None and (not declared.isdigit() or int(declared) > self.max_body_bytes):
             await self._too_large(send)
             return
+        reading = asyncio.ensure_future(self._read(receive))
+        draining = asyncio.ensure_future(self.draining.wait())
+        try:
+            await asyncio.wait({reading, draining}, timeout=self.body_timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            draining.cancel()
+        if not reading.done():
+            reading.cancel()
+            close = {"connection": "close"}  # the rest of the body may still come: this connection is done
+            if self.draining.is_set():
+                await send_error(send, 503, "the server is shutting down", "shutting_down", headers=close)
+            else:
+                message = f"the request body did not arrive within {self.body_timeout_s:g} s"
+                await send_error(send, 408, message, "request_timeout", headers=close)
+            return
+        try:
+            body = reading.result()
+        except _TooLarge:
+            await self._too_large(send)
+            return
+        if body is None:  # the client left before sending its body
+            record_status(scope, CLIENT_CLOSED_REQUEST)
+            return
+        await self.app(scope, _replay(body, receive), send)
+
+    async def _read(self, receive: Receive) -> bytes | None:
         chunks: list[bytes] = []
         size = 0
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
-                return  # the client left before sending its body
+                return None
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
             if size > self.max_body_bytes:
-                await self._too_large(send)
-                return
+                raise _TooLarge
             if not message.get("more_body", False):
-                break
-        await self.app(scope, _replay(b"".join(chunks), receive), send)
+                return b"".join(chunks)
 
     async def _too_large(self, send: Send) -> None:
         message = f"the request body is larger than the server's limit of {self.max_body_bytes} bytes"
-        await send_error(send, 413, message, "request_too_large")
+        await send_error(send, 413, message, "request_too_large", headers={"connection": "close"})
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:
@@ -91,16 +139,22 @@ class RequestMetricsMiddleware:
         endpoint = scope["path"] if scope["path"] in self.endpoints else "other"
         started = time.perf_counter()
         status = 500  # if the app fails before it starts a response
+        complete = False
 
         async def send_and_record(message: Message) -> None:
-            nonlocal status
+            nonlocal status, complete
             if message["type"] == "http.response.start":
                 status = message["status"]
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                complete = True
             await send(message)
 
         try:
             await self.app(scope, receive, send_and_record)
         finally:
+            if status < 400 and not complete:  # a stream the client left (a full body is sent in one go)
+                status = CLIENT_CLOSED_REQUEST
+            status = scope.get("state", {}).get(STATUS_KEY, status)
             self.metrics.requests.labels(endpoint, str(status)).inc()
             if endpoint in self.timed and status < 400:
                 self.metrics.latency.labels(endpoint).observe(time.perf_counter() - started)

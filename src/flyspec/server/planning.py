@@ -1,17 +1,23 @@
 """From a request body to a ready-to-run generation, or a 4xx saying what to change.
 
-Everything a request can get wrong is found here, before it takes a place in the queue: the
-body's JSON and types, unsupported fields, the model name, the speculative settings, the prompt
-length against the context window, and ``max_tokens`` against the cap.
+Everything a request can get wrong is found here, before it takes a place in the queue where
+possible. :meth:`Planner.check` needs no model work (the model name, the speculative settings and
+what this server lets a request change, ``max_tokens`` against the cap, a prompt too long to
+bother tokenizing); :meth:`Planner.prepare` tokenizes and checks the prompt against
+``max_prompt_tokens`` and the context window, then builds the decoder.
 
 Prompts are tokenized on a private copy of the tokenizer in a one-thread executor, so the event
 loop never blocks on a long prompt and the worker's tokenizer is never used from two threads.
+Chat messages lose the tokenizer's special tokens (``<|im_start|>``, ``</s>``) typed in their
+text unless the operator allows them: rendered by the chat template they would be real control
+tokens, and a message could forge turns.
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -22,7 +28,15 @@ from flyspec.api import build_decoder
 from flyspec.config import ConfigError, SamplingConfig
 from flyspec.decoding import SpeculativeDecoder, context_room
 from flyspec.models import LoadedModel
-from flyspec.server.errors import APIError, bad_request, from_config_error, from_validation_error, parse_json_object
+from flyspec.server.caches import TenantCaches
+from flyspec.server.errors import (
+    APIError,
+    bad_request,
+    from_config_error,
+    from_validation_error,
+    parse_json_object,
+    shorten,
+)
 from flyspec.server.schemas import (
     IGNORED_FIELDS,
     UNSUPPORTED_FIELDS,
@@ -30,7 +44,7 @@ from flyspec.server.schemas import (
     CompletionRequest,
     SpeculativeOptions,
 )
-from flyspec.server.settings import ServerLimits, SpeculationDefaults
+from flyspec.server.settings import ServerLimits, ServerSecurity, SpeculationDefaults
 
 RequestT = TypeVar("RequestT", CompletionRequest, ChatCompletionRequest)
 GenerationRequest = CompletionRequest | ChatCompletionRequest
@@ -60,16 +74,16 @@ def _is_unused(value: Any, unused_values: tuple[Any, ...]) -> bool:
 
 def _unsupported_message(name: str, value: Any) -> str:
     if name in ("n", "best_of"):
-        return f"{name}={value!r} is not supported: flyspec returns one choice per request; send separate requests"
-    return f"{name} is not supported by flyspec serve (got {value!r}); leave it out"
+        return (
+            f"{name}={shorten(value)} is not supported: flyspec returns one choice per request; send separate requests"
+        )
+    return f"{name} is not supported by flyspec serve (got {shorten(value)}); leave it out"
 
 
 @dataclass
 class Plan:
-    """A validated request, resolved against the server's defaults and limits."""
+    """A validated, tokenized request, resolved against the server's defaults and limits."""
 
-    request: GenerationRequest
-    speculation: SpeculationDefaults
     prompt_ids: list[int]
     max_tokens: int
     decoder: SpeculativeDecoder
@@ -83,6 +97,7 @@ class Planner:
         target: LoadedModel,
         defaults: SpeculationDefaults,
         limits: ServerLimits,
+        security: ServerSecurity,
         *,
         draft_model: LoadedModel | None = None,
         model_names: tuple[str, ...] = (),
@@ -90,31 +105,72 @@ class Planner:
         self.target = target
         self.defaults = defaults
         self.limits = limits
+        self.security = security
         self.draft_model = draft_model
         self.model_names = model_names or (target.name,)
+        self.caches = TenantCaches(target.name, defaults.ngram_cache, defaults.ngram, shared=security.share_ngram_cache)
         # Prompt encoding only: the worker decodes with the original tokenizer at the same time.
         tokenizer = copy.deepcopy(target.tokenizer)
         self._prompt_model = LoadedModel(model=target.model, tokenizer=tokenizer, name=target.name)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flyspec-tokenize")
+        context = getattr(target.model.config, "max_position_embeddings", None)
+        self._prompt_limit = min(limits.max_prompt_tokens, context - 1) if context else limits.max_prompt_tokens
+        # No token is longer than its vocabulary entry (byte-level and SentencePiece entries spell
+        # every character), so a prompt with more characters than this cannot fit: refused untokenized.
+        self._max_prompt_chars = self._prompt_limit * max(len(entry) for entry in tokenizer.get_vocab())
+        special = sorted(_special_tokens(tokenizer), key=len, reverse=True)
+        strip = special and not security.allow_special_tokens_in_messages
+        self._special_tokens = re.compile("|".join(map(re.escape, special))) if strip else None
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
-    async def plan(self, request: GenerationRequest) -> Plan:
+    def check(self, request: GenerationRequest) -> SpeculationDefaults:
+        """Every check that needs no model work; the request's speculation settings, resolved."""
         self.check_model(request.model)
         if request.stream_options is not None and not request.stream:
             raise bad_request("stream_options is only allowed with stream: true", param="stream_options")
         speculation = self.speculation(request.speculative)
+        self._check_max_tokens_cap(request)
+        limit, unit = self._max_prompt_chars, "characters"
+        if isinstance(request, ChatCompletionRequest):
+            size = sum(len(message.text) for message in request.messages)
+        else:
+            size = len(request.prompt)
+            if isinstance(request.prompt, list):
+                limit, unit = self._prompt_limit, "token ids"
+        if size > limit:
+            raise self._too_long(request, f"{size} {unit}, more than fit in")
+        return speculation
+
+    async def prepare(self, request: GenerationRequest, speculation: SpeculationDefaults, tenant: str) -> Plan:
+        """Tokenize, check the prompt's length and ``max_tokens``, and build the decoder (off the event loop)."""
         loop = asyncio.get_running_loop()
         prompt_ids = await loop.run_in_executor(self._executor, self._encode, request)
+        if len(prompt_ids) > self._prompt_limit:
+            raise self._too_long(request, f"{len(prompt_ids)} tokens, more than")
         max_tokens = self._max_tokens(request, len(prompt_ids))
-        decoder = await loop.run_in_executor(self._executor, self._build_decoder, request, speculation, max_tokens)
-        return Plan(request, speculation, prompt_ids, max_tokens, decoder)
+        build = (self._build_decoder, request, speculation, max_tokens, tenant)
+        decoder = await loop.run_in_executor(self._executor, *build)
+        return Plan(prompt_ids, max_tokens, decoder)
+
+    def _too_long(self, request: GenerationRequest, size: str) -> APIError:
+        context_bound = self._prompt_limit < self.limits.max_prompt_tokens
+        what = "the model's context window" if context_bound else "this server's --max-prompt-tokens"
+        return bad_request(
+            f"the prompt is {size} {what} allows ({self._prompt_limit} tokens); shorten it",
+            param="messages" if isinstance(request, ChatCompletionRequest) else "prompt",
+            code="context_length_exceeded" if context_bound else "prompt_too_long",
+        )
 
     def _build_decoder(
-        self, request: GenerationRequest, speculation: SpeculationDefaults, max_tokens: int
+        self, request: GenerationRequest, speculation: SpeculationDefaults, max_tokens: int, tenant: str
     ) -> SpeculativeDecoder:
         """A decoder sharing the loaded weights; cheap, but off the event loop (a guard mask is built once)."""
+        options = speculation.build_kwargs()
+        cache = self.caches.cache_for(tenant, speculation)
+        if cache is not None:
+            options["ngram_cache"] = cache
         try:
             sampling = SamplingConfig(request.temperature, request.top_k, request.top_p)
             return build_decoder(
@@ -124,7 +180,7 @@ class Planner:
                 stop=request.stop_strings,
                 sampling=sampling,
                 dtype=self.target.dtype,  # stack levels load (once) in the target's dtype
-                **speculation.build_kwargs(),
+                **options,
             )
         except ConfigError as error:
             raise from_config_error(error, "speculative") from error
@@ -133,19 +189,21 @@ class Planner:
         if model is not None and model not in self.model_names:
             raise APIError(
                 404,
-                f"model {model!r} does not exist here; this server serves {self.model_names[0]!r} (see GET /v1/models)",
+                f"model {shorten(model)} does not exist here; this server serves {self.model_names[0]!r} "
+                "(see GET /v1/models)",
                 param="model",
                 code="model_not_found",
             )
 
     def speculation(self, options: SpeculativeOptions | None) -> SpeculationDefaults:
-        """The server defaults with the request's ``speculative`` overrides, validated."""
+        """The server defaults with the request's ``speculative`` overrides, validated and allowed."""
         if options is None:
             return self.defaults
         try:
             resolved = self.defaults.for_request(options.model_dump())
         except ConfigError as error:
             raise from_config_error(error, "speculative") from error
+        self._check_allowed(resolved)
         if resolved.drafter in MODEL_DRAFTERS and self.draft_model is None:
             raise bad_request(
                 f"drafter {resolved.drafter!r} needs a draft model, and this server was started without "
@@ -159,10 +217,38 @@ class Planner:
             )
         return resolved
 
+    def _check_allowed(self, resolved: SpeculationDefaults) -> None:
+        """The operator's ``--allow-request-speculative``: ``none``, ``lossless`` or ``all`` (see settings.py).
+
+        Under ``lossless`` a request may choose any lossless verifier, with any drafter and draft
+        settings: the output is then the target's own, whatever the drafts. With a lossy verifier
+        the drafts change the output, so a request may not change anything from a lossy default.
+        """
+        policy = self.security.allow_request_speculative
+        if policy == "all" or resolved == self.defaults or (policy == "lossless" and resolved.lossless):
+            return
+        changed = ", ".join(self.defaults.changed_fields(resolved))
+        if policy == "none":
+            reason = f"it does not let a request change the speculative settings (this one changes {changed})"
+        elif resolved.verifier != self.defaults.verifier:
+            reason = f"a request may choose only a lossless verifier, and {resolved.verifier!r} is lossy"
+        else:
+            reason = (
+                f"its default verifier {resolved.verifier!r} is lossy, so changing its settings ({changed}) "
+                "would change the output; choose a lossless verifier (exact, rejection) to change them"
+            )
+        raise APIError(
+            403,
+            f"this server (--allow-request-speculative {policy}) refuses these speculative settings: {reason}; "
+            "leave out 'speculative' to use the server's defaults",
+            param="speculative",
+            code="speculative_not_allowed",
+        )
+
     def _encode(self, request: GenerationRequest) -> list[int]:
         try:
             if isinstance(request, ChatCompletionRequest):
-                messages = [message.as_template_message() for message in request.messages]
+                messages = [self._without_special_tokens(message.as_template_message()) for message in request.messages]
                 return self._prompt_model.encode_prompt(messages, use_chat=True)
             if isinstance(request.prompt, list):
                 return self._checked_token_ids(request.prompt)
@@ -171,22 +257,39 @@ class Planner:
             param = "messages" if isinstance(request, ChatCompletionRequest) else "prompt"
             raise from_config_error(error, param) from error
 
+    def _without_special_tokens(self, message: dict[str, str]) -> dict[str, str]:
+        """The message with the tokenizer's special tokens removed from its text (unless allowed)."""
+        if self._special_tokens is None:
+            return message
+        content = self._special_tokens.sub("", message["content"])
+        found = self._special_tokens.search(content)  # removing one formed another: "<|im_<|im_end|>start|>"
+        if found:
+            raise bad_request(
+                f"a message contains the chat template's control token {found.group()!r}; remove it",
+                param="messages",
+            )
+        return {**message, "content": content}
+
     def _checked_token_ids(self, token_ids: list[int]) -> list[int]:
         vocab_size = len(self._prompt_model.tokenizer)
         if max(token_ids) >= vocab_size:
             raise bad_request(f"prompt token ids must be below the vocabulary size {vocab_size}", param="prompt")
         return list(token_ids)
 
-    def _max_tokens(self, request: GenerationRequest, prompt_length: int) -> int:
-        """The request's max_tokens, checked against the cap and the context window; or the default."""
+    def _check_max_tokens_cap(self, request: GenerationRequest) -> None:
         requested = request.requested_max_tokens
-        param = "max_completion_tokens" if getattr(request, "max_completion_tokens", None) else "max_tokens"
         if requested is not None and requested > self.limits.max_tokens_cap:
+            param = _max_tokens_param(request)
             raise bad_request(
                 f"{param}={requested} is above this server's cap of {self.limits.max_tokens_cap}; ask for fewer",
                 param=param,
                 code="max_tokens_too_large",
             )
+
+    def _max_tokens(self, request: GenerationRequest, prompt_length: int) -> int:
+        """The request's max_tokens, checked against the context window; or the default."""
+        requested = request.requested_max_tokens
+        param = _max_tokens_param(request)
         room = context_room(self.target, prompt_length)
         context = getattr(self.target.model.config, "max_position_embeddings", None)
         if room < 1:
@@ -204,3 +307,14 @@ class Planner:
                 code="context_length_exceeded",
             )
         return requested if requested is not None else min(self.limits.default_max_tokens, room)
+
+
+def _max_tokens_param(request: GenerationRequest) -> str:
+    return "max_completion_tokens" if getattr(request, "max_completion_tokens", None) else "max_tokens"
+
+
+def _special_tokens(tokenizer: Any) -> set[str]:
+    """The text of every special token (BOS, EOS, chat-template markers) the tokenizer recognises in text."""
+    special = {str(token) for token in tokenizer.all_special_tokens}
+    special.update(token.content for token in tokenizer.added_tokens_decoder.values() if token.special)
+    return {token for token in special if token}

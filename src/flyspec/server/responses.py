@@ -1,9 +1,12 @@
 """Response bodies and stream chunks in the OpenAI formats, plus flyspec's additions.
 
 Additions (extra fields, which OpenAI clients keep and ignore): ``usage`` carries
-``num_target_forwards``, ``mean_acceptance_length`` and ``num_loose_accepts`` beside the standard
-token counts, and a top-level ``flyspec`` object says which drafter and verifier ran and whether
-that verifier is lossless.
+``num_target_forwards``, ``mean_acceptance_length``, ``num_loose_accepts`` and the drafter's own
+counters for this request (``drafter``) beside the standard token counts, and a top-level
+``flyspec`` object says which drafter and verifier ran and whether that verifier is lossless.
+Nothing in a response describes other requests: a drafter's process-wide statistics (the n-gram
+cache's ``cache`` totals, a layer-skip calibration made on an earlier request's prompt) are left
+out; the cache totals are in ``/metrics``.
 """
 
 from __future__ import annotations
@@ -37,13 +40,27 @@ def usage(result: GenerationResult) -> dict[str, Any]:
         "mean_acceptance_length": round(stats.mean_acceptance_length, 4),
         "num_loose_accepts": stats.num_loose_accepts,
         "mean_requested_draft_length": round(stats.mean_requested_draft_length, 4),
-        "drafter": stats.drafter,  # the drafter's own counters: draft forwards, n-gram cache hits, skipped layers
+        "drafter": this_request_only(stats.drafter),  # draft forwards, n-gram cache hits, skipped layers
     }
+
+
+def this_request_only(report: dict[str, Any]) -> dict[str, Any]:
+    """A drafter report without what describes other requests, at any depth of a stack.
+
+    Dropped: ``cache`` (NgramCacheDrafter: the whole cache's statistics) and a reused
+    ``calibration`` (LayerSkipDrafter: estimates measured on the prompt of the request that calibrated).
+    """
+    kept = {}
+    for key, value in report.items():
+        if key == "cache" or (key == "calibration" and isinstance(value, dict) and value.get("reused")):
+            continue
+        kept[key] = this_request_only(value) if isinstance(value, dict) else value
+    return kept
 
 
 def sse(data: dict[str, Any]) -> str:
     """One server-sent event carrying a JSON object."""
-    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+    return f"data: {json.dumps(data, ensure_ascii=False, allow_nan=False)}\n\n"  # NaN is not JSON
 
 
 @dataclass

@@ -4,7 +4,9 @@ Validation is strict (no string-to-number coercion) and unknown fields are rejec
 OpenAI API does. Standard fields that flyspec cannot honour are listed in
 :data:`UNSUPPORTED_FIELDS`: sending them with a non-default value is a 400 naming the field,
 never a silent ignore. Harmless bookkeeping fields (``user``, ``metadata``, ``store``,
-``service_tier``, ``parallel_tool_calls``) are accepted and ignored.
+``service_tier``, ``parallel_tool_calls``) are accepted and ignored. Numbers must be finite
+(NaN and Infinity are refused everywhere; :func:`flyspec.server.errors.parse_json_object` refuses
+them before validation too). A temperature below :data:`GREEDY_BELOW` is greedy, as in vLLM.
 """
 
 from __future__ import annotations
@@ -20,6 +22,12 @@ from flyspec.verifiers.registry import VERIFIERS
 MAX_DRAFT_TOKENS = 64
 MAX_STOP_STRINGS = 4  # as the OpenAI API
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed accepts
+# vLLM's _SAMPLING_EPS: below it, logits / temperature overflows float32 (inf - inf = NaN) long
+# before the distribution differs from the greedy one, so such a temperature means greedy.
+GREEDY_BELOW = 1e-5
+# top_p below the smallest top-token probability (>= 1/vocab) keeps only the top token, as this
+# floor does for any vocabulary up to a million tokens; a smaller top_p underflows in float32.
+TOP_P_FLOOR = 1e-6
 
 # field → the values that mean "not used" (accepted and dropped); anything else is a 400.
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
@@ -49,7 +57,7 @@ PositiveTokens = Annotated[int, Field(ge=1)]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class SpeculativeOptions(_Strict):
@@ -65,6 +73,7 @@ class SpeculativeOptions(_Strict):
     typical_epsilon: Annotated[float, Field(gt=0, le=1)] | None = None
     typical_delta: Annotated[float, Field(gt=0, le=1)] | None = None
     protect: list[Literal[PROTECT_CLASSES]] | None = None  # type: ignore[valid-type]
+    bare_rule: bool | None = None  # the paper's rule without flyspec's trust guards (true), or with them (false)
     adaptive_draft: bool | None = None
 
 
@@ -85,6 +94,16 @@ class _GenerationRequest(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     speculative: SpeculativeOptions | None = None
+
+    @field_validator("temperature")
+    @classmethod
+    def _tiny_temperature_is_greedy(cls, temperature: float) -> float:
+        return 0.0 if temperature < GREEDY_BELOW else temperature
+
+    @field_validator("top_p")
+    @classmethod
+    def _floor_top_p(cls, top_p: float) -> float:
+        return max(top_p, TOP_P_FLOOR)
 
     @field_validator("stop")
     @classmethod
@@ -136,10 +155,13 @@ class ChatMessage(_Strict):
     content: str | list[TextPart]
     name: str | None = None
 
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
     def as_template_message(self) -> dict[str, str]:
         """``{role, content}`` for the chat template; ``developer`` is the newer name of ``system``."""
-        content = self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+        return {"role": "system" if self.role == "developer" else self.role, "content": self.text}
 
 
 class ChatCompletionRequest(_GenerationRequest):

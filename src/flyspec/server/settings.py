@@ -1,14 +1,16 @@
-"""Server-wide settings: speculation defaults (from the CLI) and request limits.
+"""Server-wide settings: speculation defaults (from the CLI), request limits and the security model.
 
 Frozen dataclasses, like the library's configs; a request may override the speculation
-defaults (see :meth:`SpeculationDefaults.for_request`) but never the limits.
+defaults (see :meth:`SpeculationDefaults.for_request`, within :attr:`ServerSecurity.allow_request_speculative`)
+but never the limits or the security settings.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from flyspec.config import (
     DEFAULT_MAX_NEW_TOKENS,
@@ -37,6 +39,7 @@ VERIFIER_PARAMETERS: dict[str, tuple[str, ...]] = {
     "typical_epsilon": ("typical",),
     "typical_delta": ("typical",),
     "protect": LOSSY_VERIFIERS,
+    "bare_rule": LOSSY_VERIFIERS,
 }
 
 
@@ -69,6 +72,9 @@ class SpeculationDefaults:
             self.verifier in VERIFIERS, f"unknown verifier {self.verifier!r}; choose one of: {', '.join(VERIFIERS)}"
         )
         _require(self.num_draft_tokens >= 1, f"num_draft_tokens must be >= 1 (got {self.num_draft_tokens})")
+        for name, value in _floats(self):
+            # the defaults are sent in every response: JSON has no NaN or Infinity
+            _require(math.isfinite(value), f"{name} must be a finite number (got {value})")
 
     @property
     def lossless(self) -> bool:
@@ -104,11 +110,32 @@ class SpeculationDefaults:
                 overrides.get("typical_epsilon", self.typical.epsilon),
                 overrides.get("typical_delta", self.typical.delta),
             ),
-            guard=GuardConfig(tuple(dict.fromkeys(overrides.get("protect", self.guard.protect)))),
+            guard=self._guard(overrides.get("protect"), overrides.get("bare_rule")),
             draft_length=dataclasses.replace(
                 self.draft_length, adaptive=overrides.get("adaptive_draft", self.draft_length.adaptive)
             ),
         )
+
+    def _guard(self, protect: list[str] | None, bare_rule: bool | None) -> GuardConfig:
+        """The trust guards with a request's ``protect`` and ``bare_rule`` (as ``--protect`` and ``--bare-rule``).
+
+        ``bare_rule: false`` restores the guards' defaults; the same protected set in any order is no change.
+        """
+        _require(
+            not (bare_rule and protect),
+            "speculative.bare_rule turns every trust guard off; drop speculative.protect (or bare_rule)",
+        )
+        if bare_rule is not None and bare_rule != self.guard.is_bare:
+            guard = GuardConfig.bare() if bare_rule else GuardConfig()
+        else:
+            guard = self.guard
+        if protect is None or set(protect) == set(guard.protect):
+            return guard
+        return dataclasses.replace(guard, protect=tuple(dict.fromkeys(protect)))
+
+    def changed_fields(self, other: SpeculationDefaults) -> list[str]:
+        """Names of the top-level settings in which ``other`` differs from these."""
+        return [item.name for item in dataclasses.fields(self) if getattr(self, item.name) != getattr(other, item.name)]
 
     def describe(self) -> dict[str, Any]:
         """What ran, for the ``flyspec`` object in responses: the verifier's own parameters only."""
@@ -133,6 +160,7 @@ class SpeculationDefaults:
             described.update(typical_epsilon=self.typical.epsilon, typical_delta=self.typical.delta)
         if not self.lossless:
             described["protect"] = list(self.guard.protect)
+            described["bare_rule"] = self.guard.is_bare
         return described
 
     def build_kwargs(self) -> dict[str, Any]:
@@ -156,13 +184,18 @@ class SpeculationDefaults:
 
 @dataclass(frozen=True)
 class ServerLimits:
-    """What one request may ask for, and how much the server takes on at once."""
+    """What one request may ask for and cost, and how much the server takes on at once."""
 
     default_max_tokens: int = DEFAULT_MAX_NEW_TOKENS  # when a request gives no max_tokens
     max_tokens_cap: int = 2048  # a larger max_tokens is a 400 (not silently clamped)
-    max_queue: int = 32  # requests waiting for the model besides the one generating; more → 429
+    max_prompt_tokens: int = 2048  # a longer prompt is a 400: its prefill is one uninterruptible forward
+    max_queue: int = 32  # requests waiting for the model (or being prepared) besides the one generating; more → 429
     max_body_bytes: int = 1 << 20  # larger request bodies → 413
     retry_after_s: int = 1  # smallest Retry-After sent with a 429
+    request_timeout_s: float = 300.0  # arrival to last token, queueing included; then 504 or a stream error event
+    body_timeout_s: float = 30.0  # from the request's headers to the end of its body; then 408
+    keep_alive_timeout_s: float = 5.0  # an idle keep-alive connection is closed after this (uvicorn)
+    shutdown_timeout_s: float = 30.0  # after SIGTERM, running generations get this long before they are ended
 
     def __post_init__(self) -> None:
         _require(self.max_tokens_cap >= 1, f"max_tokens_cap must be >= 1 (got {self.max_tokens_cap})")
@@ -170,6 +203,61 @@ class ServerLimits:
             1 <= self.default_max_tokens <= self.max_tokens_cap,
             f"default_max_tokens must be in [1, max_tokens_cap={self.max_tokens_cap}] (got {self.default_max_tokens})",
         )
+        _require(self.max_prompt_tokens >= 1, f"max_prompt_tokens must be >= 1 (got {self.max_prompt_tokens})")
         _require(self.max_queue >= 0, f"max_queue must be >= 0 (got {self.max_queue}); 0 = no waiting requests")
         _require(self.max_body_bytes >= 1024, f"max_body_bytes must be >= 1024 (got {self.max_body_bytes})")
         _require(self.retry_after_s >= 1, f"retry_after_s must be >= 1 (got {self.retry_after_s})")
+        for name in ("request_timeout_s", "body_timeout_s", "keep_alive_timeout_s", "shutdown_timeout_s"):
+            value = getattr(self, name)
+            _require(0 < value < math.inf, f"{name} must be a positive number of seconds (got {value})")
+
+
+AllowRequestSpeculative = Literal["none", "lossless", "all"]
+ALLOW_REQUEST_SPECULATIVE = ("none", "lossless", "all")
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+
+
+@dataclass(frozen=True)
+class ServerSecurity:
+    """Who may call the server, from where, and what a request may change. See the README's security model.
+
+    ``api_keys``: bearer keys; empty = no authentication (every client is one tenant). Each key is
+    its own tenant: n-gram caches are never shared between keys unless ``share_ngram_cache``.
+    ``allowed_hosts``: ``Host`` header names accepted (DNS rebinding); ``None`` = any.
+    ``cors_origins``: browser origins allowed to call the API; empty = none (no CORS headers).
+    ``allow_request_speculative``: ``none`` (requests cannot change the speculative settings),
+    ``lossless`` (only to settings whose output is the target's own: a lossless verifier, with any
+    drafter), ``all``. ``allow_special_tokens_in_messages``: keep chat-template control tokens typed
+    in message text (default: removed, so a message cannot forge turns).
+    """
+
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    allowed_hosts: tuple[str, ...] | None = LOOPBACK_HOSTS
+    cors_origins: tuple[str, ...] = ()
+    allow_request_speculative: AllowRequestSpeculative = "lossless"
+    share_ngram_cache: bool = False
+    allow_special_tokens_in_messages: bool = False
+
+    def __post_init__(self) -> None:
+        for key in self.api_keys:
+            _require(
+                bool(key) and key.isascii() and key.isprintable() and " " not in key,
+                "API keys must be non-empty printable ASCII without spaces (they travel in an HTTP header)",
+            )
+        _require(
+            self.allow_request_speculative in ALLOW_REQUEST_SPECULATIVE,
+            f"allow_request_speculative must be one of {', '.join(ALLOW_REQUEST_SPECULATIVE)} "
+            f"(got {self.allow_request_speculative!r})",
+        )
+
+
+def _floats(value: object, prefix: str = "") -> list[tuple[str, float]]:
+    """Every float field of a (nested) dataclass, as ``(dotted name, value)``."""
+    found: list[tuple[str, float]] = []
+    for item in dataclasses.fields(value):  # type: ignore[arg-type]
+        inner = getattr(value, item.name)
+        if isinstance(inner, float):
+            found.append((prefix + item.name, inner))
+        elif dataclasses.is_dataclass(inner):
+            found.extend(_floats(inner, f"{prefix}{item.name}."))
+    return found
