@@ -197,7 +197,7 @@ BAD_OPTIONS = [
                  "num_draft_tokens (4) is too short for verifier 'fly'", id="window-above-k"),
     pytest.param(["--verifier", "fly", "-k", "6", "--window-size", "6"],
                  "it needs at least 7 (FLy: window_size + 1", id="window-equals-k"),
-    pytest.param(["--temperature", "-0.5"], "temperature must be >= 0", id="negative-temperature"),
+    pytest.param(["--temperature", "-0.5"], "temperature must be a finite number >= 0", id="negative-temperature"),
     pytest.param(["--top-p", "0"], "top_p must be in (0, 1]", id="top-p-zero"),
     pytest.param(["--max-new-tokens", "0"], "max_new_tokens must be >= 1", id="max-new-tokens-zero"),
     pytest.param(["--threads", "0"], "threads must be >= 1", id="threads-zero"),

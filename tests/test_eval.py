@@ -337,3 +337,14 @@ def test_cli_interrupt_writes_partial_reports_and_report_only_rebuilds(
     (tmp_path / "report.md").unlink()
     assert main(["eval", "--report-only", "--out", str(tmp_path)]) == 0
     assert (tmp_path / "report.md").is_file()
+
+
+def test_speedup_interval() -> None:
+    from flyspec.eval.stats import bootstrap_speedup_ci  # noqa: PLC0415
+
+    tokens = [10.0, 20.0, 30.0, 40.0]
+    low, high = bootstrap_speedup_ci(tokens, [1.0, 2.0, 3.0, 4.0], tokens, [2.0, 4.0, 6.0, 8.0])
+    assert low == pytest.approx(2.0) and high == pytest.approx(2.0)  # twice as fast on every item
+    low, high = bootstrap_speedup_ci(tokens, [1.0, 4.0, 3.0, 4.0], tokens, [2.0, 2.0, 6.0, 8.0])
+    assert low < 1.6 < high  # mixed items: an interval around the pooled ratio 100/12 ÷ 100/18 = 1.5
+    assert bootstrap_speedup_ci([], [], [], []) is None

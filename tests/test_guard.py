@@ -184,8 +184,9 @@ def test_copy_guard_needs_the_targets_near_agreement_to_keep_a_prompt_copy() -> 
     far = logits_for([DOG, SAT, ON, THE], [CAT, 0, 0, 0], gap=2.0)  # p(cat)/p(dog) = e^-2 ≈ 0.14
     refused = verify([CAT, SAT, ON], far, context(prompt, output))
     assert refused.tokens == [DOG] and refused.vetoes == ("copy",)
-    near = logits_for([DOG, SAT, ON, THE], [CAT, 0, 0, 0], gap=0.2)  # ratio e^-0.2 ≈ 0.82 >= 0.5
-    kept = verify([CAT, SAT, ON], near, context(prompt, output))
+    near = logits_for([DOG, SAT, ON, THE], [CAT, 0, 0, 0], gap=0.2)  # ratio e^-0.2 ≈ 0.82
+    assert verify([CAT, SAT, ON], near, context(prompt, output)).vetoes == ("copy",)  # default 1.0: a tie only
+    kept = verify([CAT, SAT, ON], near, context(prompt, output), GuardConfig(copy_ratio=0.5))
     assert kept.tokens == [CAT, SAT, ON, THE] and kept.loose[0].source == "unknown"
     assert verify([CAT, SAT, ON], far, context(prompt, output), GuardConfig(copy_ratio=0.0)).loose_positions == (0,)
 
@@ -353,7 +354,7 @@ def test_bad_guard_configs(kwargs: dict, message: str) -> None:
 
 def test_bare_is_the_papers_rule() -> None:
     assert GuardConfig.bare().is_bare and not GuardConfig().is_bare
-    assert math.isclose(GuardConfig().copy_ratio, 0.5)
+    assert math.isclose(GuardConfig().copy_ratio, 1.0)
 
 
 # --- plumbing ----------------------------------------------------------------------------------

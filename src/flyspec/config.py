@@ -190,13 +190,16 @@ class GuardConfig:
     ``top_k``: a loose accept must be one of the target's ``top_k`` tokens (0: off).
     ``repeat_ngram``: n-gram length of the loop and copy guards (0: both off).
     ``copy_ratio``: a loose token inside a copy of the prompt needs
-    ``p_target(token) >= copy_ratio * p_target(top token)`` (0: copies are not checked).
+    ``p_target(token) >= copy_ratio * p_target(top token)`` (0: copies are not checked). The
+    default 1.0 refuses every such copy short of an exact tie: at 0.5, 9 of 200 ``passage`` answers
+    (SmolLM2-135M, float32) copied a prompt sentence the target wanted to leave and changed
+    their names and numbers (EVALUATION.md).
     """
 
     protect: tuple[str, ...] = ("digits", "names")
     top_k: int = 3
     repeat_ngram: int = 4
-    copy_ratio: float = 0.5
+    copy_ratio: float = 1.0
 
     def __post_init__(self) -> None:
         for name in self.protect:

@@ -8,7 +8,11 @@ Sources (licenses beside each file, credits in ``data/README.md``):
   final answer after ``#### ``;
 * Spec-Bench (Apache-2.0), shared with the benchmark at ``flyspec/bench/data/spec_bench``:
   translation (de→en, reference translation), summarization (CNN/DM, reference highlights),
-  rag (list of acceptable answers) and qa (Natural Questions, **no references**: fidelity only).
+  rag (list of acceptable answers) and qa (Natural Questions, **no references**: fidelity only);
+* the adversarial prompts (written for flyspec): ``data/adversarial/prompts.jsonl``,
+  ``{id, category, prompt, reference?}``, where a loose accept can change the meaning.
+
+The synthetic tasks' items are generated, not read (``synthetic.py``).
 """
 
 from __future__ import annotations
@@ -141,9 +145,7 @@ def load_custom(path: Path, limit: int | None, skip: bool, report: LoadReport) -
         if not _require_fields(path, line_number, record, ("prompt", "reference"), skip, report):
             continue
         reference = record["reference"]
-        if not isinstance(reference, str | list) or (
-            isinstance(reference, list) and not all(isinstance(r, str) for r in reference)
-        ):
+        if not _valid_reference(reference):
             _bad_line(path, line_number, "reference must be a string or a list of strings", skip, report)
             continue
         if not isinstance(record["prompt"], str):
@@ -151,6 +153,26 @@ def load_custom(path: Path, limit: int | None, skip: bool, report: LoadReport) -
             continue
         item_id = str(record.get("id", f"{path.stem}/{line_number}"))
         items.append(EvalItem(item_id, record["prompt"], reference))
+        if limit is not None and len(items) >= limit:
+            break
+    return items
+
+
+def _valid_reference(reference: Any) -> bool:
+    return isinstance(reference, str) or (isinstance(reference, list) and all(isinstance(r, str) for r in reference))
+
+
+def load_adversarial(path: Path, limit: int | None, skip: bool, report: LoadReport) -> list[EvalItem]:
+    """``{"id", "category", "prompt", "reference"?}`` per line; items without a reference are fidelity only."""
+    items: list[EvalItem] = []
+    for line_number, record in read_jsonl(path, skip_bad_lines=skip, report=report):
+        if not _require_fields(path, line_number, record, ("id", "category", "prompt"), skip, report):
+            continue
+        reference = record.get("reference")
+        if reference is not None and not _valid_reference(reference):
+            _bad_line(path, line_number, "reference must be a string or a list of strings", skip, report)
+            continue
+        items.append(EvalItem(str(record["id"]), str(record["prompt"]), reference, {"category": record["category"]}))
         if limit is not None and len(items) >= limit:
             break
     return items

@@ -48,7 +48,7 @@ def fidelity_table(summary: dict[str, Any]) -> list[str]:
     rows += [("**all tasks**", method, result) for method, result in summary.get("all_tasks", {}).items()]
     lines = [
         "| task | method | n | identical | MiniLM similarity | token agreement | log-lik (method / plain) "
-        "| tok/s (method / plain) | speedup | τ | loose / 100 tok |",
+        "| tok/s (method / plain) | speedup [95% CI] | τ | loose / 100 tok |",
         "|---|---|---:|---:|---:|---:|---|---|---:|---:|---:|",
     ]
     for task, method, result in rows:
@@ -57,8 +57,36 @@ def fidelity_table(summary: dict[str, Any]) -> list[str]:
             f"| {task} | {method} | {result['num_items']} | {fid['identical']:.2f} | {_num(fid['similarity'])} | "
             f"{_num(fid['token_agreement'])} | {_num(fid['log_likelihood'])} / "
             f"{_num(fid['plain_log_likelihood'])} | {speed['tokens_per_s']:.2f} / "
-            f"{speed['plain_tokens_per_s']:.2f} | {_num(speed['speedup'], 2)} | "
+            f"{speed['plain_tokens_per_s']:.2f} | {_num(speed['speedup'], 2)}{_interval(speed.get('speedup_ci'))} | "
             f"{_num(speed['mean_acceptance_length'], 2)} | {speed['loose_accepts_per_100_tokens']:.1f} |"
+        )
+    return lines
+
+
+def _rate_cell(entry: dict[str, Any] | None) -> str:
+    """``0.120 [0.081, 0.173]``; a dash for records made before the trust metrics existed."""
+    if not entry or entry["rate"] is None:
+        return "–"
+    return f"{entry['rate']:.3f} [{entry['low']:.3f}, {entry['high']:.3f}]"
+
+
+def trust_table(summary: dict[str, Any]) -> list[str]:
+    rows = [
+        (task, method, result)
+        for task, entry in summary["tasks"].items()
+        for method, result in entry["methods"].items()
+    ]
+    rows += [("**all tasks**", method, result) for method, result in summary.get("all_tasks", {}).items()]
+    lines = [
+        "| task | method | n | meaning changed [95% CI] | changed | new loop [95% CI] | loops |",
+        "|---|---|---:|---|---:|---|---:|",
+    ]
+    for task, method, result in rows:
+        trust = result.get("trust", {})
+        changed, loop = trust.get("meaning_changed"), trust.get("loop")
+        lines.append(
+            f"| {task} | {method} | {result['num_items']} | {_rate_cell(changed)} | "
+            f"{changed['count'] if changed else '–'} | {_rate_cell(loop)} | {loop['count'] if loop else '–'} |"
         )
     return lines
 
@@ -68,8 +96,9 @@ def guard_table(summary: dict[str, Any]) -> list[str]:
         return ["(no guarded method was run beside its unguarded verifier)"]
     lines = [
         "| task | method vs | retention (guarded / unguarded) | similarity (guarded / unguarded) "
-        "| speedup (guarded / unguarded) | loose / 100 tok (guarded / unguarded) |",
-        "|---|---|---|---|---|---|",
+        "| meaning changed (guarded / unguarded) | speedup (guarded / unguarded) "
+        "| loose / 100 tok (guarded / unguarded) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for row in summary["guard"]:
         retention = (
@@ -78,6 +107,7 @@ def guard_table(summary: dict[str, Any]) -> list[str]:
         lines.append(
             f"| {row['task']} | {row['method']} vs {row['versus']} | {retention} | "
             f"{_num(row['similarity'])} / {_num(row['versus_similarity'])} | "
+            f"{_num(row.get('meaning_changed'))} / {_num(row.get('versus_meaning_changed'))} | "
             f"{_num(row['speedup'], 2)} / {_num(row['versus_speedup'], 2)} | "
             f"{row['loose_per_100']:.1f} / {row['versus_loose_per_100']:.1f} |"
         )
@@ -102,6 +132,15 @@ def markdown_report(summary: dict[str, Any], meta: dict[str, Any]) -> str:
         "## Fidelity to plain decoding and speed (same run)",
         "",
         *fidelity_table(summary),
+        "",
+        "## Trust: meaning changes and new loops against plain decoding",
+        "",
+        "Meaning changed: the output's numbers (as a multiset, `1,000` = `1000`) or identifiers (code-like "
+        "words, backticked code, and the prompt's names it repeats) differ from plain decoding's. New loop: "
+        "the output repeats a token 8-gram 3 times or more and plain decoding's output does not. Wilson 95% "
+        "intervals. Definitions: `flyspec/eval/trust.py`.",
+        "",
+        *trust_table(summary),
         "",
         "## Protected-token guard: retention gained, speed lost",
         "",
@@ -135,6 +174,7 @@ def diffs_report(records: list[dict[str, Any]], per_task: int = 5) -> str:
             "",
             f"scores: plain {plain['scores']} · {record['method']} {record['scores']}",
             "",
+            *_trust_notes(record["fidelity"]),
             "| plain | " + record["method"] + " |",
             "|---|---|",
             f"| {_cell(plain['text'])} | {_cell(rendered)} |",
@@ -143,6 +183,27 @@ def diffs_report(records: list[dict[str, Any]], per_task: int = 5) -> str:
     if not shown:
         lines.append("Every method output equals plain decoding's.")
     return "\n".join(lines)
+
+
+def _trust_notes(fidelity: dict[str, Any]) -> list[str]:
+    """What the trust metrics found, one line each (nothing when both are clean)."""
+    notes = []
+    if fidelity.get("meaning_changed"):
+        diff = fidelity["meaning_diff"]
+        parts = [
+            f"{label} {', '.join(f'`{value}`' for value in diff[key])}"
+            for key, label in (
+                ("numbers_added", "numbers added"),
+                ("numbers_removed", "numbers dropped"),
+                ("identifiers_added", "identifiers added"),
+                ("identifiers_removed", "identifiers dropped"),
+            )
+            if diff[key]
+        ]
+        notes += ["meaning changed: " + "; ".join(parts), ""]
+    if fidelity.get("loop"):
+        notes += [f"new loop: {fidelity['loop_text']!r} repeated", ""]
+    return notes
 
 
 def _cell(text: str) -> str:
@@ -159,3 +220,7 @@ def write_reports(out_dir: Path, summary: dict[str, Any], records: list[dict[str
     (out_dir / "diffs.md").write_text(diffs_report(records), encoding="utf-8")
     plot_retention(summary, out_dir / "retention.png")
     plot_speed_vs_retention(summary, out_dir / "speed_vs_retention.png")
+
+
+def _interval(bounds: list[float] | tuple[float, float] | None) -> str:
+    return f" [{bounds[0]:.2f}, {bounds[1]:.2f}]" if bounds else ""

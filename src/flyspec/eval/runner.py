@@ -22,7 +22,7 @@ from flyspec.api import build_decoder, make_generator
 from flyspec.baseline import PlainDecoder
 from flyspec.config import ConfigError, DecodeConfig
 from flyspec.decoding import Decoder
-from flyspec.eval import fidelity
+from flyspec.eval import fidelity, trust
 from flyspec.eval.data import EvalItem, LoadReport
 from flyspec.eval.methods import BASELINE, Method
 from flyspec.eval.tasks import PROMPT_FORMAT, Task, load_items
@@ -140,10 +140,11 @@ class Output:
 
 @dataclass(frozen=True)
 class ItemRun:
-    """One item in progress: its task, its prompt ids and plain decoding's output (the reference)."""
+    """One item in progress: its task, its prompt (text and ids) and plain decoding's output (the reference)."""
 
     task: Task
     item: EvalItem
+    prompt: str
     prompt_ids: list[int]
     plain: Output
 
@@ -199,8 +200,9 @@ class EvalRunner:
     def _run_task(self, task: Task, progress: Progress) -> None:
         decoders = self._decoders(task)
         for item in self.items[task.name]:
+            prompt = task.prompt(item)
             try:
-                prompt_ids = self.loaded.encode_prompt(task.prompt(item), self.config.use_chat)
+                prompt_ids = self.loaded.encode_prompt(prompt, self.config.use_chat)
                 plain = self._plain_output(task, item, decoders[BASELINE], prompt_ids)
             except ConfigError as error:  # e.g. a prompt longer than the model's context window
                 logger.warning("skipping %s %s: %s", task.name, item.id, error)
@@ -208,7 +210,7 @@ class EvalRunner:
                 for _ in range(1 + len(self.config.methods)):
                     progress(f"{task.name} {item.id} skipped")
                 continue
-            run = ItemRun(task, item, prompt_ids, plain)
+            run = ItemRun(task, item, prompt, prompt_ids, plain)
             self._write(run, None, plain)
             progress(f"{task.name} {item.id} plain")
             for method in self.config.methods:
@@ -249,8 +251,10 @@ class EvalRunner:
             "finish_reason": output.finish_reason,
             "baseline_cached": output.cached,
             "stats": output.stats,
-            "fidelity": self._fidelity(output, run.plain, run.prompt_ids),
+            "fidelity": {**self._fidelity(output, run.plain, run.prompt_ids), **self._trust(output, run)},
         }
+        if "category" in run.item.extra:  # the adversarial set's
+            record["category"] = run.item.extra["category"]
         if method is not None and output.token_ids != run.plain.token_ids:
             record["segments"] = fidelity.highlight_segments(self.loaded, output.token_ids, output.loose_token_indices)
         self.writer.write(record)
@@ -267,6 +271,23 @@ class EvalRunner:
             "token_agreement": fidelity.token_agreement(output.token_ids, plain.token_ids),
             "common_prefix": fidelity.common_prefix(output.token_ids, plain.token_ids),
             "log_likelihood": fidelity.mean_log_likelihood(self.loaded, prompt_ids, output.token_ids),
+        }
+
+    def _trust(self, output: Output, run: ItemRun) -> dict[str, Any]:
+        """Meaning change and new loop against plain decoding's output (see ``trust.py``)."""
+        change = trust.meaning_change(
+            output.text,
+            run.plain.text,
+            run.prompt,
+            method_truncated=output.finish_reason == "length",
+            plain_truncated=run.plain.finish_reason == "length",
+        )
+        loop = trust.new_loop(output.token_ids, run.plain.token_ids)
+        return {
+            "meaning_changed": change.changed,
+            "meaning_diff": change.to_dict(),
+            "loop": loop is not None,
+            "loop_text": self.loaded.decode(list(loop)) if loop else None,
         }
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import re
 import string
 from decimal import Decimal, InvalidOperation
@@ -98,6 +99,99 @@ def rouge_l(output: str, reference: Any) -> float:
     return max(_rouge_scorer().score(answer, output)["rougeL"].fmeasure for answer in flatten_answers(reference))
 
 
+_WORD = re.compile(r"\w+")
+
+
+def _words(text: str) -> list[str]:
+    """Lower-cased runs of letters, digits and ``_``: ``"k.nair1@example.com"`` → ``k, nair1, example, com``."""
+    return [word.lower() for word in _WORD.findall(text)]
+
+
+def _first_position(words: list[str], candidate: list[str]) -> int | None:
+    """Where ``candidate`` first occurs in ``words`` as a contiguous run, or None."""
+    if not candidate:
+        return None
+    for start in range(len(words) - len(candidate) + 1):
+        if words[start : start + len(candidate)] == candidate:
+            return start
+    return None
+
+
+def value_match(output: str, reference: Any, distractors: list[str] | tuple[str, ...] = ()) -> float:
+    """1.0 when the output names an acceptable answer before any of ``distractors``.
+
+    Texts compare as sequences of words (runs of letters, digits, ``_``; lower case), so
+    punctuation and spacing around a value do not matter (``2019/03/14`` = ``2019-03-14``,
+    ```` `load_page` ```` = ``load_page``) but every letter and digit does. ``distractors`` are the
+    prompt's other values (a record's other fields, a story's other names and numbers): the answer
+    is the candidate the output names *first*, so "The city is Lisbon, not Porto" is right and
+    copying the whole record back is right only when the asked field came first. Without
+    distractors this is ``contains`` on word sequences.
+    """
+    words = _words(output)
+    answers = [_words(answer) for answer in flatten_answers(reference)]
+
+    def mention(candidate: list[str]) -> tuple[int, int] | None:
+        """Sorts by position, then longer first: at one start "Maria Lopez" beats "Maria"."""
+        position = _first_position(words, candidate)
+        return None if position is None else (position, -len(candidate))
+
+    answer_mentions = [found for found in map(mention, answers) if found is not None]
+    if not answer_mentions:
+        return 0.0
+    candidates = [_words(distractor) for distractor in distractors]
+    other_mentions = [found for c in candidates if c not in answers and (found := mention(c)) is not None]
+    return float(not other_mentions or min(answer_mentions) < min(other_mentions))
+
+
+# Numbers in a list: no thousands groups ("412,87" is two numbers).
+_LIST_NUMBER = re.compile(r"(?<![\w.])-?\d+(?:\.\d+)?")
+
+
+def number_list_match(output: str, reference: Any) -> float:
+    """1.0 when the output's numbers, in order, are exactly the reference's (``2.50`` = ``2.5``).
+
+    The reference is a string such as ``"412, 87, 9"``; only the numbers of either text count, so
+    separators and a lead-in sentence do not matter, but a missing, extra, changed or moved number does.
+    """
+
+    def numbers(text: str) -> list[Decimal | None]:
+        return [normalize_number(found) for found in _LIST_NUMBER.findall(text)]
+
+    expected = numbers(flatten_answers(reference)[0]) if flatten_answers(reference) else []
+    return float(bool(expected) and numbers(output) == expected)
+
+
+def _first_json_object(text: str) -> Any:
+    """The first ``{...}`` in the text that parses as JSON, or None."""
+    decoder = json.JSONDecoder()
+    for start in (match.start() for match in re.finditer(r"\{", text)):
+        try:
+            return decoder.raw_decode(text, start)[0]
+        except ValueError:
+            continue
+    return None
+
+
+def _json_values(obj: Any) -> Any:
+    """Values as normalized strings, so ``{"age": "34"}`` equals ``{"age": 34}``."""
+    if isinstance(obj, dict):
+        return {str(key): _json_values(value) for key, value in obj.items()}
+    if isinstance(obj, list):
+        return [_json_values(value) for value in obj]
+    return " ".join(str(obj).split())
+
+
+def json_match(output: str, reference: Any) -> float:
+    """1.0 when the first JSON object in the output has exactly the reference's keys and values.
+
+    Values compare as text (``34`` = ``"34"``): the task is copying the values, not choosing types.
+    """
+    expected = _first_json_object(flatten_answers(reference)[0]) if flatten_answers(reference) else None
+    found = _first_json_object(output)
+    return float(expected is not None and found is not None and _json_values(found) == _json_values(expected))
+
+
 METRICS = {
     "numeric": numeric_match,
     "contains": contains_answer,
@@ -105,6 +199,9 @@ METRICS = {
     "chrf": chrf,
     "bleu": bleu,
     "rouge-l": rouge_l,
+    "number-list": number_list_match,
+    "json": json_match,
+    "value": value_match,
 }
 
 

@@ -9,6 +9,10 @@ paired bootstrap
     ratio of means, and take the 2.5th and 97.5th percentiles of the resampled ratios (percentile
     interval). Resamples whose baseline mean is 0 have no ratio and are dropped; when fewer than
     half remain the interval is reported as unavailable.
+Wilson interval
+    For a rate (a count of yes out of ``n``, e.g. outputs whose meaning changed) the Wilson score
+    interval: unlike ``p ± 1.96 sqrt(p(1-p)/n)`` it stays inside [0, 1] and is not zero-width when
+    the count is 0 or ``n`` (0 of 200 gives [0, 0.019]).
 floor
     With a small model a task's baseline score can be near zero, and a ratio of two tiny numbers
     says nothing. Below ``floor`` no retention is reported, only the absolute scores.
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from statistics import NormalDist
 from typing import Any
 
 import numpy as np
@@ -70,6 +75,37 @@ def bootstrap_ratio_ci(
     return float(low), float(high)
 
 
+def bootstrap_speedup_ci(
+    method_tokens: Sequence[float],
+    method_seconds: Sequence[float],
+    plain_tokens: Sequence[float],
+    plain_seconds: Sequence[float],
+    *,
+    resamples: int = DEFAULT_RESAMPLES,
+    confidence: float = 0.95,
+    seed: int = 0,
+) -> tuple[float, float] | None:
+    """Percentile interval of the speedup ``(Σ method tokens / Σ method s) / (Σ plain tokens / Σ plain s)``
+    under a paired item bootstrap (the same resampled items for both; timing noise is per item)."""
+    columns = [
+        np.asarray(column, dtype=np.float64) for column in (method_tokens, method_seconds, plain_tokens, plain_seconds)
+    ]
+    if len({column.shape for column in columns}) != 1 or columns[0].ndim != 1:
+        raise ValueError("the four columns must be paired 1-D sequences of the same length")
+    if columns[0].size == 0:
+        return None
+    rng = np.random.default_rng(seed)
+    indices = rng.integers(0, columns[0].size, size=(resamples, columns[0].size))  # [resamples, n]
+    tokens_m, seconds_m, tokens_p, seconds_p = (column[indices].sum(axis=1) for column in columns)
+    valid = (seconds_m > 0) & (seconds_p > 0) & (tokens_p > 0)
+    if valid.sum() < resamples / 2:
+        return None
+    ratios = (tokens_m[valid] / seconds_m[valid]) / (tokens_p[valid] / seconds_p[valid])
+    tail = (1 - confidence) / 2 * 100
+    low, high = np.percentile(ratios, [tail, 100 - tail])
+    return float(low), float(high)
+
+
 def retention(
     method: Sequence[float],
     baseline: Sequence[float],
@@ -88,3 +124,40 @@ def retention(
     interval = bootstrap_ratio_ci(method, baseline, resamples=resamples, seed=seed)
     low, high = interval if interval is not None else (None, None)
     return Retention(num_items, baseline_score, method_score, method_score / baseline_score, low, high, False)
+
+
+@dataclass(frozen=True)
+class Rate:
+    """``count`` of ``num_items`` with a Wilson 95% interval; ``rate`` etc. are None when ``num_items`` is 0."""
+
+    count: int
+    num_items: int
+    rate: float | None
+    low: float | None
+    high: float | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def wilson_interval(count: int, total: int, confidence: float = 0.95) -> tuple[float, float] | None:
+    """Wilson score interval of the proportion ``count / total``; None when ``total`` is 0."""
+    if not 0 <= count <= total:
+        raise ValueError(f"count must be in [0, total] (got {count} of {total})")
+    if total == 0:
+        return None
+    z = NormalDist().inv_cdf(0.5 + confidence / 2)
+    proportion = count / total
+    denominator = 1 + z * z / total
+    center = (proportion + z * z / (2 * total)) / denominator
+    half_width = z * (proportion * (1 - proportion) / total + z * z / (4 * total * total)) ** 0.5 / denominator
+    return max(0.0, center - half_width), min(1.0, center + half_width)
+
+
+def rate(flags: Sequence[bool], confidence: float = 0.95) -> Rate:
+    """How many of ``flags`` are True, as a count, a rate and its Wilson interval."""
+    count, total = sum(bool(flag) for flag in flags), len(flags)
+    interval = wilson_interval(count, total, confidence)
+    if interval is None:
+        return Rate(0, 0, None, None, None)
+    return Rate(count, total, count / total, *interval)

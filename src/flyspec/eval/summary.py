@@ -1,4 +1,4 @@
-"""Records → per task × method summary: scores, retention with CI, fidelity, speed, guard effect."""
+"""Records → per task × method summary: scores, retention with CI, fidelity, trust, speed, guard effect."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ from typing import Any
 import numpy as np
 
 from flyspec.eval.runner import iter_pairs
-from flyspec.eval.stats import DEFAULT_FLOOR, DEFAULT_RESAMPLES, retention
+from flyspec.eval.stats import DEFAULT_FLOOR, DEFAULT_RESAMPLES, bootstrap_speedup_ci, rate, retention
+
+TRUST_METRICS = ("meaning_changed", "loop")  # boolean fidelity fields, summarized as rates (trust.py)
 
 
 def _mean(values: list[float | None]) -> float | None:
@@ -22,19 +24,28 @@ def _speed(records: list[dict[str, Any]]) -> float:
     return sum(r["stats"]["num_new_tokens"] for r in records) / seconds if seconds > 0 else 0.0
 
 
+def _retention(
+    pairs: list[tuple[dict[str, Any], dict[str, Any]]], metric: str, floor: float, resamples: int
+) -> dict[str, Any]:
+    """Retention over the items both outputs have a score for (an adversarial prompt without a reference has none)."""
+    scored = [(p["scores"][metric], m["scores"][metric]) for p, m in pairs if metric in p["scores"] | m["scores"]]
+    return retention(
+        [method for _, method in scored], [plain for plain, _ in scored], floor=floor, resamples=resamples
+    ).to_dict()
+
+
+def _trust(outputs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Rate, count and Wilson 95% interval of each trust flag (records from before trust.py have none)."""
+    return {
+        name: rate([m["fidelity"][name] for m in outputs if name in m["fidelity"]]).to_dict() for name in TRUST_METRICS
+    }
+
+
 def _method_summary(
     pairs: list[tuple[dict[str, Any], dict[str, Any]]], metrics: list[str], floor: float, resamples: int
 ) -> dict[str, Any]:
     plains, outputs = [p for p, _ in pairs], [m for _, m in pairs]
-    scores = {
-        metric: retention(
-            [m["scores"][metric] for m in outputs],
-            [p["scores"][metric] for p in plains],
-            floor=floor,
-            resamples=resamples,
-        ).to_dict()
-        for metric in metrics
-    }
+    scores = {metric: _retention(pairs, metric, floor, resamples) for metric in metrics}
     plain_speed, method_speed = _speed(plains), _speed(outputs)
     new_tokens = sum(m["stats"]["num_new_tokens"] for m in outputs)
     forwards = sum(m["stats"]["num_target_forwards"] for m in outputs)
@@ -50,10 +61,19 @@ def _method_summary(
             "log_likelihood": _mean([m["fidelity"]["log_likelihood"] for m in outputs]),
             "plain_log_likelihood": _mean([p["fidelity"]["log_likelihood"] for p in plains]),
         },
+        "trust": _trust(outputs),
         "speed": {
             "tokens_per_s": method_speed,
             "plain_tokens_per_s": plain_speed,
             "speedup": method_speed / plain_speed if plain_speed > 0 else None,
+            "speedup_ci": bootstrap_speedup_ci(
+                *(
+                    [r["stats"][key] for r in rows]
+                    for rows in (outputs, plains)
+                    for key in ("num_new_tokens", "wall_time_s")
+                ),
+                resamples=resamples,
+            ),
             "mean_acceptance_length": new_tokens / forwards if forwards else None,
             "loose_accepts_per_100_tokens": 100 * sum(m["stats"]["num_loose_accepts"] for m in outputs) / new_tokens
             if new_tokens
@@ -111,6 +131,8 @@ def guard_effect(tasks: dict[str, Any]) -> list[dict[str, Any]]:
             row["versus_similarity"] = unguarded["fidelity"]["similarity"]
             row["speedup"] = guarded["speed"]["speedup"]
             row["versus_speedup"] = unguarded["speed"]["speedup"]
+            row["meaning_changed"] = guarded["trust"]["meaning_changed"]["rate"]
+            row["versus_meaning_changed"] = unguarded["trust"]["meaning_changed"]["rate"]
             row["loose_per_100"] = guarded["speed"]["loose_accepts_per_100_tokens"]
             row["versus_loose_per_100"] = unguarded["speed"]["loose_accepts_per_100_tokens"]
             rows.append(row)

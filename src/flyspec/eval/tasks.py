@@ -9,8 +9,22 @@ translation    Spec-Bench prompt (de→en)                   chrf, bleu         
 summarization  Spec-Bench prompt ("Summarize: ...")        rouge-l (vs highlights)    text
 rag            Spec-Bench prompt (passages + question)     contains (any answer)      text
 qa             Spec-Bench prompt (Natural Questions)       none: fidelity only        text
+extract        generated record, one field asked           value (first mention)      text
+numbers        generated numbers, rewrite comma-separated  number-list                text
+passage        generated story, one fact asked             value (first mention)      text
+arith          generated ``a + b`` / ``a - b``             numeric                    text
+code           generated Python function, a name asked     value (first mention)      code
+units          generated ``7 km = 7 x 1000 m = ?``          numeric                    text
+json           generated keys and values → JSON object     json                       text
+adversarial    the file's prompt (written for flyspec)     contains, where a          text
+                                                           reference exists
 custom         the file's ``prompt``                       ``--metric``               text
 =============  ==========================================  =========================  ========
+
+The generated tasks (``synthetic.py``) have 200 seeded items each, short answers (≤ 32 new
+tokens) and exact or near-exact scoring, so a small model scores well above zero and a corrupted
+digit or name is a miss. The adversarial prompts (``data/adversarial/prompts.jsonl``) are where a
+loose accept can change the meaning; an item without a reference gets no score, only fidelity.
 
 ``PROMPT_FORMAT`` is part of the baseline cache key: bump it whenever a prompt changes.
 """
@@ -26,13 +40,16 @@ from flyspec.config import ConfigError
 from flyspec.eval import data
 from flyspec.eval.data import EvalItem, LoadReport
 from flyspec.eval.sandbox import SandboxLimits, run_program
-from flyspec.eval.scoring import METRICS, humaneval_program
+from flyspec.eval.scoring import METRICS, contains_answer, humaneval_program, value_match
+from flyspec.eval.synthetic import NUM_ITEMS, SYNTHETIC_TASKS, SyntheticTask, make_items
 
 PROMPT_FORMAT = 1
 HUMANEVAL_INSTRUCTION = (
     "Complete the following Python function. Reply with the complete function, including the signature, "
     "in a single ```python code block.\n\n```python\n{prompt}```"
 )
+# Long enough for a loop to show (a 10-token line repeated three times), short enough for a CPU run.
+ADVERSARIAL_MAX_NEW_TOKENS = 64
 GSM8K_INSTRUCTION = '{question}\nSolve the problem step by step, then end with the line "The answer is <number>."'
 
 
@@ -92,11 +109,29 @@ def _spec_bench(category: str, needs_reference: bool) -> Loader:
     return load
 
 
+def _score_value(item: EvalItem, output: str) -> Score:
+    return Score({"value": value_match(output, item.reference, item.extra.get("distractors", ()))})
+
+
+def _score_if_referenced(item: EvalItem, output: str) -> Score:
+    """``contains`` where the item has a reference; an item without one gets no score (fidelity only)."""
+    return Score({} if item.reference is None else {"contains": contains_answer(output, item.reference)})
+
+
+def _synthetic(task: SyntheticTask) -> Task:
+    def load(limit: int | None, skip: bool, report: LoadReport) -> list[EvalItem]:
+        return make_items(task.name, min(limit, NUM_ITEMS) if limit else NUM_ITEMS)
+
+    score = _score_value if task.metric == "value" else _metric_scorer((task.metric,))
+    return Task(task.name, task.kind, (task.metric,), task.max_new_tokens, load, _as_is, score)
+
+
 def builtin_tasks(sandbox: SandboxLimits | None = None) -> dict[str, Task]:
     """The packaged tasks, by name."""
     limits = sandbox or SandboxLimits()
     humaneval_file = data.data_path("humaneval", "HumanEval.jsonl.gz")
     gsm8k_file = data.data_path("gsm8k", "test.jsonl")
+    adversarial_file = data.data_path("adversarial", "prompts.jsonl")
     tasks = [
         Task(
             "humaneval",
@@ -137,6 +172,16 @@ def builtin_tasks(sandbox: SandboxLimits | None = None) -> dict[str, Task]:
         ),
         Task("rag", "text", ("contains",), 64, _spec_bench("rag", True), _as_is, _metric_scorer(("contains",))),
         Task("qa", "text", (), 96, _spec_bench("qa", False), _as_is, _no_score),
+        *(_synthetic(task) for task in SYNTHETIC_TASKS.values()),
+        Task(
+            "adversarial",
+            "text",
+            ("contains",),
+            ADVERSARIAL_MAX_NEW_TOKENS,
+            lambda limit, skip, report: data.load_adversarial(adversarial_file, limit, skip, report),
+            _as_is,
+            _score_if_referenced,
+        ),
     ]
     return {task.name: task for task in tasks}
 

@@ -35,9 +35,11 @@ On by default (``GuardConfig()``), off in ``GuardConfig.bare()``:
     is satisfied by the very repetition it should judge.
 ``copy``
     The candidate is part of a copy of the prompt (an n-gram containing it occurs in the prompt)
-    and the target does not nearly agree: ``p_target(draft token) < copy_ratio · p_target(top)``.
-    Where the target wanted to leave a copy, the window after it is weak evidence for the same
-    reason; so copies need the target's near-agreement, a check by the model itself.
+    and the target does not agree enough: ``p_target(draft token) < copy_ratio · p_target(top)``
+    (default ``copy_ratio`` 1.0: only a tie passes). Where the target wanted to leave a copy, the
+    window after it is weak evidence for the same reason: the target follows the copy once it is
+    committed. Measured: with 0.5, answers that should name one fact copied the whole prompt
+    sentence instead ("Sofia Moreno moved from Accra to Nagoya to sell 262 loaves").
 """
 
 from __future__ import annotations
