@@ -137,7 +137,7 @@ def markdown_report(summary: dict[str, Any], meta: dict[str, Any]) -> str:
         "",
         "Meaning changed: the output's numbers (as a multiset, `1,000` = `1000`) or identifiers (code-like "
         "words, backticked code, and the prompt's names it repeats) differ from plain decoding's. New loop: "
-        "the output repeats a token 8-gram 3 times or more and plain decoding's output does not. Wilson 95% "
+        "the output repeats a token 8-gram 3 times or more that plain decoding's output has at most once. Wilson 95% "
         "intervals. Definitions: `flyspec/eval/trust.py`.",
         "",
         *trust_table(summary),
