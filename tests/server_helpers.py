@@ -6,11 +6,14 @@ import json
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
 import httpx
+import pytest
+import torch
 from fastapi import FastAPI
 
 from flyspec.server.engine import EngineHooks, Job, Outcome
@@ -191,3 +194,14 @@ def read_until_closed(client: socket.socket) -> bytes:
     while chunk := client.recv(65536):
         received += chunk
     return received
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """The CI box has 2 shared cores; torch's thread pool thrashes when it oversubscribes them.
+
+    Server test modules import this fixture, which makes it apply to every test in them."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

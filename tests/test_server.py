@@ -17,7 +17,6 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import torch
 
 from flyspec.api import build_decoder, make_generator
 from flyspec.cli import build_parser, main
@@ -28,21 +27,19 @@ from flyspec.server.command import settings_from_args
 from flyspec.server.errors import INTERNAL_ERROR_MESSAGE
 from flyspec.server.settings import ServerLimits, ServerSecurity, SpeculationDefaults
 from flyspec.types import GenerationResult
-from server_helpers import MALFORMED_REQUESTS, WORDS, Recorder, RunningServer
+from server_helpers import (
+    MALFORMED_REQUESTS,
+    WORDS,
+    Recorder,
+    RunningServer,
+    one_torch_thread,  # noqa: F401 - autouse fixture, applies to this module
+)
 
 MODEL = "tiny"
 NUM_DRAFT_TOKENS = 4
 MAX_TOKENS = 12
 LONG_PROMPT = "Once upon a time"  # the tiny target runs 400 tokens on it without EOS (greedy, raw text)
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    """The CI box has 2 shared cores; torch's thread pool thrashes when it oversubscribes them."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,6 @@ from typing import Any
 
 import httpx
 import pytest
-import torch
 
 from flyspec.api import build_decoder
 from flyspec.cli import build_parser
@@ -34,7 +33,14 @@ from flyspec.server.command import settings_from_args
 from flyspec.server.engine import Engine, Job, QueueFullError
 from flyspec.server.metrics import ServerMetrics
 from flyspec.server.settings import ServerLimits, ServerSecurity, SpeculationDefaults
-from server_helpers import Recorder, RunningServer, raw_request, read_until_closed, sse_events
+from server_helpers import (
+    Recorder,
+    RunningServer,
+    one_torch_thread,  # noqa: F401 - autouse fixture, applies to this module
+    raw_request,
+    read_until_closed,
+    sse_events,
+)
 
 MODEL = "tiny"
 LONG_PROMPT = "Once upon a time"  # the tiny target runs 400 tokens on it without EOS (greedy, raw text)
@@ -44,13 +50,6 @@ STALLED_HEAD = (  # a body promised and never sent
     b'Content-Length: 100\r\n\r\n{"prompt": '
 )
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @contextmanager

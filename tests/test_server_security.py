@@ -16,7 +16,6 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import torch
 from transformers import PreTrainedTokenizerFast
 
 from conftest import make_tiny_model
@@ -25,7 +24,10 @@ from flyspec.models import LoadedModel
 from flyspec.server.app import create_app
 from flyspec.server.command import api_keys_from, log_exposure, security_from_args, settings_from_args
 from flyspec.server.settings import ServerLimits, ServerSecurity, SpeculationDefaults
-from server_helpers import RunningServer
+from server_helpers import (
+    RunningServer,
+    one_torch_thread,  # noqa: F401 - autouse fixture, applies to this module
+)
 
 MODEL = "tiny"
 SECRET = "Narwhal-7719-Basalt"
@@ -39,13 +41,6 @@ ATTACK = {
 }
 VICTIM_KEY, ATTACKER_KEY = "victim-key-0123456789", "attacker-key-0123456789"
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @contextmanager

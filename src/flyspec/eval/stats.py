@@ -47,6 +47,18 @@ class Retention:
         return asdict(self)
 
 
+def _percentile_interval(
+    numerators: np.ndarray, denominators: np.ndarray, valid: np.ndarray, resamples: int, confidence: float
+) -> tuple[float, float] | None:
+    """Percentile interval of the resampled ratios; None when fewer than half the resamples have one."""
+    if valid.sum() < resamples / 2:
+        return None
+    ratios = numerators[valid] / denominators[valid]
+    tail = (1 - confidence) / 2 * 100
+    low, high = np.percentile(ratios, [tail, 100 - tail])
+    return float(low), float(high)
+
+
 def bootstrap_ratio_ci(
     method: Sequence[float],
     baseline: Sequence[float],
@@ -67,12 +79,7 @@ def bootstrap_ratio_ci(
     method_means = method_scores[indices].mean(axis=1)
     baseline_means = baseline_scores[indices].mean(axis=1)
     valid = baseline_means > 0
-    if valid.sum() < resamples / 2:
-        return None
-    ratios = method_means[valid] / baseline_means[valid]
-    tail = (1 - confidence) / 2 * 100
-    low, high = np.percentile(ratios, [tail, 100 - tail])
-    return float(low), float(high)
+    return _percentile_interval(method_means, baseline_means, valid, resamples, confidence)
 
 
 def bootstrap_speedup_ci(
@@ -98,12 +105,8 @@ def bootstrap_speedup_ci(
     indices = rng.integers(0, columns[0].size, size=(resamples, columns[0].size))  # [resamples, n]
     tokens_m, seconds_m, tokens_p, seconds_p = (column[indices].sum(axis=1) for column in columns)
     valid = (seconds_m > 0) & (seconds_p > 0) & (tokens_p > 0)
-    if valid.sum() < resamples / 2:
-        return None
-    ratios = (tokens_m[valid] / seconds_m[valid]) / (tokens_p[valid] / seconds_p[valid])
-    tail = (1 - confidence) / 2 * 100
-    low, high = np.percentile(ratios, [tail, 100 - tail])
-    return float(low), float(high)
+    rates_m, rates_p = tokens_m / np.where(valid, seconds_m, 1), tokens_p / np.where(valid, seconds_p, 1)
+    return _percentile_interval(rates_m, rates_p, valid, resamples, confidence)
 
 
 def retention(
