@@ -3,21 +3,20 @@
 from __future__ import annotations
 
 import json
-import logging
 import random
 import sys
 import threading
-import uuid
 from pathlib import Path
 
 import pytest
 import torch
 
 from flyspec import DecodeConfig, DraftModelDrafter, PlainDecoder, SpeculativeDecoder, make_verifier
-from flyspec.config import ConfigError, NgramCacheConfig, NgramConfig, SamplingConfig
+from flyspec.config import ConfigError, NgramCacheConfig, NgramConfig, SamplingConfig, SpeculationConfig
 from flyspec.drafters.base import Drafter
-from flyspec.drafters.ngram_cache import NgramCache, NgramCacheDrafter, shared_ngram_cache
+from flyspec.drafters.ngram_cache import NgramCache, NgramCacheDrafter
 from flyspec.models import LoadedModel
+from flyspec.resources import Resources
 
 torch.set_num_threads(1)
 
@@ -164,21 +163,25 @@ def test_concurrent_adds_and_lookups_keep_the_bound_and_the_counts() -> None:
 # --- sharing and persistence -----------------------------------------------------------------------
 
 
-def test_shared_cache_is_one_per_key_and_keeps_its_first_config(caplog: pytest.LogCaptureFixture) -> None:
-    key = f"model-{uuid.uuid4()}"
-    first = shared_ngram_cache(key, NgramCacheConfig(max_entries=100))
-    assert shared_ngram_cache(key, NgramCacheConfig(max_entries=100)) is first
-    assert shared_ngram_cache(f"other-{uuid.uuid4()}") is not first
-    with caplog.at_level(logging.WARNING, logger="flyspec.drafters.ngram_cache"):
-        again = shared_ngram_cache(key, NgramCacheConfig(max_entries=5))
+def test_resources_keep_one_cache_per_vocabulary_with_its_first_config() -> None:
+    resources, ngram = Resources(), NgramConfig()
+    first = resources.ngram_cache("model", NgramCacheConfig(max_entries=100), ngram)
+    assert resources.ngram_cache("model", NgramCacheConfig(max_entries=100), ngram) is first
+    assert resources.ngram_cache("other", NgramCacheConfig(), ngram) is not first
+    again = resources.ngram_cache("model", NgramCacheConfig(max_entries=5), ngram)
     assert again is first and again.max_entries == 100
-    assert "keeping it" in caplog.text
+    assert Resources().ngram_cache("model", NgramCacheConfig(), ngram) is not first  # nothing process-wide
+    assert resources.isolated().ngram_cache("model", NgramCacheConfig(), ngram) is not first
 
 
-def test_shared_cache_creation_is_race_free() -> None:
-    key = f"model-{uuid.uuid4()}"
+def test_resources_cache_creation_is_race_free() -> None:
+    resources = Resources()
     found: list[NgramCache] = []
-    threads = [threading.Thread(target=lambda: found.append(shared_ngram_cache(key))) for _ in range(8)]
+
+    def make() -> None:
+        found.append(resources.ngram_cache("model", NgramCacheConfig(), NgramConfig()))
+
+    threads = [threading.Thread(target=make) for _ in range(8)]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -285,8 +288,10 @@ def test_accepted_tokens_are_bounded_by_the_draft() -> None:
 
 
 def decode(target: LoadedModel, cache: NgramCache, prompt: str, verifier: str, k: int, max_new: int = 40):
-    config = DecodeConfig(num_draft_tokens=k, max_new_tokens=max_new, ignore_eos=True)
-    decoder = SpeculativeDecoder(target, NgramCacheDrafter(cache), make_verifier(verifier), config)
+    config = DecodeConfig(max_new_tokens=max_new, ignore_eos=True)
+    decoder = SpeculativeDecoder(
+        target, NgramCacheDrafter(cache), make_verifier(verifier), config, SpeculationConfig(num_draft_tokens=k)
+    )
     return decoder.generate(prompt, use_chat=False)
 
 
@@ -333,14 +338,14 @@ def test_lossless_matches_plain_greedy_with_a_cold_and_a_warm_cache(
 
 def test_lossless_as_the_proposer_below_a_draft_model(tiny_target: LoadedModel, tiny_draft: LoadedModel) -> None:
     """Below a draft model the sequence it sees is cut back after each verification; drafts stay lossless."""
-    config = DecodeConfig(num_draft_tokens=6, max_new_tokens=40, ignore_eos=True)
+    config = DecodeConfig(max_new_tokens=40, ignore_eos=True)
     cache = make_cache()
     for prompt in PROMPTS[:2] * 2:
         expected = PlainDecoder(tiny_target, config).generate(prompt, use_chat=False).token_ids
         drafter = DraftModelDrafter(tiny_draft, proposer=NgramCacheDrafter(cache), num_proposal_tokens=3)
-        result = SpeculativeDecoder(tiny_target, drafter, make_verifier("exact"), config).generate(
-            prompt, use_chat=False
-        )
+        result = SpeculativeDecoder(
+            tiny_target, drafter, make_verifier("exact"), config, SpeculationConfig(num_draft_tokens=6)
+        ).generate(prompt, use_chat=False)
         assert result.token_ids == expected
         assert result.stats.drafter["proposer"]["name"] == "ngram-cache"
     assert result.stats.drafter["proposal_tokens_kept"] > 0

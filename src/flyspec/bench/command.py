@@ -71,15 +71,15 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # Heavy imports only when benchmarking (keeps `flyspec generate` quick to start).
-    from flyspec.api import resolve_model  # noqa: PLC0415
     from flyspec.bench.data import load_prompts  # noqa: PLC0415
     from flyspec.bench.harness import BenchSettings, forward_times, make_runners, run_bench  # noqa: PLC0415
     from flyspec.bench.live import LiveView  # noqa: PLC0415
     from flyspec.bench.methods import parse_methods  # noqa: PLC0415
     from flyspec.bench.runners import RunSettings, conversation_ids  # noqa: PLC0415
-    from flyspec.cli_options import speculation_options  # noqa: PLC0415
+    from flyspec.cli_options import speculation_config  # noqa: PLC0415
     from flyspec.config import ConfigError, SamplingConfig  # noqa: PLC0415
     from flyspec.models import set_threads  # noqa: PLC0415
+    from flyspec.resources import Resources  # noqa: PLC0415
 
     limit = args.limit if args.limit is not None else (QUICK_LIMIT if args.quick else None)
     max_new_tokens = args.max_new_tokens or (QUICK_MAX_NEW_TOKENS if args.quick else DEFAULT_MAX_NEW_TOKENS)
@@ -89,16 +89,17 @@ def run(args: argparse.Namespace) -> int:
     categories = tuple(c.strip() for c in (args.categories or "").split(",") if c.strip())
     prompts = load_prompts(args.dataset, categories=categories, limit=limit, skip_bad_lines=args.skip_bad_lines)
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
-    speculation = speculation_options(args)
+    speculation = speculation_config(args)
     out_dir = _prepare_out_dir(Path(args.out))
 
     set_threads(args.threads)
-    target = resolve_model(args.target, args.dtype)
-    draft = resolve_model(args.draft_model, args.dtype) if args.draft_model else None
-    settings = RunSettings(sampling, speculation, args.use_chat, args.hf_lookup_tokens)
+    resources = Resources(args.dtype)  # this run's models, calibrations (and each method's own caches)
+    target = resources.model(args.target)
+    draft = resources.model(args.draft_model) if args.draft_model else None
+    settings = RunSettings(sampling, speculation, args.use_chat, args.hf_lookup_tokens, resources)
     runners = make_runners(methods, target, draft, settings)
 
-    k = speculation["num_draft_tokens"]
+    k = speculation.num_draft_tokens
     context = conversation_ids(target, prompts[0].turns[:1], [], args.use_chat)
     context = (context * (1 + 200 // len(context)))[:200]  # a typical mid-generation context length
     times = forward_times(target, context, tuple(range(1, k + 2)), repeats=3 if args.quick else 7)

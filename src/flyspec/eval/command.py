@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from flyspec.cli_options import add_model_options, add_speculation_options, speculation_options
+from flyspec.cli_options import add_model_options, add_speculation_options, speculation_config
 from flyspec.config import ConfigError
 from flyspec.drafters.registry import DRAFTERS
 from flyspec.eval.methods import DEFAULT_METHODS
@@ -54,7 +54,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     work.add_argument("--limit", type=int, help="first N items per task (default: all)")
     work.add_argument("--max-new-tokens", type=int, help="override every task's default length limit")
-    work.add_argument("--drafter", default="ngram", choices=DRAFTERS, help="draft source for every method")
+    work.add_argument("--drafter", choices=DRAFTERS, help="draft source for every method (default ngram)")
     work.add_argument("--skip-bad-lines", action="store_true", help="skip malformed data lines (with a warning)")
     add_model_options(parser)
     add_speculation_options(parser, components=False)
@@ -103,8 +103,7 @@ def _build_config(args: argparse.Namespace) -> Any:
         out_dir=Path(args.out),
         limit=args.limit,
         max_new_tokens=args.max_new_tokens,
-        drafter=args.drafter,
-        speculation={k: v for k, v in speculation_options(args).items() if k != "guard"},
+        speculation=speculation_config(args),
         use_chat=args.use_chat,
         similarity=not args.no_similarity,
         skip_bad_lines=args.skip_bad_lines,
@@ -124,7 +123,8 @@ def _meta(args: argparse.Namespace, config: Any, loaded: Any, skipped: list[str]
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "target": loaded.name,
         "dtype": str(loaded.dtype).removeprefix("torch."),
-        "drafter": config.drafter,
+        "drafter": config.speculation.drafter,
+        "speculative_config": config.speculation.to_dict(),
         "methods": ", ".join(method.name for method in config.methods),
         "limit per task": config.limit,
         "machine": f"{cpu_name()}, {torch.get_num_threads()} torch threads, {platform.system()}",
@@ -175,17 +175,18 @@ def run(args: argparse.Namespace) -> int:
 def _evaluate(args: argparse.Namespace, config: Any, console: Any) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: PLC0415
 
-    from flyspec.api import resolve_model  # noqa: PLC0415
     from flyspec.eval.data import LoadReport  # noqa: PLC0415
     from flyspec.eval.runner import EvalRunner, load_all_items  # noqa: PLC0415
     from flyspec.models import set_threads  # noqa: PLC0415
+    from flyspec.resources import Resources  # noqa: PLC0415
 
     report = LoadReport()
     items = load_all_items(config, report)
     set_threads(args.threads)
-    loaded = resolve_model(args.target, args.dtype)
+    resources = Resources(args.dtype)
+    loaded = resources.model(args.target)
     _write_meta(config, _meta(args, config, loaded, report.skipped))
-    runner = EvalRunner(config, loaded, items)
+    runner = EvalRunner(config, loaded, items, resources)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     interrupted = False
     with Progress(*columns, console=console, transient=False) as progress:
