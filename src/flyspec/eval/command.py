@@ -77,10 +77,10 @@ def _split(text: str) -> list[str]:
 
 
 def _build_config(args: argparse.Namespace) -> Any:
-    from flyspec.eval.methods import parse_methods  # noqa: PLC0415
-    from flyspec.eval.runner import EvalConfig  # noqa: PLC0415
-    from flyspec.eval.tasks import custom_task, resolve_tasks  # noqa: PLC0415
-    from flyspec.models import cache_root  # noqa: PLC0415
+    from flyspec.eval.methods import parse_methods
+    from flyspec.eval.runner import EvalConfig
+    from flyspec.eval.tasks import custom_task, resolve_tasks
+    from flyspec.models import cache_root
 
     if args.limit is not None and args.limit < 1:
         raise ConfigError(f"--limit must be >= 1 (got {args.limit})")
@@ -113,10 +113,10 @@ def _build_config(args: argparse.Namespace) -> Any:
 
 
 def _meta(args: argparse.Namespace, config: Any, loaded: Any, skipped: list[str]) -> dict[str, Any]:
-    import torch  # noqa: PLC0415
+    import torch
 
-    from flyspec import __version__  # noqa: PLC0415
-    from flyspec.models import cpu_name  # noqa: PLC0415
+    from flyspec import __version__
+    from flyspec.models import cpu_name
 
     return {
         "command": "flyspec " + shlex.join(sys.argv[1:]),
@@ -147,9 +147,9 @@ def _write_meta(config: Any, meta: dict[str, Any]) -> None:
 
 
 def _report(out_dir: Path, floor: float, resamples: int) -> Path:
-    from flyspec.eval.report import write_reports  # noqa: PLC0415
-    from flyspec.eval.runner import RECORDS_FILE, read_records  # noqa: PLC0415
-    from flyspec.eval.summary import summarize  # noqa: PLC0415
+    from flyspec.eval.report import write_reports
+    from flyspec.eval.runner import RECORDS_FILE, read_records
+    from flyspec.eval.summary import summarize
 
     meta_path = out_dir / META_FILE
     if not (out_dir / RECORDS_FILE).is_file() or not meta_path.is_file():
@@ -162,7 +162,7 @@ def _report(out_dir: Path, floor: float, resamples: int) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console  # noqa: PLC0415
+    from rich.console import Console
 
     console = Console(stderr=True)
     if args.report_only:
@@ -173,12 +173,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _evaluate(args: argparse.Namespace, config: Any, console: Any) -> int:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: PLC0415
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from flyspec.eval.data import LoadReport  # noqa: PLC0415
-    from flyspec.eval.runner import EvalRunner, load_all_items  # noqa: PLC0415
-    from flyspec.models import set_threads  # noqa: PLC0415
-    from flyspec.resources import Resources  # noqa: PLC0415
+    from flyspec.eval.data import LoadReport
+    from flyspec.eval.runner import EvalRunner, load_all_items
+    from flyspec.models import set_threads
+    from flyspec.resources import Resources
 
     report = LoadReport()
     items = load_all_items(config, report)

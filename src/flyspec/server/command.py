@@ -200,10 +200,10 @@ def run(args: argparse.Namespace) -> int:
     """Load the model(s), check the defaults once, and serve until interrupted."""
     defaults, limits = settings_from_args(args)
     security = security_from_args(args)
-    from flyspec.api import build_decoder  # noqa: PLC0415 - heavy imports only when serving
-    from flyspec.models import load_model  # noqa: PLC0415
-    from flyspec.server.app import create_app  # noqa: PLC0415
-    from flyspec.server.lifecycle import GracefulServer, server_config  # noqa: PLC0415
+    from flyspec.api import build_decoder  # heavy imports only when serving
+    from flyspec.models import load_model
+    from flyspec.server.app import create_app
+    from flyspec.server.lifecycle import GracefulServer, server_config
 
     logging.getLogger("flyspec").setLevel(getattr(logging, args.log_level.upper()))
     target = load_model(args.target, dtype=args.dtype, threads=args.threads)
