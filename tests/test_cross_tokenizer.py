@@ -27,6 +27,7 @@ from flyspec import (
     load_model,
     make_verifier,
 )
+from flyspec.config import SpeculationConfig
 from flyspec.drafters.cross_tokenizer import CrossTokenizerDrafter, TextCodec, tokenizers_match
 from flyspec.drafters.draft_model import multilevel_drafter
 from flyspec.models import LoadedModel
@@ -333,11 +334,13 @@ class InvariantCheck:
 @pytest.mark.parametrize("num_draft_tokens", [1, 5])
 def test_lossless_with_a_draft_model_in_another_vocabulary(models_by_side, direction, num_draft_tokens) -> None:
     draft, target = models_by_side[direction[0]]["draft"], models_by_side[direction[1]]["target"]
-    config = DecodeConfig(num_draft_tokens=num_draft_tokens, max_new_tokens=30, ignore_eos=True)
+    config = DecodeConfig(max_new_tokens=30, ignore_eos=True)
     for prompt, verifier in zip(PROMPTS, ("exact", "rejection", "exact", "rejection"), strict=True):
         checked = CheckedDraftModel(DraftModelDrafter(draft))
         drafter = InvariantCheck(cross(checked, draft, target))
-        result = SpeculativeDecoder(target, drafter, make_verifier(verifier), config).generate(prompt, use_chat=False)
+        result = SpeculativeDecoder(
+            target, drafter, make_verifier(verifier), config, SpeculationConfig(num_draft_tokens=num_draft_tokens)
+        ).generate(prompt, use_chat=False)
         assert result.token_ids == plain_tokens(target, prompt, config), (direction, prompt, verifier)
         report = drafter.report()
         assert report["steps"] == drafter.num_steps >= result.stats.num_target_forwards - 1
@@ -348,19 +351,23 @@ def test_lossless_with_a_draft_model_in_another_vocabulary(models_by_side, direc
 @pytest.mark.parametrize("direction", [("bpe", "meta"), ("meta", "bpe")])
 def test_lossless_with_an_ngram_proposer_below_the_draft_model(models_by_side, direction) -> None:
     draft, target = models_by_side[direction[0]]["draft"], models_by_side[direction[1]]["target"]
-    config = DecodeConfig(num_draft_tokens=5, max_new_tokens=40)  # stops at EOS like plain decoding
+    config = DecodeConfig(max_new_tokens=40)  # stops at EOS like plain decoding
     for prompt in PROMPTS[:2]:
         drafter = cross(multilevel_drafter(draft, num_ngram_tokens=3), draft, target)
-        result = SpeculativeDecoder(target, drafter, make_verifier("exact"), config).generate(prompt, use_chat=False)
+        result = SpeculativeDecoder(
+            target, drafter, make_verifier("exact"), config, SpeculationConfig(num_draft_tokens=5)
+        ).generate(prompt, use_chat=False)
         assert result.token_ids == plain_tokens(target, prompt, config)
         assert "proposer" in drafter.report()["inner"]
 
 
 def test_chat_prompt_with_special_tokens(models_by_side) -> None:
     draft, target = models_by_side["meta"]["draft"], models_by_side["bpe"]["target"]
-    config = DecodeConfig(num_draft_tokens=4, max_new_tokens=30, ignore_eos=True)
+    config = DecodeConfig(max_new_tokens=30, ignore_eos=True)
     drafter = cross(DraftModelDrafter(draft), draft, target)
-    result = SpeculativeDecoder(target, drafter, make_verifier("exact"), config).generate("Hi café", use_chat=True)
+    result = SpeculativeDecoder(
+        target, drafter, make_verifier("exact"), config, SpeculationConfig(num_draft_tokens=4)
+    ).generate("Hi café", use_chat=True)
     assert result.token_ids == plain_tokens(target, "Hi café", config, use_chat=True)
 
 
@@ -368,12 +375,12 @@ def test_chat_prompt_with_special_tokens(models_by_side) -> None:
 def test_long_generation_keeps_the_draft_side_in_sync(models_by_side, direction) -> None:
     """Many times longer than the overlap windows: the incremental draft-side ids never drift."""
     draft, target = models_by_side[direction[0]]["draft"], models_by_side[direction[1]]["target"]
-    config = DecodeConfig(num_draft_tokens=3, max_new_tokens=200, ignore_eos=True)
+    config = DecodeConfig(max_new_tokens=200, ignore_eos=True)
     for overlap in (1, 4):
         drafter = InvariantCheck(cross(DraftModelDrafter(draft), draft, target, overlap_tokens=overlap))
-        result = SpeculativeDecoder(target, drafter, make_verifier("exact"), config).generate(
-            PROMPTS[2], use_chat=False
-        )
+        result = SpeculativeDecoder(
+            target, drafter, make_verifier("exact"), config, SpeculationConfig(num_draft_tokens=3)
+        ).generate(PROMPTS[2], use_chat=False)
         assert result.token_ids == plain_tokens(target, PROMPTS[2], config)
         report = drafter.report()
         assert report["max_reencoded_window"] < 40  # windows, not the whole text
@@ -413,12 +420,14 @@ def test_a_draft_that_knows_the_text_gets_accepted(models_by_side, direction) ->
     """Random targets often pick non-canonical ids (a byte piece for "d"), which no re-tokenized
     draft can match; the rest of a text-level oracle's drafts are accepted: τ well above 1."""
     draft, target = models_by_side[direction[0]]["draft"], models_by_side[direction[1]]["target"]
-    config = DecodeConfig(num_draft_tokens=6, max_new_tokens=60, ignore_eos=True)
+    config = DecodeConfig(max_new_tokens=60, ignore_eos=True)
     for prompt in PROMPTS[1:3]:
         expected = PlainDecoder(target, config).generate(prompt, use_chat=False)
         final_text = decode_text(target.tokenizer, expected.prompt_token_ids + expected.token_ids)
         drafter = cross(OracleDrafter(draft.tokenizer, final_text), draft, target)
-        result = SpeculativeDecoder(target, drafter, make_verifier("exact"), config).generate(prompt, use_chat=False)
+        result = SpeculativeDecoder(
+            target, drafter, make_verifier("exact"), config, SpeculationConfig(num_draft_tokens=6)
+        ).generate(prompt, use_chat=False)
         assert result.token_ids == expected.token_ids
         stats = result.stats
         assert stats.num_accepted >= 0.3 * stats.num_proposed, (prompt, drafter.report())
@@ -428,9 +437,11 @@ def test_a_draft_that_knows_the_text_gets_accepted(models_by_side, direction) ->
 @pytest.mark.parametrize("verifier", VERIFIERS)
 def test_every_verifier_runs_on_translated_drafts(models_by_side, verifier: str) -> None:
     draft, target = models_by_side["meta"]["draft"], models_by_side["bpe"]["target"]
-    config = DecodeConfig(num_draft_tokens=7, max_new_tokens=20, ignore_eos=True)  # FLy's window is 6: needs 7
+    config = DecodeConfig(max_new_tokens=20, ignore_eos=True)  # FLy's window is 6: needs 7
     drafter = cross(DraftModelDrafter(draft), draft, target)
-    result = SpeculativeDecoder(target, drafter, make_verifier(verifier), config).generate(PROMPTS[1], use_chat=False)
+    result = SpeculativeDecoder(
+        target, drafter, make_verifier(verifier), config, SpeculationConfig(num_draft_tokens=7)
+    ).generate(PROMPTS[1], use_chat=False)
     assert len(result.token_ids) == 20
     if verifier in LOSSLESS_VERIFIERS:
         assert result.token_ids == plain_tokens(target, PROMPTS[1], config)
@@ -438,11 +449,11 @@ def test_every_verifier_runs_on_translated_drafts(models_by_side, verifier: str)
 
 def test_sampling_at_temperature_runs_with_one_hot_draft_probs(models_by_side) -> None:
     draft, target = models_by_side["bpe"]["draft"], models_by_side["meta"]["target"]
-    config = DecodeConfig(
-        num_draft_tokens=4, max_new_tokens=30, ignore_eos=True, sampling=SamplingConfig(temperature=1.0)
-    )
+    config = DecodeConfig(max_new_tokens=30, ignore_eos=True, sampling=SamplingConfig(temperature=1.0))
     drafter = cross(DraftModelDrafter(draft), draft, target)
-    decoder = SpeculativeDecoder(target, drafter, make_verifier("rejection"), config)
+    decoder = SpeculativeDecoder(
+        target, drafter, make_verifier("rejection"), config, SpeculationConfig(num_draft_tokens=4)
+    )
     first = decoder.generate(PROMPTS[0], use_chat=False, generator=torch.Generator().manual_seed(7))
     again = decoder.generate(PROMPTS[0], use_chat=False, generator=torch.Generator().manual_seed(7))
     assert first.token_ids == again.token_ids and len(first.token_ids) == 30
@@ -469,8 +480,10 @@ def real_pair() -> dict[str, LoadedModel]:
 def test_real_pair_smollm2_and_gemma3(real_pair, target_name, draft_name, prompt, use_chat) -> None:
     target, draft = real_pair[target_name], real_pair[draft_name]
     assert not tokenizers_match(target.tokenizer, draft.tokenizer)
-    config = DecodeConfig(num_draft_tokens=5, max_new_tokens=24)
+    config = DecodeConfig(max_new_tokens=24)
     drafter = cross(DraftModelDrafter(draft), draft, target)
-    result = SpeculativeDecoder(target, drafter, make_verifier("exact"), config).generate(prompt, use_chat=use_chat)
+    result = SpeculativeDecoder(
+        target, drafter, make_verifier("exact"), config, SpeculationConfig(num_draft_tokens=5)
+    ).generate(prompt, use_chat=use_chat)
     assert result.token_ids == plain_tokens(target, prompt, config, use_chat=use_chat)
     assert result.stats.num_accepted > 0, drafter.report()  # measured: about half the drafted tokens

@@ -10,11 +10,12 @@ import pytest
 import torch
 
 from flyspec import DecodeConfig, PlainDecoder, SpeculativeDecoder, build_decoder, make_verifier
-from flyspec.config import ConfigError, DraftLengthConfig, LayerSkipConfig, SamplingConfig
+from flyspec.config import ConfigError, DraftLengthConfig, LayerSkipConfig, SamplingConfig, SpeculationConfig
 from flyspec.draft_length import DraftLength
 from flyspec.drafters import CrossTokenizerDrafter, DraftModelDrafter, NgramDrafter, make_drafter
 from flyspec.drafters.draft_model import first_unsure
 from flyspec.models import LoadedModel
+from flyspec.resources import Resources
 
 PROMPTS = ("The capital of", "def add(a, b):\n    return", "Once upon a time there was a small model that")
 
@@ -23,9 +24,16 @@ def plain_tokens(target: LoadedModel, prompt: str, config: DecodeConfig) -> list
     return PlainDecoder(target, config).generate(prompt, use_chat=False).token_ids
 
 
-def assert_lossless(target: LoadedModel, drafter, config: DecodeConfig, verifier: str = "exact") -> list:
+def drafter_of(target: LoadedModel, name: str, *models: LoadedModel, **fields):
+    """``make_drafter`` for a SpeculationConfig of ``fields``, with ``models`` known by name."""
+    return make_drafter(SpeculationConfig(drafter=name, **fields), target, Resources(models=(target, *models)))
+
+
+def assert_lossless(
+    target: LoadedModel, drafter, config: DecodeConfig, verifier: str = "exact", spec: SpeculationConfig | None = None
+) -> list:
     """Generate every prompt with ``drafter``; each output must equal plain greedy decoding. Returns the stats."""
-    decoder = SpeculativeDecoder(target, drafter, make_verifier(verifier), config)
+    decoder = SpeculativeDecoder(target, drafter, make_verifier(verifier), config, spec)
     stats = []
     for prompt in PROMPTS:
         result = decoder.generate(prompt, use_chat=False)
@@ -69,9 +77,10 @@ def test_adaptive_floor_keeps_fly_window_judgeable() -> None:
 def test_adaptive_length_is_lossless_and_reported(
     tiny_target: LoadedModel, tiny_draft: LoadedModel, drafter_name: str
 ) -> None:
-    config = DecodeConfig(num_draft_tokens=8, max_new_tokens=40, draft_length=DraftLengthConfig(adaptive=True))
-    drafter = make_drafter(drafter_name, target=tiny_target, draft_model=tiny_draft, num_ngram_tokens=3)
-    stats = assert_lossless(tiny_target, drafter, config)
+    config = DecodeConfig(max_new_tokens=40)
+    spec = SpeculationConfig(num_draft_tokens=8, draft_length=DraftLengthConfig(adaptive=True))
+    drafter = drafter_of(tiny_target, drafter_name, tiny_draft, draft_model=tiny_draft.name, num_proposal_tokens=3)
+    stats = assert_lossless(tiny_target, drafter, config, spec=spec)
     lengths = {length for stat in stats for length in stat.requested_draft_lengths}
     assert len(lengths) > 1, "the noisy draft is sometimes wrong, so the length must move"
     assert all(1 <= length <= 8 for length in lengths)
@@ -81,9 +90,9 @@ def test_adaptive_length_is_lossless_and_reported(
 
 
 def test_adaptive_length_with_fly_stays_at_or_above_the_window(tiny_target: LoadedModel) -> None:
-    config = DecodeConfig(num_draft_tokens=10, max_new_tokens=40, draft_length=DraftLengthConfig(adaptive=True))
-    decoder = build_decoder(tiny_target, "ngram", "fly", num_draft_tokens=10, max_new_tokens=40)
-    result = decoder.generate(PROMPTS[2], config=config, use_chat=False)
+    spec = SpeculationConfig(verifier="fly", num_draft_tokens=10, draft_length=DraftLengthConfig(adaptive=True))
+    decoder = build_decoder(tiny_target, spec, DecodeConfig(max_new_tokens=40))
+    result = decoder.generate(PROMPTS[2], use_chat=False)
     assert min(result.stats.requested_draft_lengths) >= decoder.verifier.config.window_size
 
 
@@ -100,9 +109,10 @@ def test_first_unsure_row() -> None:
 def test_confidence_threshold_shortens_drafts_and_stays_lossless(
     tiny_target: LoadedModel, tiny_draft: LoadedModel
 ) -> None:
-    config = DecodeConfig(num_draft_tokens=8, max_new_tokens=40)
-    full = assert_lossless(tiny_target, DraftModelDrafter(tiny_draft), config)
-    unsure = assert_lossless(tiny_target, DraftModelDrafter(tiny_draft, confidence_threshold=0.6), config)
+    config = DecodeConfig(max_new_tokens=40)
+    spec = SpeculationConfig(num_draft_tokens=8)
+    full = assert_lossless(tiny_target, DraftModelDrafter(tiny_draft), config, spec=spec)
+    unsure = assert_lossless(tiny_target, DraftModelDrafter(tiny_draft, confidence_threshold=0.6), config, spec=spec)
     assert sum(s.num_proposed for s in unsure) < sum(s.num_proposed for s in full)
     assert sum(s.drafter["confidence_stops"] for s in unsure) > 0
 
@@ -141,11 +151,13 @@ def test_three_level_stack_drafts_like_its_top_model(
 def test_stack_through_the_registry_is_lossless(
     tiny_target: LoadedModel, tiny_draft: LoadedModel, bottom_draft: LoadedModel
 ) -> None:
-    config = DecodeConfig(num_draft_tokens=8, max_new_tokens=40)
-    drafter = make_drafter("stack", target=tiny_target, stack=("ngram", bottom_draft, tiny_draft), num_ngram_tokens=3)
+    config = DecodeConfig(max_new_tokens=40)
+    levels = ("ngram", bottom_draft.name, tiny_draft.name)
+    drafter = drafter_of(tiny_target, "stack", bottom_draft, tiny_draft, stack=levels, num_proposal_tokens=3)
     assert drafter.name == "stack"
-    assert_lossless(tiny_target, drafter, config)
-    assert_lossless(tiny_target, drafter, config, verifier="rejection")
+    spec = SpeculationConfig(num_draft_tokens=8)
+    assert_lossless(tiny_target, drafter, config, spec=spec)
+    assert_lossless(tiny_target, drafter, config, verifier="rejection", spec=spec)
 
 
 def test_stack_at_temperature_is_seeded_and_reproducible(
@@ -153,17 +165,18 @@ def test_stack_at_temperature_is_seeded_and_reproducible(
 ) -> None:
     outputs = []
     for _ in range(2):
-        decoder = build_decoder(
-            tiny_target, "stack", "rejection", stack=("ngram", bottom_draft, tiny_draft), max_new_tokens=30
-        )
-        decoder.config = DecodeConfig(num_draft_tokens=6, max_new_tokens=30, sampling=SamplingConfig(1.0))
+        levels = ("ngram", bottom_draft.name, tiny_draft.name)
+        spec = SpeculationConfig(drafter="stack", verifier="rejection", stack=levels, num_draft_tokens=6)
+        decode = DecodeConfig(max_new_tokens=30, sampling=SamplingConfig(1.0))
+        resources = Resources(models=(tiny_target, bottom_draft, tiny_draft))
+        decoder = build_decoder(tiny_target, spec, decode, resources=resources)
         generator = torch.Generator().manual_seed(7)
         outputs.append(decoder.generate(PROMPTS[0], generator=generator, use_chat=False).token_ids)
     assert outputs[0] == outputs[1] and len(outputs[0]) > 0
 
 
 def test_multilevel_is_the_two_level_stack(tiny_target: LoadedModel, tiny_draft: LoadedModel) -> None:
-    drafter = make_drafter("multilevel", target=tiny_target, draft_model=tiny_draft, num_ngram_tokens=3)
+    drafter = drafter_of(tiny_target, "multilevel", tiny_draft, draft_model=tiny_draft.name, num_proposal_tokens=3)
     assert isinstance(drafter, DraftModelDrafter) and isinstance(drafter.proposer, NgramDrafter)
     assert drafter.name == "multilevel" and drafter.num_proposal_tokens == 3
 
@@ -174,20 +187,20 @@ def test_multilevel_is_the_two_level_stack(tiny_target: LoadedModel, tiny_draft:
         ((), "needs its levels"),
         (("draft", "ngram"), "must be the bottom"),
         (("ngram", "ngram-cache"), "must be the bottom"),
-        (("nonsense",), "unknown stack level 'nonsense'"),
+        (("nonsense",), "model 'nonsense' not found"),  # a level that is no keyword is a model name
     ],
 )
 def test_bad_stacks_are_refused(
     tiny_target: LoadedModel, tiny_draft: LoadedModel, levels: tuple[str, ...], message: str
 ) -> None:
-    resolved = tuple(tiny_draft if level == "draft" else level for level in levels)
+    named = tuple(tiny_draft.name if level == "draft" else level for level in levels)
     with pytest.raises(ConfigError, match=message):
-        make_drafter("stack", target=tiny_target, stack=resolved)
+        drafter_of(tiny_target, "stack", tiny_draft, stack=named)
 
 
 def test_unknown_drafter_lists_the_choices(tiny_target: LoadedModel) -> None:
     with pytest.raises(ConfigError, match="ngram-cache.*layer-skip.*stack"):
-        make_drafter("nope", target=tiny_target)
+        drafter_of(tiny_target, "nope")
 
 
 # ---- mixed tokenizers and self-speculation inside stacks ------------------------------------
@@ -212,35 +225,39 @@ def other_vocab_draft() -> LoadedModel:
 def test_draft_model_with_another_tokenizer_is_translated(
     tiny_target: LoadedModel, other_vocab_draft: LoadedModel
 ) -> None:
-    config = DecodeConfig(num_draft_tokens=6, max_new_tokens=30)
+    config = DecodeConfig(max_new_tokens=30)
     for name in ("draft-model", "multilevel"):
-        drafter = make_drafter(name, target=tiny_target, draft_model=other_vocab_draft, num_ngram_tokens=3)
+        drafter = drafter_of(
+            tiny_target, name, other_vocab_draft, draft_model=other_vocab_draft.name, num_proposal_tokens=3
+        )
         assert isinstance(drafter, CrossTokenizerDrafter) and drafter.name == name
-        stats = assert_lossless(tiny_target, drafter, config)
+        stats = assert_lossless(tiny_target, drafter, config, spec=SpeculationConfig(num_draft_tokens=6))
         assert sum(stat.drafter["inner"]["draft_forwards"] for stat in stats) > 0
 
 
 def test_stack_mixing_tokenizers_and_layer_skip_is_lossless(
     tiny_target: LoadedModel, tiny_draft: LoadedModel, other_vocab_draft: LoadedModel
 ) -> None:
-    config = DecodeConfig(num_draft_tokens=6, max_new_tokens=30)
+    config = DecodeConfig(max_new_tokens=30)
     # n-gram → other-vocabulary model → (re-tokenized) → same-vocabulary model → target
-    mixed = make_drafter("stack", target=tiny_target, stack=("ngram", other_vocab_draft, tiny_draft))
+    levels = ("ngram", other_vocab_draft.name, tiny_draft.name)
+    mixed = drafter_of(tiny_target, "stack", other_vocab_draft, tiny_draft, stack=levels)
     assert isinstance(mixed, DraftModelDrafter) and isinstance(mixed.proposer, CrossTokenizerDrafter)
-    assert_lossless(tiny_target, mixed, config)
+    spec = SpeculationConfig(num_draft_tokens=6)
+    assert_lossless(tiny_target, mixed, config, spec=spec)
     # n-gram → the target itself with its last layer skipped → target
-    skipping = make_drafter(
-        "stack", target=tiny_target, stack=("ngram-cache", "layer-skip"), layer_skip=LayerSkipConfig((1,))
-    )
-    stats = assert_lossless(tiny_target, skipping, config)
+    skipping = drafter_of(tiny_target, "stack", stack=("ngram-cache", "layer-skip"), layer_skip=LayerSkipConfig((1,)))
+    stats = assert_lossless(tiny_target, skipping, config, spec=spec)
     assert stats[0].drafter["skip_layers"] == [1]
 
 
 def test_bench_gives_ngram_cache_methods_a_private_cache(tiny_target: LoadedModel) -> None:
-    """Sharing the process-wide cache, a method would find this very prompt's answer left by the others."""
+    """Sharing the run's cache, a method would find this very prompt's answer left by the others."""
     from flyspec.bench.methods import parse_method
     from flyspec.bench.runners import FlyspecRunner, RunSettings
-    from flyspec.drafters.ngram_cache import shared_ngram_cache
 
-    runner = FlyspecRunner(parse_method("ngram-cache+exact"), tiny_target, None, RunSettings(SamplingConfig(), {}))
-    assert runner.decoder.drafter.cache is not shared_ngram_cache(tiny_target.name)
+    settings = RunSettings(SamplingConfig(), resources=Resources(models=(tiny_target,)))
+    runners = [FlyspecRunner(parse_method(name), tiny_target, None, settings) for name in ("ngram-cache+exact",) * 2]
+    caches = [runner.decoder.drafter.cache for runner in runners]
+    assert caches[0] is not caches[1]
+    assert all(cache is not settings.resources.ngram_cache(tiny_target.name, None, None) for cache in caches)

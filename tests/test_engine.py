@@ -25,6 +25,7 @@ from flyspec import (
     make_verifier,
     multilevel_drafter,
 )
+from flyspec.config import SpeculationConfig
 from flyspec.drafters.draft_model import check_proposal
 from flyspec.drafters.ngram import ngram_lookup
 from flyspec.models import LoadedModel
@@ -52,11 +53,15 @@ def plain_tokens(target: LoadedModel, prompt: str | list[int], config: DecodeCon
 def test_lossless_matches_plain_greedy(
     tiny_target: LoadedModel, tiny_draft: LoadedModel, drafter_name: str, verifier_name: str, num_draft_tokens: int
 ) -> None:
-    config = DecodeConfig(num_draft_tokens=num_draft_tokens, max_new_tokens=40, ignore_eos=True)
+    config = DecodeConfig(max_new_tokens=40, ignore_eos=True)
     for prompt in PROMPTS:
         expected = plain_tokens(tiny_target, prompt, config)
         decoder = SpeculativeDecoder(
-            tiny_target, make_drafter(drafter_name, tiny_draft), make_verifier(verifier_name), config
+            tiny_target,
+            make_drafter(drafter_name, tiny_draft),
+            make_verifier(verifier_name),
+            config,
+            SpeculationConfig(num_draft_tokens=num_draft_tokens),
         )
         result = decoder.generate(prompt, use_chat=False)
         assert result.token_ids == expected, (drafter_name, verifier_name, prompt)
@@ -68,13 +73,13 @@ def test_lossless_matches_plain_greedy(
 def test_lossless_across_model_seeds_and_a_perfect_draft(tokenizer, seed: int) -> None:
     target = make_tiny_model(tokenizer, seed=10 + seed, layers=3)
     drafts = {"self": target, "noisy": noisy_copy(target, scale=0.5, seed=seed)}
-    config = DecodeConfig(num_draft_tokens=4, max_new_tokens=30, ignore_eos=True)
+    config = DecodeConfig(max_new_tokens=30, ignore_eos=True)
     expected = plain_tokens(target, PROMPTS[seed - 1], config)
     for label, draft in drafts.items():
         for drafter in (DraftModelDrafter(draft), multilevel_drafter(draft, num_ngram_tokens=2)):
-            result = SpeculativeDecoder(target, drafter, make_verifier("exact"), config).generate(
-                PROMPTS[seed - 1], use_chat=False
-            )
+            result = SpeculativeDecoder(
+                target, drafter, make_verifier("exact"), config, SpeculationConfig(num_draft_tokens=4)
+            ).generate(PROMPTS[seed - 1], use_chat=False)
             assert result.token_ids == expected, (label, drafter.name)
             if label == "self":  # the target drafting for itself: every draft token is accepted
                 assert result.stats.num_accepted == result.stats.num_proposed
@@ -91,9 +96,15 @@ def test_lossless_across_model_seeds_and_a_perfect_draft(tokenizer, seed: int) -
 def test_property_exact_matches_plain(
     tiny_target: LoadedModel, tiny_draft: LoadedModel, prompt, num_draft_tokens, drafter_name, max_new_tokens
 ) -> None:
-    config = DecodeConfig(num_draft_tokens=num_draft_tokens, max_new_tokens=max_new_tokens, ignore_eos=True)
+    config = DecodeConfig(max_new_tokens=max_new_tokens, ignore_eos=True)
     expected = plain_tokens(tiny_target, prompt, config)
-    decoder = SpeculativeDecoder(tiny_target, make_drafter(drafter_name, tiny_draft), make_verifier("exact"), config)
+    decoder = SpeculativeDecoder(
+        tiny_target,
+        make_drafter(drafter_name, tiny_draft),
+        make_verifier("exact"),
+        config,
+        SpeculationConfig(num_draft_tokens=num_draft_tokens),
+    )
     result = decoder.generate(prompt)
     assert result.token_ids == expected
     assert len(result.token_ids) == max_new_tokens
@@ -105,13 +116,13 @@ def test_eos_inside_a_draft_stops_at_the_same_token(tokenizer) -> None:
     eos = free_run[12]  # a token the model really emits, made the EOS
     first_eos = free_run.index(eos)
     target.model.generation_config.eos_token_id = eos
-    config = DecodeConfig(num_draft_tokens=8, max_new_tokens=30)
+    config = DecodeConfig(max_new_tokens=30)
     expected = plain_tokens(target, PROMPTS[2], config)
     assert expected == free_run[: first_eos + 1]
     for drafter in (NgramDrafter(), DraftModelDrafter(target), multilevel_drafter(target)):
-        result = SpeculativeDecoder(target, drafter, make_verifier("exact"), config).generate(
-            PROMPTS[2], use_chat=False
-        )
+        result = SpeculativeDecoder(
+            target, drafter, make_verifier("exact"), config, SpeculationConfig(num_draft_tokens=8)
+        ).generate(PROMPTS[2], use_chat=False)
         assert result.token_ids == expected, drafter.name
         assert result.finish_reason == "eos"
     # with the target drafting for itself, EOS really sits inside an accepted draft
@@ -124,11 +135,15 @@ def test_stop_string_and_streaming_agree_with_plain(tiny_target: LoadedModel, ti
     )
     stop = free.text[16:19]
     assert stop.strip(), "the tiny model's text should have a usable stop string"
-    config = DecodeConfig(num_draft_tokens=3, max_new_tokens=30, stop_strings=(stop,), ignore_eos=True)
+    config = DecodeConfig(max_new_tokens=30, stop_strings=(stop,), ignore_eos=True)
     plain = PlainDecoder(tiny_target, config).generate(PROMPTS[0], use_chat=False)
-    stream = SpeculativeDecoder(tiny_target, DraftModelDrafter(tiny_draft), make_verifier("exact"), config).stream(
-        PROMPTS[0], use_chat=False
-    )
+    stream = SpeculativeDecoder(
+        tiny_target,
+        DraftModelDrafter(tiny_draft),
+        make_verifier("exact"),
+        config,
+        SpeculationConfig(num_draft_tokens=3),
+    ).stream(PROMPTS[0], use_chat=False)
     pieces = list(stream)
     assert stream.result is not None
     assert stream.result.finish_reason == plain.finish_reason == "stop"
@@ -138,22 +153,24 @@ def test_stop_string_and_streaming_agree_with_plain(tiny_target: LoadedModel, ti
 
 
 def test_fly_with_unreachable_gate_is_lossless(tiny_target: LoadedModel, tiny_draft: LoadedModel) -> None:
-    config = DecodeConfig(num_draft_tokens=8, max_new_tokens=40, ignore_eos=True)
+    config = DecodeConfig(max_new_tokens=40, ignore_eos=True)
     expected = plain_tokens(tiny_target, PROMPTS[1], config)
-    verifier = make_verifier("fly", fly=FlyConfig(window_size=2, entropy_threshold=1e9))
-    result = SpeculativeDecoder(tiny_target, DraftModelDrafter(tiny_draft), verifier, config).generate(
-        PROMPTS[1], use_chat=False
-    )
+    verifier = make_verifier("fly", SpeculationConfig(fly=FlyConfig(window_size=2, entropy_threshold=1e9)))
+    result = SpeculativeDecoder(
+        tiny_target, DraftModelDrafter(tiny_draft), verifier, config, SpeculationConfig(num_draft_tokens=8)
+    ).generate(PROMPTS[1], use_chat=False)
     assert result.token_ids == expected
 
 
 def test_lossy_verifiers_report_loose_accepts_consistently(tiny_target: LoadedModel, tiny_draft: LoadedModel) -> None:
-    config = DecodeConfig(num_draft_tokens=8, max_new_tokens=60, ignore_eos=True)
+    config = DecodeConfig(max_new_tokens=60, ignore_eos=True)
     expected = plain_tokens(tiny_target, PROMPTS[2], config)
-    verifier = make_verifier("fly", fly=FlyConfig(window_size=0, entropy_threshold=0.0))  # both ablations
-    result = SpeculativeDecoder(tiny_target, DraftModelDrafter(tiny_draft), verifier, config).generate(
-        PROMPTS[2], use_chat=False
-    )
+    verifier = make_verifier(
+        "fly", SpeculationConfig(fly=FlyConfig(window_size=0, entropy_threshold=0.0))
+    )  # both ablations
+    result = SpeculativeDecoder(
+        tiny_target, DraftModelDrafter(tiny_draft), verifier, config, SpeculationConfig(num_draft_tokens=8)
+    ).generate(PROMPTS[2], use_chat=False)
     stats = result.stats
     assert stats.num_loose_accepts == len(result.loose_token_indices) > 0
     assert result.token_ids != expected
@@ -167,10 +184,16 @@ def test_lossy_verifiers_report_loose_accepts_consistently(tiny_target: LoadedMo
 
 def test_sampling_is_reproducible_with_a_seeded_generator(tiny_target: LoadedModel, tiny_draft: LoadedModel) -> None:
     sampling = SamplingConfig(temperature=0.9, top_p=0.95)
-    config = DecodeConfig(num_draft_tokens=5, max_new_tokens=30, sampling=sampling, ignore_eos=True)
+    config = DecodeConfig(max_new_tokens=30, sampling=sampling, ignore_eos=True)
     outputs = []
     for seed in (7, 7, 8):
-        decoder = SpeculativeDecoder(tiny_target, DraftModelDrafter(tiny_draft), make_verifier("rejection"), config)
+        decoder = SpeculativeDecoder(
+            tiny_target,
+            DraftModelDrafter(tiny_draft),
+            make_verifier("rejection"),
+            config,
+            SpeculationConfig(num_draft_tokens=5),
+        )
         outputs.append(decoder.generate(PROMPTS[0], use_chat=False, generator=torch.Generator().manual_seed(seed)))
     assert outputs[0].token_ids == outputs[1].token_ids
     assert outputs[0].token_ids != outputs[2].token_ids
@@ -211,6 +234,7 @@ def test_check_proposal_keeps_the_agreeing_prefix_and_adds_the_models_token() ->
     logits = torch.full((4, 6), -5.0)
     for position, token in enumerate([2, 3, 1, 4]):
         logits[position, token] = 5.0
+
     def proposal(tokens: list[int]) -> Draft:
         return Draft(torch.tensor(tokens, dtype=torch.long))
 
@@ -288,7 +312,7 @@ def test_sliding_window_caches_roll_back_losslessly(tokenizer) -> None:
         for parameter in other.parameters():
             parameter.add_(0.3 * parameter.std() * torch.randn_like(parameter))
     draft = LoadedModel(model=other, tokenizer=tokenizer, name="tiny-gemma3-noisy")
-    config_decode = DecodeConfig(num_draft_tokens=6, max_new_tokens=40, ignore_eos=True)
+    config_decode = DecodeConfig(max_new_tokens=40, ignore_eos=True)
     prompt = PROMPTS[2] + " " + PROMPTS[0]  # longer than the window
     assert len(target.encode_prompt(prompt, use_chat=False)) > 2 * config.sliding_window
     expected = plain_tokens(target, prompt, config_decode)
@@ -299,8 +323,8 @@ def test_sliding_window_caches_roll_back_losslessly(tokenizer) -> None:
         DraftModelDrafter(draft),
         multilevel_drafter(draft),
     ):
-        result = SpeculativeDecoder(target, drafter, make_verifier("exact"), config_decode).generate(
-            prompt, use_chat=False
-        )
+        result = SpeculativeDecoder(
+            target, drafter, make_verifier("exact"), config_decode, SpeculationConfig(num_draft_tokens=6)
+        ).generate(prompt, use_chat=False)
         assert result.token_ids == expected, drafter.name
     assert 0 < result.stats.num_accepted < result.stats.num_proposed  # the noisy draft is partly rejected

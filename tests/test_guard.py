@@ -14,11 +14,11 @@ from flyspec.api import build_decoder
 from flyspec.cli import main
 from flyspec.config import (
     ConfigError,
-    DecodeConfig,
     FlyConfig,
     GuardConfig,
     MarginConfig,
     SamplingConfig,
+    SpeculationConfig,
     TypicalConfig,
 )
 from flyspec.decoding import SpeculativeDecoder
@@ -283,8 +283,10 @@ def test_fly_needs_a_draft_longer_than_its_window(tiny_target: LoadedModel) -> N
     assert FlyVerifier(FlyConfig(window_size=6)).min_draft_tokens == 7
     assert FlyVerifier(FlyConfig(window_size=0)).min_draft_tokens == 1
     with pytest.raises(ConfigError, match=r"needs at least 7 \(FLy: window_size \+ 1"):
-        SpeculativeDecoder(tiny_target, NgramDrafter(), FlyVerifier(), DecodeConfig(num_draft_tokens=6))
-    SpeculativeDecoder(tiny_target, NgramDrafter(), FlyVerifier(), DecodeConfig(num_draft_tokens=7))
+        SpeculativeDecoder(
+            tiny_target, NgramDrafter(), FlyVerifier(), speculation=SpeculationConfig(num_draft_tokens=6)
+        )
+    SpeculativeDecoder(tiny_target, NgramDrafter(), FlyVerifier(), speculation=SpeculationConfig(num_draft_tokens=7))
 
 
 # --- token classes -----------------------------------------------------------------------------
@@ -361,10 +363,10 @@ def test_bare_is_the_papers_rule() -> None:
 
 
 def test_build_decoder_plumbs_the_guard(tiny_target: LoadedModel) -> None:
-    assert build_decoder(tiny_target, "ngram", "fly").verifier.guard == GuardConfig()
-    bare = build_decoder(tiny_target, "ngram", "fly", guard=GuardConfig.bare())
+    assert build_decoder(tiny_target, SpeculationConfig(verifier="fly")).verifier.guard == GuardConfig()
+    bare = build_decoder(tiny_target, SpeculationConfig(verifier="fly", guard=GuardConfig.bare()))
     assert bare.verifier.guard.is_bare
-    assert not hasattr(build_decoder(tiny_target, "ngram", "exact", guard=GuardConfig()).verifier, "guard")
+    assert not hasattr(build_decoder(tiny_target, SpeculationConfig(guard=GuardConfig())).verifier, "guard")
 
 
 def test_generate_cli_guard_options(tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:

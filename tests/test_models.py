@@ -15,12 +15,10 @@ import huggingface_hub.constants
 import pytest
 import torch
 import transformers
-from tokenizers import ByteLevelBPETokenizer
-from transformers import PreTrainedTokenizerFast
 
+import flyspec.cached_model
 import flyspec.models
-import flyspec.target
-from conftest import CORPUS, make_tiny_model, make_tokenizer
+from conftest import make_tokenizer
 from flyspec import generate, generate_plain
 from flyspec.config import ConfigError
 from flyspec.drafters.draft_model import DraftModelDrafter
@@ -28,7 +26,6 @@ from flyspec.models import (
     LoadedModel,
     ModelLoadError,
     cache_root,
-    check_same_tokenizer,
     gguf_cache_key,
     gguf_to_hf_dir,
     load_model,
@@ -38,14 +35,6 @@ from flyspec.models import (
 from flyspec.target import Target
 
 PROMPT = "Speculative decoding drafts"
-
-
-def bpe_tokenizer(corpus: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
-    """A byte-level BPE tokenizer like conftest's, from another corpus or vocabulary size."""
-    bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator(corpus, vocab_size=vocab_size, min_frequency=1, special_tokens=["<s>", "</s>"],
-                            show_progress=False)
-    return PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, bos_token="<s>", eos_token="</s>")
 
 
 # --- loading from a Hugging Face directory ------------------------------------------------------
@@ -192,7 +181,7 @@ def test_hub_id_offline_fails_fast_and_names_the_id(monkeypatch: pytest.MonkeyPa
     def load() -> None:
         try:
             load_model("some-org/some-model", dtype="float32")
-        except BaseException as error:  # noqa: BLE001 - reported below
+        except BaseException as error:  # reported below
             outcome["error"] = error
 
     worker = threading.Thread(target=load, daemon=True)
@@ -221,23 +210,6 @@ def test_corrupt_gguf_is_model_load_error(tmp_path: Path, monkeypatch: pytest.Mo
 
 
 # --- tokenizers and prompts ----------------------------------------------------------------------
-
-
-def test_same_tokenizer_is_accepted(tiny_target: LoadedModel, tiny_draft: LoadedModel) -> None:
-    check_same_tokenizer(tiny_target, tiny_draft)
-    check_same_tokenizer(tiny_target, make_tiny_model(make_tokenizer(chat=False), seed=9))
-
-
-@pytest.mark.parametrize(
-    "corpus, vocab_size",
-    [(CORPUS, 280), (["A different corpus entirely, with other merges and other words."] * 8, 300)],
-    ids=["other-size", "other-corpus"],
-)
-def test_different_tokenizer_is_refused(tiny_target: LoadedModel, corpus: list[str], vocab_size: int) -> None:
-    other = make_tiny_model(bpe_tokenizer(corpus, vocab_size), seed=4, name="other-vocab")
-    with pytest.raises(ConfigError, match="different tokenizer") as error:
-        check_same_tokenizer(tiny_target, other)
-    assert other.name in str(error.value) and tiny_target.name in str(error.value)
 
 
 def test_chat_template_is_used_when_present(tiny_target: LoadedModel) -> None:
@@ -278,7 +250,7 @@ def test_empty_prompt_is_config_error(tiny_target: LoadedModel, prompt: str, use
 
 
 def test_uncroppable_cache_is_refused(tiny_target: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(flyspec.target, "_CROPPABLE_LAYERS", ())
+    monkeypatch.setattr(flyspec.cached_model, "_CROPPABLE_LAYERS", ())
     with pytest.raises(ConfigError, match="cannot be rolled back") as error:
         Target(tiny_target)
     assert "DynamicLayer" in str(error.value)

@@ -3,21 +3,20 @@
 from __future__ import annotations
 
 import json
-import logging
 import random
 import sys
 import threading
-import uuid
 from pathlib import Path
 
 import pytest
 import torch
 
 from flyspec import DecodeConfig, DraftModelDrafter, PlainDecoder, SpeculativeDecoder, make_verifier
-from flyspec.config import ConfigError, NgramCacheConfig, NgramConfig, SamplingConfig
+from flyspec.config import ConfigError, NgramCacheConfig, NgramConfig, SamplingConfig, SpeculationConfig
 from flyspec.drafters.base import Drafter
-from flyspec.drafters.ngram_cache import NgramCache, NgramCacheDrafter, shared_ngram_cache
+from flyspec.drafters.ngram_cache import NgramCache, NgramCacheDrafter
 from flyspec.models import LoadedModel
+from flyspec.resources import Resources
 
 torch.set_num_threads(1)
 
@@ -27,6 +26,12 @@ PROMPTS = ("The capital of", "def add(a, b):\n    return", "Once upon a time the
 
 def make_cache(max_entries: int = 1000, max_order: int = 4, min_order: int = 1) -> NgramCache:
     return NgramCache(NgramCacheConfig(max_entries=max_entries), NgramConfig(max_ngram=max_order, min_ngram=min_order))
+
+
+def lookup(cache: NgramCache, context: list[int]) -> int | None:
+    """The token the cache predicts after ``context`` by its longest known suffix (one lookup), or None."""
+    match = cache.longest_match(context)
+    return None if match is None else match[1]
 
 
 def propose(drafter: NgramCacheDrafter, token_ids: list[int], num_draft_tokens: int) -> list[int]:
@@ -40,10 +45,10 @@ def test_add_records_every_order_and_counts_exactly() -> None:
     cache = make_cache(max_order=2)
     cache.add([1, 2, 3, 2, 3])
     # (1)→2 (2)→3 (1,2)→3 (3)→2 (2,3)→2; then (2)→3 and (3,2)→3 are new, (2)→3 again is an update
-    assert cache.lookup([3]) == 2
-    assert cache.lookup([1, 2]) == 3
-    assert cache.lookup([3, 2]) == 3
-    assert cache.lookup([9]) is None
+    assert lookup(cache, [3]) == 2
+    assert lookup(cache, [1, 2]) == 3
+    assert lookup(cache, [3, 2]) == 3
+    assert lookup(cache, [9]) is None
     stats = cache.stats()
     assert stats["entries"] == stats["insertions"] == 6
     assert stats["updates"] == 1  # (2) → 3 seen twice
@@ -89,14 +94,14 @@ def test_continuation_chains_predictions_and_stops_at_a_miss() -> None:
 def test_bound_is_kept_and_least_recently_used_is_evicted() -> None:
     cache = make_cache(max_entries=3, max_order=1)
     cache.add([1, 2, 3, 4])  # (1)→2 (2)→3 (3)→4
-    assert cache.lookup([1]) == 2  # a hit: (1) becomes the most recent, (2) the least
+    assert lookup(cache, [1]) == 2  # a hit: (1) becomes the most recent, (2) the least
     cache.add([4, 5])  # new (4) evicts (2)
     assert len(cache) == 3
-    assert cache.lookup([2]) is None
-    assert cache.lookup([1]) == 2 and cache.lookup([3]) == 4 and cache.lookup([4]) == 5
+    assert lookup(cache, [2]) is None
+    assert lookup(cache, [1]) == 2 and lookup(cache, [3]) == 4 and lookup(cache, [4]) == 5
     cache.add([3, 9])  # an update refreshes too: (3) is now most recent, (1) the least
     cache.add([6, 7])
-    assert cache.lookup([1]) is None and cache.lookup([3]) == 9
+    assert lookup(cache, [1]) is None and lookup(cache, [3]) == 9
     stats = cache.stats()
     assert stats["entries"] == 3 == stats["insertions"] - stats["evictions"]
     assert stats["evictions"] == 2
@@ -109,7 +114,7 @@ def test_bound_is_kept_and_least_recently_used_is_evicted() -> None:
 def test_clear_forgets_entries_and_counters() -> None:
     cache = make_cache()
     cache.add([1, 2, 3])
-    cache.lookup([1])
+    lookup(cache, [1])
     cache.clear()
     assert cache.stats() == {
         "entries": 0,
@@ -136,10 +141,10 @@ def test_concurrent_adds_and_lookups_keep_the_bound_and_the_counts() -> None:
             for _ in range(rounds):
                 sequence = [rng.randrange(60) for _ in range(50)]
                 cache.add(sequence)
-                cache.lookup(sequence[:10])
+                lookup(cache, sequence[:10])
                 cache.continuation(sequence[:5], 8)
                 assert len(cache) <= 500
-        except BaseException as error:  # noqa: BLE001 - reported by the main thread
+        except BaseException as error:  # reported by the main thread
             errors.append(error)
 
     threads = [threading.Thread(target=work, args=(seed,)) for seed in range(num_threads)]
@@ -164,21 +169,25 @@ def test_concurrent_adds_and_lookups_keep_the_bound_and_the_counts() -> None:
 # --- sharing and persistence -----------------------------------------------------------------------
 
 
-def test_shared_cache_is_one_per_key_and_keeps_its_first_config(caplog: pytest.LogCaptureFixture) -> None:
-    key = f"model-{uuid.uuid4()}"
-    first = shared_ngram_cache(key, NgramCacheConfig(max_entries=100))
-    assert shared_ngram_cache(key, NgramCacheConfig(max_entries=100)) is first
-    assert shared_ngram_cache(f"other-{uuid.uuid4()}") is not first
-    with caplog.at_level(logging.WARNING, logger="flyspec.drafters.ngram_cache"):
-        again = shared_ngram_cache(key, NgramCacheConfig(max_entries=5))
+def test_resources_keep_one_cache_per_vocabulary_with_its_first_config() -> None:
+    resources, ngram = Resources(), NgramConfig()
+    first = resources.ngram_cache("model", NgramCacheConfig(max_entries=100), ngram)
+    assert resources.ngram_cache("model", NgramCacheConfig(max_entries=100), ngram) is first
+    assert resources.ngram_cache("other", NgramCacheConfig(), ngram) is not first
+    again = resources.ngram_cache("model", NgramCacheConfig(max_entries=5), ngram)
     assert again is first and again.max_entries == 100
-    assert "keeping it" in caplog.text
+    assert Resources().ngram_cache("model", NgramCacheConfig(), ngram) is not first  # nothing process-wide
+    assert resources.isolated().ngram_cache("model", NgramCacheConfig(), ngram) is not first
 
 
-def test_shared_cache_creation_is_race_free() -> None:
-    key = f"model-{uuid.uuid4()}"
+def test_resources_cache_creation_is_race_free() -> None:
+    resources = Resources()
     found: list[NgramCache] = []
-    threads = [threading.Thread(target=lambda: found.append(shared_ngram_cache(key))) for _ in range(8)]
+
+    def make() -> None:
+        found.append(resources.ngram_cache("model", NgramCacheConfig(), NgramConfig()))
+
+    threads = [threading.Thread(target=make) for _ in range(8)]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -189,7 +198,7 @@ def test_shared_cache_creation_is_race_free() -> None:
 def test_save_and_load_round_trip_keeps_entries_and_recency(tmp_path: Path) -> None:
     cache = make_cache(max_entries=50, max_order=2)
     cache.add([3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5])
-    cache.lookup([3])  # (3) → 5 becomes the most recent
+    lookup(cache, [3])  # (3) → 5 becomes the most recent
     path = tmp_path / "cache.json"
     cache.save(path)
     loaded = make_cache(max_entries=50, max_order=2)
@@ -233,7 +242,7 @@ def test_drafter_follows_the_protocol_and_records_only_finished_generations() ->
     assert propose(drafter, [1, 2, 3, 7, 8], 4) == []
     assert len(cache) == 0  # nothing is recorded while generating: proposals may hold unverified tokens
     drafter.finish([1, 2, 3, 7, 8])
-    assert cache.lookup([1, 2]) == 3 and cache.lookup([3, 7]) == 8  # prompt and committed tokens, at the end
+    assert lookup(cache, [1, 2]) == 3 and lookup(cache, [3, 7]) == 8  # prompt and committed tokens, at the end
 
 
 def test_a_longer_cache_match_beats_a_shorter_context_match() -> None:
@@ -285,8 +294,10 @@ def test_accepted_tokens_are_bounded_by_the_draft() -> None:
 
 
 def decode(target: LoadedModel, cache: NgramCache, prompt: str, verifier: str, k: int, max_new: int = 40):
-    config = DecodeConfig(num_draft_tokens=k, max_new_tokens=max_new, ignore_eos=True)
-    decoder = SpeculativeDecoder(target, NgramCacheDrafter(cache), make_verifier(verifier), config)
+    config = DecodeConfig(max_new_tokens=max_new, ignore_eos=True)
+    decoder = SpeculativeDecoder(
+        target, NgramCacheDrafter(cache), make_verifier(verifier), config, SpeculationConfig(num_draft_tokens=k)
+    )
     return decoder.generate(prompt, use_chat=False)
 
 
@@ -333,14 +344,14 @@ def test_lossless_matches_plain_greedy_with_a_cold_and_a_warm_cache(
 
 def test_lossless_as_the_proposer_below_a_draft_model(tiny_target: LoadedModel, tiny_draft: LoadedModel) -> None:
     """Below a draft model the sequence it sees is cut back after each verification; drafts stay lossless."""
-    config = DecodeConfig(num_draft_tokens=6, max_new_tokens=40, ignore_eos=True)
+    config = DecodeConfig(max_new_tokens=40, ignore_eos=True)
     cache = make_cache()
     for prompt in PROMPTS[:2] * 2:
         expected = PlainDecoder(tiny_target, config).generate(prompt, use_chat=False).token_ids
         drafter = DraftModelDrafter(tiny_draft, proposer=NgramCacheDrafter(cache), num_proposal_tokens=3)
-        result = SpeculativeDecoder(tiny_target, drafter, make_verifier("exact"), config).generate(
-            prompt, use_chat=False
-        )
+        result = SpeculativeDecoder(
+            tiny_target, drafter, make_verifier("exact"), config, SpeculationConfig(num_draft_tokens=6)
+        ).generate(prompt, use_chat=False)
         assert result.token_ids == expected
         assert result.stats.drafter["proposer"]["name"] == "ngram-cache"
     assert result.stats.drafter["proposal_tokens_kept"] > 0
@@ -354,5 +365,5 @@ def test_a_proposers_unverified_tokens_are_never_recorded() -> None:
     drafter.rollback(3)  # the target kept only [1, 2, 3]
     propose(drafter, [1, 2, 3, 9, 8], 2)
     drafter.finish([1, 2, 3, 9])
-    assert cache.lookup([3]) == 9 and cache.lookup([2, 3]) == 9
-    assert cache.lookup([3, 4]) is None and cache.lookup([4]) is None and cache.lookup([9]) is None
+    assert lookup(cache, [3]) == 9 and lookup(cache, [2, 3]) == 9
+    assert lookup(cache, [3, 4]) is None and lookup(cache, [4]) is None and lookup(cache, [9]) is None

@@ -18,6 +18,7 @@ from flyspec import (
     make_verifier,
     multilevel_drafter,
 )
+from flyspec.config import SpeculationConfig
 from flyspec.models import LoadedModel
 
 pytestmark = [
@@ -33,7 +34,7 @@ PROMPTS = (
     "Repeat after me: the quick brown fox jumps over the lazy dog. The quick brown fox",
     "Write a Python function that returns the factorial of n.",
 )
-CONFIG = DecodeConfig(num_draft_tokens=8, max_new_tokens=40)
+CONFIG = DecodeConfig(max_new_tokens=40)
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +50,9 @@ def plain_outputs(smollm2: LoadedModel) -> dict[str, list[int]]:
 
 @pytest.mark.parametrize("verifier", ["exact", "rejection"])
 def test_ngram_lossless_on_smollm2(smollm2: LoadedModel, plain_outputs, verifier: str) -> None:
-    decoder = SpeculativeDecoder(smollm2, NgramDrafter(), make_verifier(verifier), CONFIG)
+    decoder = SpeculativeDecoder(
+        smollm2, NgramDrafter(), make_verifier(verifier), CONFIG, SpeculationConfig(num_draft_tokens=8)
+    )
     accepted = 0
     for prompt in PROMPTS:
         result = decoder.generate(prompt)
@@ -62,7 +65,9 @@ def test_model_drafters_lossless_on_smollm2(smollm2: LoadedModel, plain_outputs)
     # The only same-tokenizer pair available offline is the model with itself: every draft is accepted.
     prompt = PROMPTS[1]
     for drafter in (DraftModelDrafter(smollm2), multilevel_drafter(smollm2)):
-        result = SpeculativeDecoder(smollm2, drafter, make_verifier("exact"), CONFIG).generate(prompt)
+        result = SpeculativeDecoder(
+            smollm2, drafter, make_verifier("exact"), CONFIG, SpeculationConfig(num_draft_tokens=8)
+        ).generate(prompt)
         assert result.token_ids == plain_outputs[prompt], drafter.name
         assert result.stats.num_accepted == result.stats.num_proposed
 

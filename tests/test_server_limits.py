@@ -25,14 +25,14 @@ import pytest
 
 from flyspec.api import build_decoder
 from flyspec.cli import build_parser
-from flyspec.config import ConfigError, SamplingConfig
+from flyspec.config import ConfigError, DecodeConfig, SamplingConfig, SpeculationConfig
 from flyspec.drafters.ngram_cache import NgramCacheCounters
 from flyspec.models import LoadedModel
 from flyspec.server.app import create_app
 from flyspec.server.command import settings_from_args
 from flyspec.server.engine import Engine, Job, QueueFullError
 from flyspec.server.metrics import ServerMetrics
-from flyspec.server.settings import ServerLimits, ServerSecurity, SpeculationDefaults
+from flyspec.server.settings import ServerLimits, ServerSecurity
 from server_helpers import (
     Recorder,
     RunningServer,
@@ -51,12 +51,11 @@ STALLED_HEAD = (  # a body promised and never sent
 )
 
 
-
 @contextmanager
 def serving(target: LoadedModel, recorder: Recorder | None = None, **limits: Any) -> Iterator[RunningServer]:
     limits.setdefault("max_tokens_cap", 400)
     app = create_app(
-        target, SpeculationDefaults(num_draft_tokens=4), ServerLimits(**limits), ServerSecurity(),
+        target, SpeculationConfig(num_draft_tokens=4), ServerLimits(**limits), ServerSecurity(),
         served_model_name=MODEL, hooks=recorder.hooks() if recorder else None,
     )  # fmt: skip
     with RunningServer(app) as server:
@@ -79,7 +78,8 @@ def error_of(response: httpx.Response, status: int) -> dict[str, Any]:
 
 
 def greedy_text(target: LoadedModel, prompt: str, max_tokens: int) -> str:
-    decoder = build_decoder(target, num_draft_tokens=4, max_new_tokens=max_tokens, sampling=SamplingConfig(0.0))
+    decode = DecodeConfig(max_new_tokens=max_tokens, sampling=SamplingConfig(0.0))
+    decoder = build_decoder(target, SpeculationConfig(num_draft_tokens=4), decode)
     return decoder.generate(prompt, use_chat=False).text
 
 

@@ -20,10 +20,11 @@ from transformers import PreTrainedTokenizerFast
 
 from conftest import make_tiny_model
 from flyspec.cli import build_parser
+from flyspec.config import SpeculationConfig
 from flyspec.models import LoadedModel
 from flyspec.server.app import create_app
 from flyspec.server.command import api_keys_from, log_exposure, security_from_args, settings_from_args
-from flyspec.server.settings import ServerLimits, ServerSecurity, SpeculationDefaults
+from flyspec.server.settings import ServerLimits, ServerSecurity
 from server_helpers import (
     RunningServer,
     one_torch_thread,  # noqa: F401 - autouse fixture, applies to this module
@@ -42,11 +43,10 @@ ATTACK = {
 VICTIM_KEY, ATTACKER_KEY = "victim-key-0123456789", "attacker-key-0123456789"
 
 
-
 @contextmanager
-def serving(target: LoadedModel, defaults: SpeculationDefaults | None = None, **security: Any) -> Iterator[str]:
+def serving(target: LoadedModel, defaults: SpeculationConfig | None = None, **security: Any) -> Iterator[str]:
     app = create_app(
-        target, defaults or SpeculationDefaults(num_draft_tokens=8), ServerLimits(), ServerSecurity(**security),
+        target, defaults or SpeculationConfig(num_draft_tokens=8), ServerLimits(), ServerSecurity(**security),
         served_model_name=MODEL,
     )  # fmt: skip
     with RunningServer(app) as server:
@@ -71,7 +71,7 @@ def assert_error(response: httpx.Response, status: int, code: str) -> dict[str, 
 
 def test_the_ngram_cache_attack_is_refused_by_default(tiny_target: LoadedModel) -> None:
     """The issue's attack, against a server started with --drafter ngram-cache and default security."""
-    with serving(tiny_target, SpeculationDefaults(drafter="ngram-cache", num_draft_tokens=8)) as url:
+    with serving(tiny_target, SpeculationConfig(drafter="ngram-cache", num_draft_tokens=8)) as url:
         assert post(url, "/v1/chat/completions", {**VICTIM_CHAT, "max_tokens": 8, "temperature": 0}).status_code == 200
         error = assert_error(post(url, "/v1/completions", ATTACK), 403, "speculative_not_allowed")
         assert error["param"] == "speculative" and "lossy" in error["message"]
@@ -85,7 +85,7 @@ def test_the_ngram_cache_attack_is_refused_by_default(tiny_target: LoadedModel) 
 def test_an_attacker_with_another_key_cannot_read_the_victims_secret(tiny_target: LoadedModel, share: bool) -> None:
     """Even where the operator allows lossy requests: caches are per key, and a lossy verifier never keeps a
     token that only the cache proposed (the library's guard; needed when the operator shares the cache)."""
-    defaults = SpeculationDefaults(drafter="ngram-cache", num_draft_tokens=8)
+    defaults = SpeculationConfig(drafter="ngram-cache", num_draft_tokens=8)
     keys = (VICTIM_KEY, ATTACKER_KEY)
     with serving(tiny_target, defaults, api_keys=keys, allow_request_speculative="all", share_ngram_cache=share) as url:
         victim = post(url, "/v1/chat/completions", {**VICTIM_CHAT, "max_tokens": 8, "temperature": 0}, VICTIM_KEY)
@@ -103,7 +103,7 @@ def test_an_attacker_with_another_key_cannot_read_the_victims_secret(tiny_target
         assert f'flyspec_ngram_cache{{quantity="caches"}} {1.0 if share else 2.0}' in caches
 
 
-LOSSLESS, FLY = SpeculationDefaults(num_draft_tokens=8), SpeculationDefaults(verifier="fly", num_draft_tokens=8)
+LOSSLESS, FLY = SpeculationConfig(num_draft_tokens=8), SpeculationConfig(verifier="fly", num_draft_tokens=8)
 # (policy, server defaults, request's speculative, allowed?)
 # fmt: off
 POLICY_CASES = [
@@ -129,7 +129,7 @@ POLICY_CASES = [
 
 @pytest.mark.parametrize(("policy", "defaults", "speculative", "allowed"), POLICY_CASES)
 def test_what_a_request_may_change(
-    tiny_target: LoadedModel, policy: str, defaults: SpeculationDefaults, speculative: dict, allowed: bool
+    tiny_target: LoadedModel, policy: str, defaults: SpeculationConfig, speculative: dict, allowed: bool
 ) -> None:
     with serving(tiny_target, defaults, allow_request_speculative=policy) as url:
         response = post(url, "/v1/completions", {"prompt": "def add", "max_tokens": 2, "speculative": speculative})

@@ -25,6 +25,7 @@ from flyspec.config import (
     MarginConfig,
     NgramConfig,
     SamplingConfig,
+    SpeculationConfig,
     TypicalConfig,
 )
 from flyspec.types import Draft, Verdict
@@ -271,9 +272,7 @@ def test_fly_mismatch_at_window_end_is_outside_the_window() -> None:
     # W=6: d_1's window is d_2..d_6; a mismatch at 7 is exactly W away and does not spoil it.
     draft, logits, targets = scenario(15, {1, 7}, uncertain_at={1, 7})
     verdict = fly().verify(draft_of(draft), logits, GREEDY, None)
-    assert verdict == Verdict(
-        tokens=draft + [targets[15]], num_accepted=15, loose_positions=(1, 7), bonus=True
-    )
+    assert verdict == Verdict(tokens=draft + [targets[15]], num_accepted=15, loose_positions=(1, 7), bonus=True)
     assert [verdict.tokens[1], verdict.tokens[7]] == [runner_up(targets[1]), runner_up(targets[7])]
 
     # One closer (6) and d_1's window is no longer clean.
@@ -312,9 +311,7 @@ def test_fly_entropy_gate_edges(entropy: float, loose: bool) -> None:
     draft = [1] + targets[1:15]  # d_0 = 1 is not the argmax (0) of the gate row
     verdict = fly().verify(draft_of(draft), logits, GREEDY, None)
     if loose:
-        assert verdict == Verdict(
-            tokens=draft + [targets[15]], num_accepted=15, loose_positions=(0,), bonus=True
-        )
+        assert verdict == Verdict(tokens=draft + [targets[15]], num_accepted=15, loose_positions=(0,), bonus=True)
     else:
         assert verdict == Verdict(tokens=[0], num_accepted=0)
 
@@ -332,9 +329,7 @@ def test_fly_ablation_no_window_keeps_every_gated_mismatch() -> None:
     # window_size=0: consecutive mismatches and the very last positions are all kept.
     draft, logits, targets = scenario(15, {3, 4, 13, 14}, uncertain_at={3, 4, 13, 14})
     verdict = fly(window_size=0).verify(draft_of(draft), logits, GREEDY, None)
-    assert verdict == Verdict(
-        tokens=draft + [targets[15]], num_accepted=15, loose_positions=(3, 4, 13, 14), bonus=True
-    )
+    assert verdict == Verdict(tokens=draft + [targets[15]], num_accepted=15, loose_positions=(3, 4, 13, 14), bonus=True)
     # ... but the gate still applies.
     draft, logits, targets = scenario(15, {3, 14}, uncertain_at={3})
     verdict = fly(window_size=0).verify(draft_of(draft), logits, GREEDY, None)
@@ -436,9 +431,7 @@ def test_fly_sampling_loose_accepts_certain_rejections(rule: str, soft_draft: bo
     draft, logits, targets = scenario(15, {3, 11}, uncertain_at=set(range(16)))
     draft_probs = torch.full((15, VOCAB), 1.0 / VOCAB) if soft_draft else None  # two-sample ignores them
     sampling = SamplingConfig(temperature=0.8, top_k=1)
-    verdict = fly(rule=rule).verify(
-        draft_of(draft, draft_probs), logits, sampling, torch.Generator().manual_seed(seed)
-    )
+    verdict = fly(rule=rule).verify(draft_of(draft, draft_probs), logits, sampling, torch.Generator().manual_seed(seed))
     assert verdict == Verdict(tokens=draft[:11] + [targets[11]], num_accepted=11, loose_positions=(3,))
 
 
@@ -467,9 +460,7 @@ def test_fly_two_sample_accepts_more_often_than_rejection() -> None:
     rates = {}
     for rule in ("rejection", "two-sample"):
         verifier = fly(rule=rule)
-        accepted = sum(
-            verifier.verify(draft_of([1]), logits, sampling, generator).num_accepted for _ in range(trials)
-        )
+        accepted = sum(verifier.verify(draft_of([1]), logits, sampling, generator).num_accepted for _ in range(trials))
         rates[rule] = accepted / trials
     assert rates["rejection"] == pytest.approx(0.3, abs=0.04)
     assert rates["two-sample"] == pytest.approx(1 - 0.7**2, abs=0.04)
@@ -629,7 +620,7 @@ def test_typical_sampling_uses_the_filtered_distribution() -> None:
         (lambda: SamplingConfig(top_p=0), "top_p"),
         (lambda: SamplingConfig(top_p=1.5), "top_p"),
         (lambda: SamplingConfig(top_k=-1), "top_k"),
-        (lambda: DecodeConfig(num_draft_tokens=0), "num_draft_tokens"),
+        (lambda: SpeculationConfig(num_draft_tokens=0), "num_draft_tokens"),
         (lambda: DecodeConfig(max_new_tokens=0), "max_new_tokens"),
         (lambda: DecodeConfig(stop_strings=("",)), "stop strings"),
         (lambda: MarginConfig(logit_ratio=1.0), "logit_ratio"),
@@ -662,6 +653,6 @@ def test_registry_builds_each_verifier() -> None:
         assert isinstance(verifier, cls)
         assert verifier.name == name
         assert verifier.lossless is lossless
-    assert make_verifier("fly", fly=FlyConfig(window_size=2)).config.window_size == 2
+    assert make_verifier("fly", SpeculationConfig(fly=FlyConfig(window_size=2))).config.window_size == 2
     with pytest.raises(ConfigError, match="unknown verifier"):
         make_verifier("medusa")

@@ -7,7 +7,7 @@ Quick start::
     text, tau = result.text, result.stats.mean_acceptance_length
 """
 
-from flyspec.api import build_decoder, generate, generate_plain, make_generator
+from flyspec.api import build_decoder, generate, generate_plain
 from flyspec.baseline import PlainDecoder
 from flyspec.config import (
     ConfigError,
@@ -20,6 +20,7 @@ from flyspec.config import (
     NgramCacheConfig,
     NgramConfig,
     SamplingConfig,
+    SpeculationConfig,
     TypicalConfig,
 )
 from flyspec.decoding import SpeculativeDecoder
@@ -35,6 +36,8 @@ from flyspec.drafters import (
     multilevel_drafter,
 )
 from flyspec.models import DEFAULT_MODEL, LoadedModel, ModelLoadError, load_model
+from flyspec.resources import Resources
+from flyspec.sampling import make_generator
 from flyspec.stats import DecodeStats
 from flyspec.streaming import GenerationStream
 from flyspec.types import Draft, GenerationResult, LooseAccept, Verdict
@@ -81,7 +84,9 @@ __all__ = [
     "PlainDecoder",
     "RejectionVerifier",
     "SamplingConfig",
+    "SpeculationConfig",
     "SpeculativeDecoder",
+    "Resources",
     "TypicalConfig",
     "TypicalVerifier",
     "Verdict",

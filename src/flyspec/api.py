@@ -1,114 +1,49 @@
-"""One-call API: build a decoder from names, or generate directly."""
+"""One-call API: build a decoder from a :class:`SpeculationConfig`, or generate directly."""
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Sequence
+import dataclasses
+from typing import Any
 
 import torch
 
 from flyspec.baseline import PlainDecoder
-from flyspec.config import (
-    DEFAULT_MAX_NEW_TOKENS,
-    DEFAULT_NUM_DRAFT_TOKENS,
-    DecodeConfig,
-    DraftLengthConfig,
-    FlyConfig,
-    GuardConfig,
-    LayerSkipConfig,
-    MarginConfig,
-    NgramCacheConfig,
-    NgramConfig,
-    SamplingConfig,
-    TypicalConfig,
-)
+from flyspec.config import DecodeConfig, SamplingConfig, SpeculationConfig
 from flyspec.decoding import Prompt, SpeculativeDecoder
-from flyspec.drafters.ngram_cache import NgramCache
-from flyspec.drafters.registry import LAYER_SKIP, NGRAM_LEVELS, Level, make_drafter
-from flyspec.models import DEFAULT_MODEL, LoadedModel, load_model, resolve_dtype, set_threads
+from flyspec.drafters.registry import make_drafter
+from flyspec.models import DEFAULT_MODEL, set_threads
+from flyspec.resources import ModelRef, Resources
+from flyspec.sampling import make_generator
 from flyspec.types import GenerationResult
 from flyspec.verifiers.registry import make_verifier
-
-ModelRef = str | LoadedModel
-
-
-@functools.lru_cache(maxsize=4)
-def _load_cached(name: str, dtype: torch.dtype) -> LoadedModel:
-    return load_model(name, dtype=dtype)
-
-
-def resolve_model(model: ModelRef, dtype: str | torch.dtype = "auto") -> LoadedModel:
-    """A loaded model as is, or a name/path loaded once per process and dtype."""
-    if isinstance(model, LoadedModel):
-        return model
-    return _load_cached(model, resolve_dtype(dtype))
 
 
 def build_decoder(
     target: ModelRef = DEFAULT_MODEL,
-    drafter: str = "ngram",
-    verifier: str = "exact",
-    draft_model: ModelRef | None = None,
+    spec: SpeculationConfig | None = None,
+    decode: DecodeConfig | None = None,
     *,
-    num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS,
-    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-    stop: tuple[str, ...] = (),
-    sampling: SamplingConfig | None = None,
-    fly: FlyConfig | None = None,
-    margin: MarginConfig | None = None,
-    typical: TypicalConfig | None = None,
-    ngram: NgramConfig | None = None,
-    num_ngram_tokens: int = 6,
-    dtype: str | torch.dtype = "auto",
-    guard: GuardConfig | None = None,
-    draft_length: DraftLengthConfig | None = None,
-    layer_skip: LayerSkipConfig | None = None,
-    ngram_cache: NgramCache | NgramCacheConfig | None = None,
-    stack: Sequence[ModelRef] = (),
+    resources: Resources | None = None,
 ) -> SpeculativeDecoder:
-    """A :class:`SpeculativeDecoder` from component names (the CLI, bench and server use this).
+    """A :class:`SpeculativeDecoder` for ``target`` (the CLI, bench, eval and server use this).
 
-    ``guard``: the lossy verifiers' trust guards (default on; ``GuardConfig.bare()`` = the papers' bare
-    rules; see ``verifiers/guard.py``).
-    ``draft_length`` makes the draft length adaptive; ``stack`` lists the levels of drafter ``"stack"``,
-    bottom first: ``"ngram"``/``"ngram-cache"``, ``"layer-skip"`` or draft models (names, paths or loaded).
-    ``ngram_cache``: the cache object (or its size) for ``ngram-cache``; by default one per model per process.
+    ``spec`` says what to speculate with (default: n-gram drafter, exact verifier); ``decode`` the
+    generation's length, stop strings and sampling. ``resources`` resolves model names (target,
+    draft model, stack levels) and holds n-gram caches and layer-skip calibrations; by default a
+    private one for this decoder, so nothing is shared unless the caller shares it.
     """
-    draft_length = draft_length or DraftLengthConfig()
-    config = DecodeConfig(
-        num_draft_tokens, max_new_tokens, tuple(stop), sampling or SamplingConfig(), draft_length=draft_length
-    )
-    make_verifier(verifier)  # an unknown name fails before any model is loaded
-    target_model = resolve_model(target, dtype)
-    verifier_obj = make_verifier(verifier, fly=fly, margin=margin, typical=typical, guard=guard)
-    draft = resolve_model(draft_model, dtype) if draft_model is not None else None
-    drafter_obj = make_drafter(
-        drafter,
-        target=target_model,
-        draft_model=draft,
-        ngram=ngram,
-        num_ngram_tokens=num_ngram_tokens,
-        draft_length=draft_length,
-        layer_skip=layer_skip,
-        ngram_cache=ngram_cache,
-        stack=[_resolve_level(level, dtype) for level in stack] if drafter == "stack" else (),
-    )
-    return SpeculativeDecoder(target_model, drafter_obj, verifier_obj, config)
-
-
-def _resolve_level(level: ModelRef, dtype: str | torch.dtype) -> Level:
-    """A stack level: the n-gram and layer-skip keywords as they are, anything else a model to load."""
-    if isinstance(level, str) and level in (*NGRAM_LEVELS, LAYER_SKIP):
-        return level
-    return resolve_model(level, dtype)
+    spec = spec or SpeculationConfig()
+    resources = resources or Resources()
+    verifier = make_verifier(spec.verifier, spec)  # an unknown name fails before any model is loaded
+    target_model = resources.model(target)
+    drafter = make_drafter(spec, target_model, resources)
+    return SpeculativeDecoder(target_model, drafter, verifier, decode or DecodeConfig(), spec)
 
 
 def generate(
     prompt: Prompt,
     target: ModelRef = DEFAULT_MODEL,
-    drafter: str = "ngram",
-    verifier: str = "exact",
-    draft_model: ModelRef | None = None,
+    spec: SpeculationConfig | None = None,
     *,
     temperature: float = 0.0,
     top_k: int = 0,
@@ -116,16 +51,20 @@ def generate(
     seed: int | None = None,
     use_chat: bool | None = None,
     threads: int | None = None,
-    **options,
+    dtype: str | torch.dtype = "auto",
+    decode: DecodeConfig | None = None,
+    resources: Resources | None = None,
+    **fields,
 ) -> GenerationResult:
     """Generate with speculative decoding. Lossy verifiers (fly, margin, typical) must be asked for.
 
-    ``options`` are :func:`build_decoder`'s keyword arguments (``num_draft_tokens``, ``fly=FlyConfig(...)``, ...).
+    ``dtype`` loads a model named by string (without ``resources``). ``fields`` are
+    :class:`SpeculationConfig` or :class:`DecodeConfig` fields (``verifier="fly"``,
+    ``fly=FlyConfig(...)``, ``num_draft_tokens=8``, ``max_new_tokens=64``, ...).
     """
     set_threads(threads)
-    decoder = build_decoder(
-        target, drafter, verifier, draft_model, sampling=SamplingConfig(temperature, top_k, top_p), **options
-    )
+    spec, decode = _configs(spec, decode, SamplingConfig(temperature, top_k, top_p), fields)
+    decoder = build_decoder(target, spec, decode, resources=resources or Resources(dtype))
     return decoder.generate(prompt, generator=make_generator(seed), use_chat=use_chat)
 
 
@@ -138,22 +77,31 @@ def generate_plain(
     top_p: float = 1.0,
     seed: int | None = None,
     use_chat: bool | None = None,
-    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-    stop: tuple[str, ...] = (),
     dtype: str | torch.dtype = "auto",
+    decode: DecodeConfig | None = None,
+    resources: Resources | None = None,
+    **fields,
 ) -> GenerationResult:
-    """Plain autoregressive decoding with the same options as :func:`generate` (no drafter/verifier)."""
-    config = DecodeConfig(
-        max_new_tokens=max_new_tokens, stop_strings=tuple(stop), sampling=SamplingConfig(temperature, top_k, top_p)
-    )
-    decoder = PlainDecoder(resolve_model(target, dtype), config)
+    """Plain autoregressive decoding with the same options as :func:`generate` (no drafter/verifier).
+
+    ``fields`` are :class:`DecodeConfig` fields (``max_new_tokens=64``, ...).
+    """
+    decode = dataclasses.replace(decode or DecodeConfig(), sampling=SamplingConfig(temperature, top_k, top_p), **fields)
+    decoder = PlainDecoder((resources or Resources(dtype)).model(target), decode)
     return decoder.generate(prompt, generator=make_generator(seed), use_chat=use_chat)
 
 
-def make_generator(seed: int | None) -> torch.Generator:
-    generator = torch.Generator()
-    if seed is not None:
-        generator.manual_seed(seed)
-    else:
-        generator.seed()
-    return generator
+def _configs(
+    spec: SpeculationConfig | None, decode: DecodeConfig | None, sampling: SamplingConfig, fields: dict[str, Any]
+) -> tuple[SpeculationConfig, DecodeConfig]:
+    """``spec`` and ``decode`` with ``fields`` applied to whichever of the two has each field."""
+    decode_names = {item.name for item in dataclasses.fields(DecodeConfig)}
+    unknown = set(fields) - decode_names - {item.name for item in dataclasses.fields(SpeculationConfig)}
+    if unknown:
+        raise TypeError(
+            f"unknown option(s) {', '.join(sorted(unknown))}: not a SpeculationConfig or DecodeConfig field"
+        )
+    decode_fields = {name: value for name, value in fields.items() if name in decode_names}
+    spec_fields = {name: value for name, value in fields.items() if name not in decode_names}
+    decode = dataclasses.replace(decode or DecodeConfig(), sampling=sampling, **decode_fields)
+    return dataclasses.replace(spec or SpeculationConfig(), **spec_fields), decode

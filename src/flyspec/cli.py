@@ -14,11 +14,13 @@ import sys
 from typing import Any, NoReturn
 
 from flyspec import __version__
-from flyspec.api import build_decoder, make_generator
+from flyspec.api import build_decoder
 from flyspec.baseline import PlainDecoder
-from flyspec.cli_options import add_model_options, add_speculation_options, quiet_transformers, speculation_options
-from flyspec.config import DEFAULT_MAX_NEW_TOKENS, ConfigError, DecodeConfig, SamplingConfig
+from flyspec.cli_options import add_model_options, add_speculation_options, quiet_transformers, speculation_config
+from flyspec.config import DEFAULT_MAX_NEW_TOKENS, ConfigError, DecodeConfig, SamplingConfig, SpeculationConfig
 from flyspec.models import set_threads
+from flyspec.resources import Resources
+from flyspec.sampling import make_generator
 from flyspec.types import GenerationResult
 from flyspec.verifiers.registry import LOSSLESS_VERIFIERS, VERIFIERS
 
@@ -107,23 +109,12 @@ def _generate(args: argparse.Namespace) -> int:
         raise ConfigError("the prompt is empty; give some text to continue")
     set_threads(args.threads)
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
-    decoder = build_decoder(
-        args.target,
-        args.drafter,
-        args.verifier,
-        args.draft_model,
-        max_new_tokens=args.max_new_tokens,
-        stop=tuple(args.stop),
-        sampling=sampling,
-        dtype=args.dtype,
-        **speculation_options(args),
-    )
+    spec = speculation_config(args)
+    decode = DecodeConfig(max_new_tokens=args.max_new_tokens, stop_strings=tuple(args.stop), sampling=sampling)
+    decoder = build_decoder(args.target, spec, decode, resources=Resources(args.dtype))
     baseline = None
     if args.compare:
-        plain = PlainDecoder(
-            decoder.loaded,
-            DecodeConfig(max_new_tokens=args.max_new_tokens, stop_strings=tuple(args.stop), sampling=sampling),
-        )
+        plain = PlainDecoder(decoder.loaded, decode)
         plain.generate(args.prompt, use_chat=args.use_chat, config=DecodeConfig(max_new_tokens=4))  # warm-up
         baseline = plain.generate(args.prompt, generator=make_generator(args.seed), use_chat=args.use_chat)
     stream = decoder.stream(args.prompt, generator=make_generator(args.seed), use_chat=args.use_chat)
@@ -132,7 +123,7 @@ def _generate(args: argparse.Namespace) -> int:
             print(piece, end="", flush=True)
     result = stream.result
     assert result is not None
-    record = _record(args, decoder.loaded.dtype, result, baseline)
+    record = _record(args, spec, decoder.loaded.dtype, result, baseline)
     if args.json:
         print(json.dumps(record, ensure_ascii=False))
     else:
@@ -141,25 +132,31 @@ def _generate(args: argparse.Namespace) -> int:
         else:
             print(result.text)
         if baseline is not None and not record["identical_to_baseline"]:
-            print(f"\n--- plain decoding (differs from the {args.verifier} output above) ---\n{baseline.text}")
+            print(f"\n--- plain decoding (differs from the {spec.verifier} output above) ---\n{baseline.text}")
         _print_summary(record)
     return 0
 
 
 def _record(
-    args: argparse.Namespace, dtype: Any, result: GenerationResult, baseline: GenerationResult | None
+    args: argparse.Namespace,
+    spec: SpeculationConfig,
+    dtype: Any,
+    result: GenerationResult,
+    baseline: GenerationResult | None,
 ) -> dict[str, Any]:
     stats = result.stats
+    lossless = spec.verifier in LOSSLESS_VERIFIERS
     record: dict[str, Any] = {
         "text": result.text,
         "target": args.target,
-        "drafter": args.drafter,
-        "draft_model": args.draft_model,
-        "verifier": args.verifier,
-        "lossless": args.verifier in LOSSLESS_VERIFIERS,
-        "trust_guards": None if args.verifier in LOSSLESS_VERIFIERS else "bare" if args.bare_rule else "on",
+        "drafter": spec.drafter,
+        "draft_model": spec.draft_model,
+        "verifier": spec.verifier,
+        "lossless": lossless,
+        "trust_guards": None if lossless else "bare" if spec.guard.is_bare else "on",
         "dtype": str(dtype).removeprefix("torch."),
-        "num_draft_tokens": args.num_draft_tokens,
+        "num_draft_tokens": spec.num_draft_tokens,
+        "speculative_config": spec.to_dict(),
         "temperature": args.temperature,
         "num_prompt_tokens": len(result.prompt_token_ids),
         "finish_reason": result.finish_reason,

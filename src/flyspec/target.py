@@ -1,4 +1,4 @@
-"""A model with its own KV cache that can be rolled back; the Target used for verification.
+"""The Target used for verification: prefill, score a draft in one forward, roll back its KV cache.
 
 Cache invariant (checked after every step): the cache holds exactly the committed tokens but
 the last one, ``cached_length == num_committed - 1``. Each step scores
@@ -10,71 +10,10 @@ a negative count).
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
+from flyspec.cached_model import CachedModel
 from flyspec.config import ConfigError
 from flyspec.models import LoadedModel
-
-_CROPPABLE_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)
-
-
-class CachedModel:
-    """Runs a causal LM incrementally over one sequence, with a KV cache that can be cropped.
-
-    ``full_history`` (drafters): keep every position in every layer, sliding-window layers
-    included. A drafter's rollback removes positions added by several of its forwards (one per
-    draft token), but a transformers sliding-window cache layer, even recording its past, can
-    only drop the positions added since its last crop. Plain layers can drop any number, and
-    sliding-window attention stays exact because the model's sliding mask hides older positions
-    (memory then grows with the sequence, not the window). The target crops once per forward.
-    """
-
-    def __init__(self, loaded: LoadedModel, full_history: bool = False) -> None:
-        self.loaded = loaded
-        self.full_history = full_history
-        self.model = loaded.model
-        self.device = next(self.model.parameters()).device
-        self.cache = self._new_cache()
-        model_layers = DynamicCache(config=self.model.config).layers  # the layer kinds the model's config asks for
-        uncroppable = {type(layer).__name__ for layer in model_layers if type(layer) not in _CROPPABLE_LAYERS}
-        if uncroppable:
-            raise ConfigError(
-                f"model {loaded.name!r} uses KV cache layers that cannot be rolled back "
-                f"({', '.join(sorted(uncroppable))}); speculative decoding needs a croppable cache"
-            )
-
-    def _new_cache(self) -> DynamicCache:
-        if self.full_history:
-            return DynamicCache()  # no config: one plain DynamicLayer per layer, created on first use
-        cache = DynamicCache(config=self.model.config)
-        cache.activate_past_recording()  # lets sliding-window layers roll back past their window
-        return cache
-
-    def reset(self) -> None:
-        self.cache = self._new_cache()
-
-    @property
-    def cached_length(self) -> int:
-        return int(self.cache.get_seq_length())
-
-    @torch.inference_mode()
-    def forward(self, token_ids: list[int], logits_to_keep: int = 0) -> torch.Tensor:
-        """Append ``token_ids`` to the cache; return their logits ``[n, vocab]`` (float32).
-
-        ``logits_to_keep > 0`` computes only the last that many rows (prefill needs none).
-        """
-        inputs = torch.tensor([token_ids], dtype=torch.long, device=self.device)
-        output = self.model(input_ids=inputs, past_key_values=self.cache, use_cache=True, logits_to_keep=logits_to_keep)
-        return output.logits[0].float()
-
-    def crop_to(self, length: int) -> None:
-        """Drop cached positions beyond ``length`` (always called, so sliding layers shrink too)."""
-        if length == self.cached_length == 0:
-            return  # nothing cached yet (a sliding-window layer cannot be cropped before its first forward)
-        if length > self.cached_length:
-            raise RuntimeError(f"cannot crop a cache of {self.cached_length} positions to {length}")
-        self.cache.crop(length - self.cached_length)
 
 
 class Target:
@@ -83,10 +22,6 @@ class Target:
     def __init__(self, loaded: LoadedModel) -> None:
         self.runner = CachedModel(loaded)
         self.num_committed = 0
-
-    @property
-    def loaded(self) -> LoadedModel:
-        return self.runner.loaded
 
     def start(self, prompt_ids: list[int]) -> None:
         """Prefill everything but the last prompt token (which the first step scores)."""

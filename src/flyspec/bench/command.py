@@ -71,15 +71,15 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # Heavy imports only when benchmarking (keeps `flyspec generate` quick to start).
-    from flyspec.api import resolve_model  # noqa: PLC0415
-    from flyspec.bench.data import load_prompts  # noqa: PLC0415
-    from flyspec.bench.harness import BenchSettings, forward_times, make_runners, run_bench  # noqa: PLC0415
-    from flyspec.bench.live import LiveView  # noqa: PLC0415
-    from flyspec.bench.methods import parse_methods  # noqa: PLC0415
-    from flyspec.bench.runners import RunSettings, conversation_ids  # noqa: PLC0415
-    from flyspec.cli_options import speculation_options  # noqa: PLC0415
-    from flyspec.config import ConfigError, SamplingConfig  # noqa: PLC0415
-    from flyspec.models import set_threads  # noqa: PLC0415
+    from flyspec.bench.data import load_prompts
+    from flyspec.bench.harness import BenchSettings, forward_times, make_runners, run_bench
+    from flyspec.bench.live import LiveView
+    from flyspec.bench.methods import parse_methods
+    from flyspec.bench.runners import RunSettings, conversation_ids
+    from flyspec.cli_options import speculation_config
+    from flyspec.config import ConfigError, SamplingConfig
+    from flyspec.models import set_threads
+    from flyspec.resources import Resources
 
     limit = args.limit if args.limit is not None else (QUICK_LIMIT if args.quick else None)
     max_new_tokens = args.max_new_tokens or (QUICK_MAX_NEW_TOKENS if args.quick else DEFAULT_MAX_NEW_TOKENS)
@@ -89,16 +89,17 @@ def run(args: argparse.Namespace) -> int:
     categories = tuple(c.strip() for c in (args.categories or "").split(",") if c.strip())
     prompts = load_prompts(args.dataset, categories=categories, limit=limit, skip_bad_lines=args.skip_bad_lines)
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
-    speculation = speculation_options(args)
+    speculation = speculation_config(args)
     out_dir = _prepare_out_dir(Path(args.out))
 
     set_threads(args.threads)
-    target = resolve_model(args.target, args.dtype)
-    draft = resolve_model(args.draft_model, args.dtype) if args.draft_model else None
-    settings = RunSettings(sampling, speculation, args.use_chat, args.hf_lookup_tokens)
+    resources = Resources(args.dtype)  # this run's models, calibrations (and each method's own caches)
+    target = resources.model(args.target)
+    draft = resources.model(args.draft_model) if args.draft_model else None
+    settings = RunSettings(sampling, speculation, args.use_chat, args.hf_lookup_tokens, resources)
     runners = make_runners(methods, target, draft, settings)
 
-    k = speculation["num_draft_tokens"]
+    k = speculation.num_draft_tokens
     context = conversation_ids(target, prompts[0].turns[:1], [], args.use_chat)
     context = (context * (1 + 200 // len(context)))[:200]  # a typical mid-generation context length
     times = forward_times(target, context, tuple(range(1, k + 2)), repeats=3 if args.quick else 7)
@@ -127,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _prepare_out_dir(path: Path) -> Path:
-    from flyspec.config import ConfigError  # noqa: PLC0415
+    from flyspec.config import ConfigError
 
     try:
         path.mkdir(parents=True, exist_ok=True)
@@ -141,8 +142,8 @@ def _prepare_out_dir(path: Path) -> Path:
 def _write_outputs(
     out_dir: Path, meta: dict, records: list[dict], times: dict[int, float], k: int, plots: bool, console: Any
 ) -> None:
-    from flyspec.bench.report import markdown_report, write_json, write_plots  # noqa: PLC0415
-    from flyspec.bench.summary import summarize  # noqa: PLC0415
+    from flyspec.bench.report import markdown_report, write_json, write_plots
+    from flyspec.bench.summary import summarize
 
     if not records:
         console.print("no measurements to report")
@@ -159,11 +160,11 @@ def _write_outputs(
 def _meta(
     args: argparse.Namespace, target: Any, prompts: list, max_new_tokens: int, k: int, limit: int | None
 ) -> dict[str, Any]:
-    import torch  # noqa: PLC0415
-    import transformers  # noqa: PLC0415
+    import torch
+    import transformers
 
-    from flyspec import __version__  # noqa: PLC0415
-    from flyspec.models import cpu_name  # noqa: PLC0415
+    from flyspec import __version__
+    from flyspec.models import cpu_name
 
     return {
         "date": datetime.date.today().isoformat(),

@@ -16,8 +16,8 @@ from typing import Any
 from flyspec.bench.data import BenchPrompt
 from flyspec.bench.methods import BASELINE, Method
 from flyspec.bench.runners import FlyspecRunner, HFGenerateRunner, PromptOutput, Runner, RunSettings, run_prompt
+from flyspec.cached_model import CachedModel
 from flyspec.models import LoadedModel
-from flyspec.target import CachedModel
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ def make_runners(
         if method.name.startswith("hf-"):
             runners[method.name] = HFGenerateRunner(method, target, draft, settings)
         elif method.name.startswith("llamacpp-"):
-            from flyspec.bench.llamacpp import LlamaCppRunner  # noqa: PLC0415 - optional dependency
+            from flyspec.bench.llamacpp import LlamaCppRunner  # optional dependency
 
             runners[method.name] = LlamaCppRunner(method, target, settings)
         else:
@@ -112,7 +112,7 @@ def _run_or_drop(
         return run_prompt(runner, target, prompt, max_new_tokens, seed, use_chat)
     try:
         return run_prompt(runner, target, prompt, max_new_tokens, seed, use_chat)
-    except Exception as error:  # noqa: BLE001 - a peer's failure must not lose the run
+    except Exception as error:  # a peer's failure must not lose the run
         message = f"{type(error).__name__}: {error}"
         logger.warning(
             "peer %s failed on prompt %s and is dropped from the run: %s", runner.method.name, prompt.id, message

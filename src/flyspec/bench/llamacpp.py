@@ -25,8 +25,8 @@ class LlamaCppRunner:
 
     def __init__(self, method: Method, target: LoadedModel, settings: RunSettings) -> None:
         try:
-            from llama_cpp import Llama  # noqa: PLC0415 - optional dependency
-            from llama_cpp.llama_speculative import LlamaPromptLookupDecoding  # noqa: PLC0415
+            from llama_cpp import Llama  # optional dependency
+            from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
         except ImportError:
             raise ConfigError(
                 f"{method.name} needs llama-cpp-python: pip install 'flyspec[llamacpp]' (or drop it from --methods)"

@@ -6,13 +6,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-from flyspec.bench.summary import OVERALL, check_targets
+from flyspec.bench.summary import OVERALL
 
 LOSSY_NOTE = "lossy: output may differ from plain decoding"
 
 
 def write_json(path: Path, meta: dict[str, Any], summary: dict[str, Any], records: list[dict]) -> None:
-    payload = {"meta": meta, "summary": summary, "targets": check_targets(summary[OVERALL]), "records": records}
+    payload = {"meta": meta, "summary": summary, "records": records}
     path.write_text(json.dumps(payload, indent=1, ensure_ascii=False))
 
 
@@ -93,23 +93,15 @@ def markdown_report(meta: dict[str, Any], summary: dict[str, Any]) -> str:
         "",
         *category_table(summary),
     ]
-    checks = check_targets(summary[OVERALL])
-    if checks:
-        lines += ["", "## Targets", "", "| target | goal | measured | met |", "|---|---|---|---|"]
-        for check in checks:
-            lines.append(
-                f"| {check['target']} | ≥ {check['goal']} | {_fmt(check['measured'])} | "
-                f"{'yes' if check['met'] else 'no'} |"
-            )
     return "\n".join(lines) + "\n"
 
 
 def write_plots(directory: Path, summary: dict[str, Any]) -> list[Path]:
     """speedup_by_category.png, tau_by_method.png, acceptance_by_position.png."""
-    import matplotlib  # noqa: PLC0415 - heavy; only when writing plots
+    import matplotlib  # heavy; only when writing plots
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
+    import matplotlib.pyplot as plt
 
     overall = summary[OVERALL]
     methods = [method for method in overall if method != "baseline"]

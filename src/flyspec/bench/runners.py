@@ -16,15 +16,16 @@ from typing import Protocol
 import torch
 from transformers import GenerationConfig
 
-from flyspec.api import build_decoder, make_generator
+from flyspec.api import build_decoder
 from flyspec.baseline import PlainDecoder
 from flyspec.bench.data import BenchPrompt
 from flyspec.bench.methods import Method
-from flyspec.config import DecodeConfig, GuardConfig, SamplingConfig
+from flyspec.config import DecodeConfig, GuardConfig, SamplingConfig, SpeculationConfig
 from flyspec.decoding import Decoder
 from flyspec.drafters.cross_tokenizer import tokenizers_match
-from flyspec.drafters.ngram_cache import NgramCache
 from flyspec.models import LoadedModel
+from flyspec.resources import Resources
+from flyspec.sampling import make_generator
 
 
 @dataclass
@@ -58,12 +59,14 @@ class Runner(Protocol):
 
 @dataclass(frozen=True)
 class RunSettings:
-    """What every runner shares: sampling, draft length and the verifier/drafter options."""
+    """What every runner shares: sampling, the speculation settings (each method sets its drafter and
+    verifier) and the loaded models, calibrations and caches (``resources``)."""
 
     sampling: SamplingConfig
-    speculation: dict  # build_decoder keyword arguments (num_draft_tokens, fly, margin, ...)
+    speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
     use_chat: bool | None = None
     hf_lookup_tokens: int = 10
+    resources: Resources = field(default_factory=Resources)
 
 
 class FlyspecRunner:
@@ -77,16 +80,18 @@ class FlyspecRunner:
             self.decoder = PlainDecoder(target, DecodeConfig(sampling=settings.sampling))
         else:
             assert method.verifier is not None
-            speculation = dict(settings.speculation)
-            if method.drafter in ("ngram-cache", "stack"):
-                # a cache of its own: shared with the other methods it would hold this very prompt's
-                # answer (they run it first), and the method would be measured on repeated requests
-                speculation["ngram_cache"] = NgramCache(speculation.get("ngram_cache"), speculation.get("ngram"))
+            spec = dataclasses.replace(settings.speculation, drafter=method.drafter, verifier=method.verifier)
+            if draft is not None and spec.draft_model is None:
+                spec = dataclasses.replace(spec, draft_model=draft.name)
             if method.bare:
-                speculation["guard"] = GuardConfig.bare()
-            self.decoder = build_decoder(
-                target, method.drafter, method.verifier, draft, sampling=settings.sampling, **speculation
-            )
+                spec = dataclasses.replace(spec, guard=GuardConfig.bare())
+            # n-gram caches of its own: shared with the other methods they would hold this very prompt's
+            # answer (they run it first), and the method would be measured on repeated requests
+            resources = settings.resources.isolated()
+            resources.model(target)
+            if draft is not None:
+                resources.model(draft)
+            self.decoder = build_decoder(target, spec, DecodeConfig(sampling=settings.sampling), resources=resources)
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, seed: int) -> TurnOutput:
         config = dataclasses.replace(self.decoder.config, max_new_tokens=max_new_tokens, sampling=self.sampling)
@@ -127,7 +132,7 @@ class HFGenerateRunner:
             self.assistant: dict = {"assistant_model": draft.model}
             if not tokenizers_match(draft.tokenizer, target.tokenizer):  # Universal Assisted Generation
                 self.assistant.update(tokenizer=target.tokenizer, assistant_tokenizer=draft.tokenizer)
-            self.options["num_assistant_tokens"] = settings.speculation.get("num_draft_tokens", 15)
+            self.options["num_assistant_tokens"] = settings.speculation.num_draft_tokens
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, seed: int) -> TurnOutput:
         greedy = self.sampling.greedy

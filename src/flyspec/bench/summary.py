@@ -182,30 +182,3 @@ def _per_step_ms(records: list[Record], forwards: int | None) -> dict[str, float
         "draft_ms_per_step": 1000 * draft / forwards,
         "other_ms_per_step": 1000 * max(0.0, wall - prefill - target - draft) / forwards,
     }
-
-
-# Targets from the bench issue, checked in the report (reported, never asserted in tests).
-TARGETS = (
-    ("n-gram+FLy speedup over plain decoding", "ngram+fly", None, 2.5),
-    ("n-gram+FLy speedup over n-gram+exact", "ngram+fly", "ngram+exact", 1.3),
-    ("n-gram+FLy speedup ÷ transformers prompt-lookup speedup", "ngram+fly", "hf-lookup", 1.5),
-)
-
-
-def check_targets(overall: dict[str, dict]) -> list[dict[str, Any]]:
-    """Each target that the run's methods allow to check: measured value, goal, met or short by."""
-    checks = []
-    for label, method, reference, goal in TARGETS:
-        if method not in overall or (reference and reference not in overall):
-            continue
-        value = overall[method]["speedup"]
-        if reference is not None:
-            base = overall[reference]["speedup"]
-            value = value / base if value is not None and base else None
-        checks.append({"target": label, "goal": goal, "measured": value})
-    fly = overall.get("ngram+fly")
-    if fly and fly.get("fraction_of_limit") is not None:
-        checks.append({"target": "n-gram+FLy speedup ÷ its τ-limit", "goal": 0.9, "measured": fly["fraction_of_limit"]})
-    for check in checks:
-        check["met"] = check["measured"] is not None and check["measured"] >= check["goal"]
-    return checks

@@ -5,7 +5,7 @@ from flyspec.drafters.cross_tokenizer import CrossTokenizerDrafter, tokenizers_m
 from flyspec.drafters.draft_model import DraftModelDrafter, multilevel_drafter
 from flyspec.drafters.layer_skip import LayerSkipDrafter
 from flyspec.drafters.ngram import NgramDrafter, ngram_lookup
-from flyspec.drafters.ngram_cache import NgramCache, NgramCacheDrafter, shared_ngram_cache
+from flyspec.drafters.ngram_cache import NgramCache, NgramCacheDrafter
 from flyspec.drafters.registry import DRAFTERS, make_drafter
 
 __all__ = [
@@ -14,7 +14,6 @@ __all__ = [
     "LayerSkipDrafter",
     "NgramCache",
     "NgramCacheDrafter",
-    "shared_ngram_cache",
     "tokenizers_match",
     "DraftModelDrafter",
     "Drafter",

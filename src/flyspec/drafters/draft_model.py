@@ -22,12 +22,12 @@ from typing import Any
 
 import torch
 
+from flyspec.cached_model import CachedModel
 from flyspec.config import NgramConfig, SamplingConfig
 from flyspec.drafters.base import Drafter
 from flyspec.drafters.ngram import NgramDrafter
 from flyspec.models import LoadedModel
 from flyspec.sampling import logits_to_probs, uniform
-from flyspec.target import CachedModel
 from flyspec.types import MODEL, Draft
 from flyspec.verifiers.base import draft_probs_or_one_hot, num_leading_true
 from flyspec.verifiers.rejection import rejection_accept_mask, rejection_next_token

@@ -274,24 +274,27 @@ def calibrate_skip_layers(
     )
 
 
-# Per target model (weakly held, so a freed model frees its entry) and draft length: the server builds
-# a drafter per request, but calibrates each model only once.
-_CALIBRATIONS: weakref.WeakKeyDictionary[nn.Module, dict[int, Calibration]] = weakref.WeakKeyDictionary()
-_CALIBRATION_LOCK = threading.Lock()
+class Calibrations:
+    """Calibrations by target model (weakly held: a freed model frees its entry) and draft length.
 
+    Owned by whoever shares it (:class:`flyspec.resources.Resources`): the server builds a drafter
+    per request but calibrates each model once. A drafter without one calibrates privately.
+    """
 
-def cached_calibration(
-    target: LoadedModel, prompt_ids: Sequence[int], num_draft_tokens: int
-) -> tuple[Calibration, bool]:
-    """(The model's calibration for ``num_draft_tokens``, whether it was reused); calibrates on this prompt if new."""
-    with _CALIBRATION_LOCK:
-        per_model = _CALIBRATIONS.setdefault(target.model, {})
-        if num_draft_tokens in per_model:
-            return per_model[num_draft_tokens], True
-        calibration = calibrate_skip_layers(target, prompt_ids, num_draft_tokens)
-        per_model[num_draft_tokens] = calibration
-    logger.info("layer-skip calibrated %s: %s", target.name, calibration)
-    return calibration, False
+    def __init__(self) -> None:
+        self._by_model: weakref.WeakKeyDictionary[nn.Module, dict[int, Calibration]] = weakref.WeakKeyDictionary()
+        self._lock = threading.Lock()
+
+    def get(self, target: LoadedModel, prompt_ids: Sequence[int], num_draft_tokens: int) -> tuple[Calibration, bool]:
+        """(The calibration for ``num_draft_tokens``, whether it was reused); calibrates on this prompt if new."""
+        with self._lock:
+            per_model = self._by_model.setdefault(target.model, {})
+            if num_draft_tokens in per_model:
+                return per_model[num_draft_tokens], True
+            calibration = calibrate_skip_layers(target, prompt_ids, num_draft_tokens)
+            per_model[num_draft_tokens] = calibration
+        logger.info("layer-skip calibrated %s: %s", target.name, calibration)
+        return calibration, False
 
 
 # --- the drafter ----------------------------------------------------------------------------------------
@@ -301,7 +304,8 @@ class LayerSkipDrafter:
     """The target with some layers skipped drafts for itself: a :class:`DraftModelDrafter` over a skip view.
 
     An explicit ``config.skip_layers`` is used as given; ``None`` calibrates on the first prompt
-    (:func:`cached_calibration`), predicting the speedup for ``calibration_draft_tokens`` draft tokens.
+    (through ``calibrations``, private unless shared), predicting the speedup for
+    ``calibration_draft_tokens`` draft tokens (the decoder's ``num_draft_tokens``).
     """
 
     name = "layer-skip"
@@ -314,6 +318,7 @@ class LayerSkipDrafter:
         num_proposal_tokens: int = 6,
         confidence_threshold: float = 0.0,
         calibration_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS,
+        calibrations: Calibrations | None = None,
     ) -> None:
         self.target = target
         self.config = config or LayerSkipConfig()
@@ -321,6 +326,7 @@ class LayerSkipDrafter:
         self.num_proposal_tokens = num_proposal_tokens
         self.confidence_threshold = confidence_threshold
         self.calibration_draft_tokens = calibration_draft_tokens
+        self.calibrations = calibrations or Calibrations()
         self.num_layers = len(decoder_layers(target.model))
         self.calibration: Calibration | None = None
         self.calibration_reused = False
@@ -342,7 +348,7 @@ class LayerSkipDrafter:
 
     def reset(self, prompt_ids: list[int]) -> None:
         if self.drafter is None:
-            self.calibration, self.calibration_reused = cached_calibration(
+            self.calibration, self.calibration_reused = self.calibrations.get(
                 self.target, prompt_ids, self.calibration_draft_tokens
             )
             self._build(self.calibration.skip_layers)

@@ -3,7 +3,7 @@
 The Cacheback idea (training-free drafting from a least-recently-used table of n-grams): text a
 model produced before — for another request, or in an earlier turn — tends to be produced again.
 :class:`NgramCache` maps every recent n-gram to the token that most recently followed it; one
-cache per target model is shared by all requests of a process (``shared_ngram_cache``).
+cache is shared only where its owner (``flyspec.resources.Resources``) shares it.
 
 Draft rule of :class:`NgramCacheDrafter`: the longest match wins. For ``n`` from ``max_ngram``
 down to ``min_ngram``: if the last ``n`` committed tokens occur earlier in the current context,
@@ -119,11 +119,6 @@ class NgramCache:
         with self._lock:
             return self._match(tail, highest, lowest)
 
-    def lookup(self, context: Sequence[int]) -> int | None:
-        """The token predicted after ``context`` by its longest known suffix, or None."""
-        match = self.longest_match(context)
-        return None if match is None else match[1]
-
     def continuation(
         self, context: Sequence[int], max_tokens: int, max_order: int | None = None, min_order: int | None = None
     ) -> list[int]:
@@ -220,41 +215,6 @@ def _parse_entries(document: object, path: str | Path) -> list[tuple[tuple[int, 
             raise ConfigError(f"{problem} (bad entry {entry!r})")
         entries.append((tuple(key), following))
     return entries
-
-
-_shared_caches: dict[str, NgramCache] = {}
-_shared_caches_lock = threading.Lock()
-
-
-def shared_ngram_cache(
-    key: str, config: NgramCacheConfig | None = None, ngram: NgramConfig | None = None
-) -> NgramCache:
-    """The process-wide cache for ``key`` (one per target model, hence per tokenizer), made on first use.
-
-    The first call's configuration is kept: a cache that concurrent requests are using is never
-    resized, so a later call with a different size or orders gets the existing cache and a warning.
-    """
-    config = config or NgramCacheConfig()
-    ngram = ngram or NgramConfig()
-    with _shared_caches_lock:
-        cache = _shared_caches.get(key)
-        if cache is None:
-            cache = _shared_caches[key] = NgramCache(config, ngram)
-            return cache
-    wanted = (config.max_entries, ngram.max_ngram, ngram.min_ngram)
-    if (cache.max_entries, cache.max_order, cache.min_order) != wanted:
-        logger.warning(
-            "the shared n-gram cache for %r already exists with max_entries=%d, n-grams %d..%d; "
-            "keeping it (asked for max_entries=%d, n-grams %d..%d)",
-            key,
-            cache.max_entries,
-            cache.min_order,
-            cache.max_order,
-            config.max_entries,
-            ngram.min_ngram,
-            ngram.max_ngram,
-        )
-    return cache
 
 
 @dataclass

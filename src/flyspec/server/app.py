@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive
 
 from flyspec import __version__
-from flyspec.config import ConfigError
+from flyspec.config import ConfigError, SpeculationConfig
 from flyspec.models import LoadedModel
 from flyspec.server.engine import Engine, EngineHooks, Event, Job, QueueFullError, ShuttingDownError
 from flyspec.server.errors import APIError, from_config_error, install_error_handlers, internal_error
@@ -37,7 +37,7 @@ from flyspec.server.planning import Planner, parse_request
 from flyspec.server.responses import Kind, ResponseBuilder, sse
 from flyspec.server.schemas import ChatCompletionRequest, CompletionRequest
 from flyspec.server.security import CORS, AuthMiddleware, HostCheckMiddleware, request_tenant
-from flyspec.server.settings import ServerLimits, ServerSecurity, SpeculationDefaults
+from flyspec.server.settings import ServerLimits, ServerSecurity, describe
 from flyspec.types import GenerationResult
 
 GENERATION_ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
@@ -56,7 +56,7 @@ class DeadlineExceededError(Exception):
 
 def create_app(
     target: LoadedModel,
-    defaults: SpeculationDefaults | None = None,
+    defaults: SpeculationConfig | None = None,
     limits: ServerLimits | None = None,
     security: ServerSecurity | None = None,
     *,
@@ -73,7 +73,7 @@ def create_app(
     lifecycle = Lifecycle(engine, limits.shutdown_timeout_s)
     planner = Planner(
         target,
-        defaults or SpeculationDefaults(),
+        defaults or SpeculationConfig(),
         limits,
         security,
         draft_model=draft_model,
@@ -168,7 +168,7 @@ class Generations:
         schema = ChatCompletionRequest if kind == "chat" else CompletionRequest
         body = parse_request(await request.body(), schema)
         speculation = self.planner.check(body)  # 4xx before a place in the queue is taken
-        builder = ResponseBuilder(kind, self.served_model, speculation.describe(), body.include_usage)
+        builder = ResponseBuilder(kind, self.served_model, describe(speculation), body.include_usage)
         job = Job(body.seed, label=builder.request_id)
         self._admit(lambda: self.engine.reserve(job))  # counts against the queue while it is tokenized
         disconnected = asyncio.create_task(_wait_for_disconnect(request.receive))

@@ -13,50 +13,36 @@ from __future__ import annotations
 
 import threading
 
-from flyspec.config import NgramCacheConfig, NgramConfig
-from flyspec.drafters.ngram_cache import NgramCache
-from flyspec.server.settings import SpeculationDefaults
+from flyspec.resources import Resources
 
-NGRAM_CACHE = "ngram-cache"
 SHARED_TENANT = "shared"
 
 
 class TenantCaches:
-    """``cache_for(tenant, speculation)``: the tenant's cache for the drafter that will run, made on first use."""
+    """``resources_for(tenant)``: the server's models and calibrations with the tenant's own n-gram caches.
 
-    def __init__(self, target_name: str, config: NgramCacheConfig, ngram: NgramConfig, *, shared: bool) -> None:
-        self.target_name = target_name
-        self.config = config
-        self.ngram = ngram
+    Inside a tenant's view the caches are one per vocabulary (see ``Resources.ngram_cache``).
+    """
+
+    def __init__(self, resources: Resources, *, shared: bool) -> None:
+        self.resources = resources
         self.shared = shared
-        self._caches: dict[tuple[str, str], NgramCache] = {}
+        self._tenants: dict[str, Resources] = {}
         self._lock = threading.Lock()
 
-    def cache_for(self, tenant: str, speculation: SpeculationDefaults) -> NgramCache | None:
-        """The cache an ``ngram-cache`` level of this speculation drafts from, or None when it has none."""
-        vocabulary = self._vocabulary(speculation)
-        if vocabulary is None:
-            return None
-        key = (SHARED_TENANT if self.shared else tenant, vocabulary)
+    def resources_for(self, tenant: str) -> Resources:
+        """The tenant's view of the server's resources (one view for all tenants when shared), made on first use."""
+        key = SHARED_TENANT if self.shared else tenant
         with self._lock:
-            cache = self._caches.get(key)
-            if cache is None:
-                cache = self._caches[key] = NgramCache(self.config, self.ngram)
-            return cache
-
-    def _vocabulary(self, speculation: SpeculationDefaults) -> str | None:
-        """The model whose token ids the cache holds: the level above the n-gram level (see drafters/registry.py)."""
-        if speculation.drafter == NGRAM_CACHE:
-            return self.target_name
-        levels = speculation.stack
-        if speculation.drafter == "stack" and levels and levels[0] == NGRAM_CACHE:
-            return levels[1] if len(levels) > 1 and levels[1] != "layer-skip" else self.target_name
-        return None
+            view = self._tenants.get(key)
+            if view is None:
+                view = self._tenants[key] = self.resources.isolated()
+            return view
 
     def totals(self) -> dict[str, float]:
         """Sums over every cache, for ``/metrics`` (the operator's view; never sent in a response)."""
         with self._lock:
-            caches = list(self._caches.values())
+            caches = [cache for view in self._tenants.values() for cache in view.ngram_caches()]
         totals: dict[str, float] = {"caches": float(len(caches))}
         for cache in caches:
             for quantity, value in cache.stats().items():

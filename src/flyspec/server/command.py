@@ -12,14 +12,15 @@ import logging
 import os
 from pathlib import Path
 
-from flyspec.cli_options import add_model_options, add_speculation_options, speculation_options
-from flyspec.config import ConfigError
+from flyspec.cli_options import add_model_options, add_speculation_options, speculation_config
+from flyspec.config import ConfigError, SpeculationConfig
 from flyspec.server.settings import (
     ALLOW_REQUEST_SPECULATIVE,
     LOOPBACK_HOSTS,
     ServerLimits,
     ServerSecurity,
-    SpeculationDefaults,
+    describe,
+    is_lossless,
 )
 
 logger = logging.getLogger(__name__)
@@ -177,7 +178,7 @@ def security_from_args(args: argparse.Namespace) -> ServerSecurity:
     )
 
 
-def settings_from_args(args: argparse.Namespace) -> tuple[SpeculationDefaults, ServerLimits]:
+def settings_from_args(args: argparse.Namespace) -> tuple[SpeculationConfig, ServerLimits]:
     """Validated server settings; raises :class:`ConfigError` with a message naming the option."""
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port must be in [0, 65535] (got {args.port})")
@@ -192,30 +193,26 @@ def settings_from_args(args: argparse.Namespace) -> tuple[SpeculationDefaults, S
         keep_alive_timeout_s=args.keep_alive_timeout,
         shutdown_timeout_s=args.shutdown_timeout,
     )
-    defaults = SpeculationDefaults(drafter=args.drafter, verifier=args.verifier, **speculation_options(args))
-    if defaults.drafter in ("draft-model", "multilevel") and not args.draft_model:
-        raise ConfigError(f"--drafter {defaults.drafter} needs --draft-model NAME_OR_PATH")
-    if defaults.drafter == "stack" and not defaults.stack:
-        raise ConfigError("--drafter stack needs --stack LEVELS (bottom first, e.g. ngram,DRAFT_MODEL)")
-    return defaults, limits
+    return speculation_config(args), limits
 
 
 def run(args: argparse.Namespace) -> int:
     """Load the model(s), check the defaults once, and serve until interrupted."""
     defaults, limits = settings_from_args(args)
     security = security_from_args(args)
-    from flyspec.api import build_decoder  # noqa: PLC0415 - heavy imports only when serving
-    from flyspec.models import load_model  # noqa: PLC0415
-    from flyspec.server.app import create_app  # noqa: PLC0415
-    from flyspec.server.lifecycle import GracefulServer, server_config  # noqa: PLC0415
+    from flyspec.api import build_decoder  # heavy imports only when serving
+    from flyspec.models import load_model
+    from flyspec.server.app import create_app
+    from flyspec.server.lifecycle import GracefulServer, server_config
 
     logging.getLogger("flyspec").setLevel(getattr(logging, args.log_level.upper()))
     target = load_model(args.target, dtype=args.dtype, threads=args.threads)
     draft = load_model(args.draft_model, dtype=args.dtype) if args.draft_model else None
     # bad defaults fail now, not per request (and stack models and layer-skip calibration load once)
-    build_decoder(target, draft_model=draft, dtype=target.dtype, **defaults.build_kwargs())
     app = create_app(target, defaults, limits, security, draft_model=draft, served_model_name=args.served_model_name)
-    described = ", ".join(f"{name}={value}" for name, value in defaults.describe().items())
+    planner = app.state.planner
+    build_decoder(target, planner.defaults, resources=planner.caches.resources)
+    described = ", ".join(f"{name}={value}" for name, value in describe(defaults).items())
     logger.info(
         "serving %s (%s, %s) at http://%s:%d/v1",
         args.served_model_name or target.name,
@@ -230,9 +227,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def log_exposure(host: str, defaults: SpeculationDefaults, security: ServerSecurity) -> None:
+def log_exposure(host: str, defaults: SpeculationConfig, security: ServerSecurity) -> None:
     """Start-up warnings: a lossy default, a non-loopback address without API keys, a cache shared by keys."""
-    if not defaults.lossless:
+    if not is_lossless(defaults):
         logger.warning("the default verifier %r is LOSSY: output may differ from plain decoding", defaults.verifier)
     if security.api_keys:
         logger.info("API keys: %d (each key is its own tenant)", len(security.api_keys))

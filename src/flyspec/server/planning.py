@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -25,9 +26,10 @@ from typing import Any, TypeVar
 from pydantic import ValidationError
 
 from flyspec.api import build_decoder
-from flyspec.config import ConfigError, SamplingConfig
+from flyspec.config import MODEL_DRAFTERS, ConfigError, DecodeConfig, SamplingConfig, SpeculationConfig
 from flyspec.decoding import SpeculativeDecoder, context_room
 from flyspec.models import LoadedModel
+from flyspec.resources import Resources
 from flyspec.server.caches import TenantCaches
 from flyspec.server.errors import (
     APIError,
@@ -44,11 +46,10 @@ from flyspec.server.schemas import (
     CompletionRequest,
     SpeculativeOptions,
 )
-from flyspec.server.settings import ServerLimits, ServerSecurity, SpeculationDefaults
+from flyspec.server.settings import ServerLimits, ServerSecurity, changed_fields, for_request, is_lossless
 
 RequestT = TypeVar("RequestT", CompletionRequest, ChatCompletionRequest)
 GenerationRequest = CompletionRequest | ChatCompletionRequest
-MODEL_DRAFTERS = ("draft-model", "multilevel")
 
 
 def parse_request(raw: bytes, schema: type[RequestT]) -> RequestT:
@@ -95,7 +96,7 @@ class Planner:
     def __init__(
         self,
         target: LoadedModel,
-        defaults: SpeculationDefaults,
+        defaults: SpeculationConfig,
         limits: ServerLimits,
         security: ServerSecurity,
         *,
@@ -103,12 +104,18 @@ class Planner:
         model_names: tuple[str, ...] = (),
     ) -> None:
         self.target = target
+        if draft_model is not None and defaults.draft_model is None:
+            defaults = dataclasses.replace(defaults, draft_model=draft_model.name)
         self.defaults = defaults
         self.limits = limits
         self.security = security
         self.draft_model = draft_model
         self.model_names = model_names or (target.name,)
-        self.caches = TenantCaches(target.name, defaults.ngram_cache, defaults.ngram, shared=security.share_ngram_cache)
+        # the server owns the loaded models (stack levels load once, in the target's dtype) and
+        # calibrations; each tenant gets its own n-gram caches
+        models = (target,) if draft_model is None else (target, draft_model)
+        resources = Resources(target.dtype, models=models)
+        self.caches = TenantCaches(resources, shared=security.share_ngram_cache)
         # Prompt encoding only: the worker decodes with the original tokenizer at the same time.
         tokenizer = copy.deepcopy(target.tokenizer)
         self._prompt_model = LoadedModel(model=target.model, tokenizer=tokenizer, name=target.name)
@@ -125,7 +132,7 @@ class Planner:
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
-    def check(self, request: GenerationRequest) -> SpeculationDefaults:
+    def check(self, request: GenerationRequest) -> SpeculationConfig:
         """Every check that needs no model work; the request's speculation settings, resolved."""
         self.check_model(request.model)
         if request.stream_options is not None and not request.stream:
@@ -143,7 +150,7 @@ class Planner:
             raise self._too_long(request, f"{size} {unit}, more than fit in")
         return speculation
 
-    async def prepare(self, request: GenerationRequest, speculation: SpeculationDefaults, tenant: str) -> Plan:
+    async def prepare(self, request: GenerationRequest, speculation: SpeculationConfig, tenant: str) -> Plan:
         """Tokenize, check the prompt's length and ``max_tokens``, and build the decoder (off the event loop)."""
         loop = asyncio.get_running_loop()
         prompt_ids = await loop.run_in_executor(self._executor, self._encode, request)
@@ -164,24 +171,13 @@ class Planner:
         )
 
     def _build_decoder(
-        self, request: GenerationRequest, speculation: SpeculationDefaults, max_tokens: int, tenant: str
+        self, request: GenerationRequest, speculation: SpeculationConfig, max_tokens: int, tenant: str
     ) -> SpeculativeDecoder:
         """A decoder sharing the loaded weights; cheap, but off the event loop (a guard mask is built once)."""
-        options = speculation.build_kwargs()
-        cache = self.caches.cache_for(tenant, speculation)
-        if cache is not None:
-            options["ngram_cache"] = cache
         try:
             sampling = SamplingConfig(request.temperature, request.top_k, request.top_p)
-            return build_decoder(
-                self.target,
-                draft_model=self.draft_model,
-                max_new_tokens=max_tokens,
-                stop=request.stop_strings,
-                sampling=sampling,
-                dtype=self.target.dtype,  # stack levels load (once) in the target's dtype
-                **options,
-            )
+            decode = DecodeConfig(max_new_tokens=max_tokens, stop_strings=request.stop_strings, sampling=sampling)
+            return build_decoder(self.target, speculation, decode, resources=self.caches.resources_for(tenant))
         except ConfigError as error:
             raise from_config_error(error, "speculative") from error
 
@@ -195,29 +191,30 @@ class Planner:
                 code="model_not_found",
             )
 
-    def speculation(self, options: SpeculativeOptions | None) -> SpeculationDefaults:
+    def speculation(self, options: SpeculativeOptions | None) -> SpeculationConfig:
         """The server defaults with the request's ``speculative`` overrides, validated and allowed."""
         if options is None:
             return self.defaults
-        try:
-            resolved = self.defaults.for_request(options.model_dump())
-        except ConfigError as error:
-            raise from_config_error(error, "speculative") from error
-        self._check_allowed(resolved)
-        if resolved.drafter in MODEL_DRAFTERS and self.draft_model is None:
+        requested = options.model_dump()
+        if requested.get("drafter") in MODEL_DRAFTERS and self.draft_model is None:
             raise bad_request(
-                f"drafter {resolved.drafter!r} needs a draft model, and this server was started without "
+                f"drafter {requested['drafter']!r} needs a draft model, and this server was started without "
                 "--draft-model; use drafter 'ngram'",
                 param="speculative.drafter",
             )
-        if resolved.drafter == "stack" and not resolved.stack:
+        if requested.get("drafter") == "stack" and not self.defaults.stack:
             raise bad_request(
                 "drafter 'stack' needs its levels, and this server was started without --stack; use another drafter",
                 param="speculative.drafter",
             )
+        try:
+            resolved = for_request(self.defaults, requested)
+        except ConfigError as error:
+            raise from_config_error(error, "speculative") from error
+        self._check_allowed(resolved)
         return resolved
 
-    def _check_allowed(self, resolved: SpeculationDefaults) -> None:
+    def _check_allowed(self, resolved: SpeculationConfig) -> None:
         """The operator's ``--allow-request-speculative``: ``none``, ``lossless`` or ``all`` (see settings.py).
 
         Under ``lossless`` a request may choose any lossless verifier, with any drafter and draft
@@ -225,9 +222,9 @@ class Planner:
         the drafts change the output, so a request may not change anything from a lossy default.
         """
         policy = self.security.allow_request_speculative
-        if policy == "all" or resolved == self.defaults or (policy == "lossless" and resolved.lossless):
+        if policy == "all" or resolved == self.defaults or (policy == "lossless" and is_lossless(resolved)):
             return
-        changed = ", ".join(self.defaults.changed_fields(resolved))
+        changed = ", ".join(changed_fields(self.defaults, resolved))
         if policy == "none":
             reason = f"it does not let a request change the speculative settings (this one changes {changed})"
         elif resolved.verifier != self.defaults.verifier:

@@ -1,7 +1,7 @@
-"""Server-wide settings: speculation defaults (from the CLI), request limits and the security model.
+"""Server-wide settings: request limits and the security model; speculation helpers over :class:`SpeculationConfig`.
 
-Frozen dataclasses, like the library's configs; a request may override the speculation
-defaults (see :meth:`SpeculationDefaults.for_request`, within :attr:`ServerSecurity.allow_request_speculative`)
+The server's speculation defaults are a :class:`flyspec.config.SpeculationConfig` (from the CLI);
+a request may override them (:func:`for_request`, within :attr:`ServerSecurity.allow_request_speculative`)
 but never the limits or the security settings.
 """
 
@@ -12,20 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from flyspec.config import (
-    DEFAULT_MAX_NEW_TOKENS,
-    DEFAULT_NUM_DRAFT_TOKENS,
-    ConfigError,
-    DraftLengthConfig,
-    FlyConfig,
-    GuardConfig,
-    LayerSkipConfig,
-    MarginConfig,
-    NgramCacheConfig,
-    NgramConfig,
-    TypicalConfig,
-)
-from flyspec.drafters.registry import DRAFTERS
+from flyspec.config import DEFAULT_MAX_NEW_TOKENS, ConfigError, SpeculationConfig
 from flyspec.verifiers.registry import LOSSLESS_VERIFIERS, VERIFIERS
 
 # Which verifier each per-request speculative parameter belongs to: setting one while another
@@ -48,138 +35,56 @@ def _require(condition: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-@dataclass(frozen=True)
-class SpeculationDefaults:
-    """Drafter, verifier and their parameters: server-wide defaults, or one request's resolved choice."""
+def is_lossless(spec: SpeculationConfig) -> bool:
+    return spec.verifier in LOSSLESS_VERIFIERS
 
-    drafter: str = "ngram"
-    verifier: str = "exact"
-    num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS
-    fly: FlyConfig = field(default_factory=FlyConfig)
-    margin: MarginConfig = field(default_factory=MarginConfig)
-    typical: TypicalConfig = field(default_factory=TypicalConfig)
-    ngram: NgramConfig = field(default_factory=NgramConfig)
-    num_ngram_tokens: int = 6
-    guard: GuardConfig = field(default_factory=GuardConfig)
-    draft_length: DraftLengthConfig = field(default_factory=DraftLengthConfig)
-    layer_skip: LayerSkipConfig = field(default_factory=LayerSkipConfig)
-    ngram_cache: NgramCacheConfig = field(default_factory=NgramCacheConfig)
-    stack: tuple[str, ...] = ()  # levels of drafter "stack" (server-wide; requests cannot load models)
 
-    def __post_init__(self) -> None:
-        _require(self.drafter in DRAFTERS, f"unknown drafter {self.drafter!r}; choose one of: {', '.join(DRAFTERS)}")
+def for_request(defaults: SpeculationConfig, overrides: dict[str, Any]) -> SpeculationConfig:
+    """The defaults with one request's ``speculative`` fields applied (``None`` = keep the default).
+
+    Raises :class:`ConfigError` when a value is invalid or belongs to a verifier that is not running.
+    """
+    overrides = {name: value for name, value in overrides.items() if value is not None}
+    verifier = overrides.get("verifier", defaults.verifier)
+    for name, owners in VERIFIER_PARAMETERS.items():
         _require(
-            self.verifier in VERIFIERS, f"unknown verifier {self.verifier!r}; choose one of: {', '.join(VERIFIERS)}"
+            name not in overrides or verifier in owners,
+            f"speculative.{name} applies to verifier {' / '.join(owners)} only, but verifier {verifier!r} "
+            f'would run; add "verifier": "{owners[0]}" or drop {name}',
         )
-        _require(self.num_draft_tokens >= 1, f"num_draft_tokens must be >= 1 (got {self.num_draft_tokens})")
-        for name, value in _floats(self):
-            # the defaults are sent in every response: JSON has no NaN or Infinity
-            _require(math.isfinite(value), f"{name} must be a finite number (got {value})")
+    return defaults.with_options(overrides, where="speculative.")
 
-    @property
-    def lossless(self) -> bool:
-        return self.verifier in LOSSLESS_VERIFIERS
 
-    def for_request(self, overrides: dict[str, Any]) -> SpeculationDefaults:
-        """These defaults with one request's ``speculative`` fields applied (``None`` = keep the default).
+def changed_fields(spec: SpeculationConfig, other: SpeculationConfig) -> list[str]:
+    """Names of the top-level settings in which ``other`` differs from ``spec``."""
+    return [item.name for item in dataclasses.fields(spec) if getattr(spec, item.name) != getattr(other, item.name)]
 
-        Raises :class:`ConfigError` when a value is invalid or belongs to a verifier that is not running.
-        """
-        overrides = {name: value for name, value in overrides.items() if value is not None}
-        verifier = overrides.get("verifier", self.verifier)
-        for name, owners in VERIFIER_PARAMETERS.items():
-            _require(
-                name not in overrides or verifier in owners,
-                f"speculative.{name} applies to verifier {' / '.join(owners)} only, but verifier {verifier!r} "
-                f'would run; add "verifier": "{owners[0]}" or drop {name}',
-            )
-        fly = dataclasses.replace(
-            self.fly,
-            window_size=overrides.get("window_size", self.fly.window_size),
-            entropy_threshold=overrides.get("entropy_threshold", self.fly.entropy_threshold),
-            temperature_rule=overrides.get("fly_temperature_rule", self.fly.temperature_rule),
+
+def describe(spec: SpeculationConfig) -> dict[str, Any]:
+    """What ran, for the ``flyspec`` object in responses: the verifier's own parameters only."""
+    described: dict[str, Any] = {
+        "verifier": spec.verifier,
+        "lossless": is_lossless(spec),
+        "drafter": spec.drafter,
+        "num_draft_tokens": spec.num_draft_tokens,
+        "adaptive_draft": spec.draft_length.adaptive,
+    }
+    if spec.drafter == "stack":
+        described["stack"] = list(spec.stack)
+    if spec.verifier == "fly":
+        described.update(
+            window_size=spec.fly.window_size,
+            entropy_threshold=spec.fly.entropy_threshold,
+            fly_temperature_rule=spec.fly.temperature_rule,
         )
-        return dataclasses.replace(
-            self,
-            drafter=overrides.get("drafter", self.drafter),
-            verifier=verifier,
-            num_draft_tokens=overrides.get("num_draft_tokens", self.num_draft_tokens),
-            fly=fly,
-            margin=MarginConfig(overrides.get("margin_ratio", self.margin.logit_ratio)),
-            typical=TypicalConfig(
-                overrides.get("typical_epsilon", self.typical.epsilon),
-                overrides.get("typical_delta", self.typical.delta),
-            ),
-            guard=self._guard(overrides.get("protect"), overrides.get("bare_rule")),
-            draft_length=dataclasses.replace(
-                self.draft_length, adaptive=overrides.get("adaptive_draft", self.draft_length.adaptive)
-            ),
-        )
-
-    def _guard(self, protect: list[str] | None, bare_rule: bool | None) -> GuardConfig:
-        """The trust guards with a request's ``protect`` and ``bare_rule`` (as ``--protect`` and ``--bare-rule``).
-
-        ``bare_rule: false`` restores the guards' defaults; the same protected set in any order is no change.
-        """
-        _require(
-            not (bare_rule and protect),
-            "speculative.bare_rule turns every trust guard off; drop speculative.protect (or bare_rule)",
-        )
-        if bare_rule is not None and bare_rule != self.guard.is_bare:
-            guard = GuardConfig.bare() if bare_rule else GuardConfig()
-        else:
-            guard = self.guard
-        if protect is None or set(protect) == set(guard.protect):
-            return guard
-        return dataclasses.replace(guard, protect=tuple(dict.fromkeys(protect)))
-
-    def changed_fields(self, other: SpeculationDefaults) -> list[str]:
-        """Names of the top-level settings in which ``other`` differs from these."""
-        return [item.name for item in dataclasses.fields(self) if getattr(self, item.name) != getattr(other, item.name)]
-
-    def describe(self) -> dict[str, Any]:
-        """What ran, for the ``flyspec`` object in responses: the verifier's own parameters only."""
-        described: dict[str, Any] = {
-            "verifier": self.verifier,
-            "lossless": self.lossless,
-            "drafter": self.drafter,
-            "num_draft_tokens": self.num_draft_tokens,
-            "adaptive_draft": self.draft_length.adaptive,
-        }
-        if self.drafter == "stack":
-            described["stack"] = list(self.stack)
-        if self.verifier == "fly":
-            described.update(
-                window_size=self.fly.window_size,
-                entropy_threshold=self.fly.entropy_threshold,
-                fly_temperature_rule=self.fly.temperature_rule,
-            )
-        elif self.verifier == "margin":
-            described["margin_ratio"] = self.margin.logit_ratio
-        elif self.verifier == "typical":
-            described.update(typical_epsilon=self.typical.epsilon, typical_delta=self.typical.delta)
-        if not self.lossless:
-            described["protect"] = list(self.guard.protect)
-            described["bare_rule"] = self.guard.is_bare
-        return described
-
-    def build_kwargs(self) -> dict[str, Any]:
-        """:func:`flyspec.api.build_decoder` keyword arguments (besides target, draft model and config)."""
-        return {
-            "drafter": self.drafter,
-            "verifier": self.verifier,
-            "num_draft_tokens": self.num_draft_tokens,
-            "fly": self.fly,
-            "margin": self.margin,
-            "typical": self.typical,
-            "ngram": self.ngram,
-            "num_ngram_tokens": self.num_ngram_tokens,
-            "guard": self.guard,
-            "draft_length": self.draft_length,
-            "layer_skip": self.layer_skip,
-            "ngram_cache": self.ngram_cache,
-            "stack": self.stack,
-        }
+    elif spec.verifier == "margin":
+        described["margin_ratio"] = spec.margin.logit_ratio
+    elif spec.verifier == "typical":
+        described.update(typical_epsilon=spec.typical.epsilon, typical_delta=spec.typical.delta)
+    if not is_lossless(spec):
+        described["protect"] = list(spec.guard.protect)
+        described["bare_rule"] = spec.guard.is_bare
+    return described
 
 
 @dataclass(frozen=True)
@@ -249,15 +154,3 @@ class ServerSecurity:
             f"allow_request_speculative must be one of {', '.join(ALLOW_REQUEST_SPECULATIVE)} "
             f"(got {self.allow_request_speculative!r})",
         )
-
-
-def _floats(value: object, prefix: str = "") -> list[tuple[str, float]]:
-    """Every float field of a (nested) dataclass, as ``(dotted name, value)``."""
-    found: list[tuple[str, float]] = []
-    for item in dataclasses.fields(value):  # type: ignore[arg-type]
-        inner = getattr(value, item.name)
-        if isinstance(inner, float):
-            found.append((prefix + item.name, inner))
-        elif dataclasses.is_dataclass(inner):
-            found.extend(_floats(inner, f"{prefix}{item.name}."))
-    return found

@@ -24,6 +24,19 @@ loose accept
 acceptance length, τ
     Tokens committed per target forward, the recovered/bonus token included. Plain decoding
     has τ = 1; a verdict commits ``num_accepted + 1`` tokens.
+proposer
+    A drafter below a draft model that proposes tokens for the draft model to check (an n-gram
+    lookup, or another draft model), so the draft model needs fewer forwards (FLy's multi-level
+    drafting). A proposer can itself have a proposer.
+proposal
+    The tokens a proposer offers its draft model in one round (up to ``num_proposal_tokens``);
+    the draft model keeps a prefix, as a verifier keeps a prefix of a draft.
+level
+    One drafter in a stack: an n-gram lookup (bottom only), a draft model, or the target with
+    layers skipped. Each level checks the proposal of the level below in one forward.
+stack
+    Levels from the bottom up, the top one drafting for the target (``drafters/registry.py``):
+    ``draft-model`` is one level, ``multilevel`` is n-gram → draft model, ``stack`` any levels.
 
 Every verifier commits ``d_0 .. d_{n-1}`` plus one recovered or bonus token, where ``n`` is the
 number of leading positions its acceptance mask keeps.

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from flyspec.config import ConfigError, FlyConfig, GuardConfig, MarginConfig, TypicalConfig
+from flyspec.config import ConfigError, SpeculationConfig
 from flyspec.verifiers.base import Verifier
 from flyspec.verifiers.exact import ExactVerifier
 from flyspec.verifiers.fly import FlyVerifier
@@ -14,27 +14,21 @@ VERIFIERS = ("exact", "rejection", "fly", "margin", "typical")
 LOSSLESS_VERIFIERS = ("exact", "rejection")
 
 
-def make_verifier(
-    name: str,
-    *,
-    fly: FlyConfig | None = None,
-    margin: MarginConfig | None = None,
-    typical: TypicalConfig | None = None,
-    guard: GuardConfig | None = None,
-) -> Verifier:
-    """Build a verifier by name; component configs default to their dataclass defaults.
+def make_verifier(name: str, spec: SpeculationConfig | None = None) -> Verifier:
+    """Build a verifier by name with ``spec``'s component settings (default: the defaults).
 
-    ``guard`` configures the trust guards of the lossy verifiers (default: on; ``GuardConfig.bare()``
-    for the papers' bare rules); the lossless ones never loosely accept, so it is a no-op for them.
+    ``spec.guard`` configures the trust guards of the lossy verifiers; the lossless ones never
+    loosely accept, so it is a no-op for them.
     """
+    spec = spec or SpeculationConfig()
     if name == "exact":
         return ExactVerifier()
     if name == "rejection":
         return RejectionVerifier()
     if name == "fly":
-        return FlyVerifier(fly or FlyConfig(), guard=guard or GuardConfig())
+        return FlyVerifier(spec.fly, guard=spec.guard)
     if name == "margin":
-        return MarginVerifier(margin or MarginConfig(), guard=guard or GuardConfig())
+        return MarginVerifier(spec.margin, guard=spec.guard)
     if name == "typical":
-        return TypicalVerifier(typical or TypicalConfig(), guard=guard or GuardConfig())
+        return TypicalVerifier(spec.typical, guard=spec.guard)
     raise ConfigError(f"unknown verifier {name!r}; choose one of: {', '.join(VERIFIERS)}")

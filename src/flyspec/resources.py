@@ -1,0 +1,68 @@
+"""What outlives one generation: loaded models, n-gram caches and layer-skip calibrations.
+
+Sharing them is a decision of whoever creates a :class:`Resources` (a CLI run, the server, a
+benchmark, an evaluation) and passes it to :func:`flyspec.api.build_decoder`; the library's default
+is a private one per call, so no state leaks between callers or requests through a module global.
+A protected-token vocabulary belongs to its loaded model (``LoadedModel.vocabulary``), so it lives
+as long as the model does here.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+
+import torch
+
+from flyspec.config import NgramCacheConfig, NgramConfig
+from flyspec.drafters.layer_skip import Calibrations
+from flyspec.drafters.ngram_cache import NgramCache
+from flyspec.models import LoadedModel, load_model
+
+ModelRef = str | LoadedModel
+
+
+class Resources:
+    """Models by name (loaded once, in ``dtype``), n-gram caches by vocabulary, calibrations by model and k.
+
+    ``models``: already loaded models, found by their ``name`` (tests, or a caller that loaded them).
+    :meth:`isolated` gives a view that shares the models and calibrations but has its own n-gram
+    caches: the server gives one to each tenant, a benchmark one to each method.
+    """
+
+    def __init__(self, dtype: str | torch.dtype = "auto", models: Iterable[LoadedModel] = ()) -> None:
+        self.dtype = dtype
+        self._models: dict[str, LoadedModel] = {model.name: model for model in models}
+        self._ngram_caches: dict[str, NgramCache] = {}
+        self.calibrations = Calibrations()
+        self._lock = threading.Lock()
+
+    def model(self, model: ModelRef) -> LoadedModel:
+        """A loaded model as is (and remembered under its name), or a name loaded on first use."""
+        with self._lock:
+            if isinstance(model, LoadedModel):
+                return self._models.setdefault(model.name, model)
+            if model not in self._models:
+                self._models[model] = load_model(model, dtype=self.dtype)
+            return self._models[model]
+
+    def ngram_cache(self, vocabulary: str, config: NgramCacheConfig, ngram: NgramConfig) -> NgramCache:
+        """The cache of n-grams in ``vocabulary``'s token ids (the model above the n-gram level), made on first use.
+
+        The first configuration is kept: a cache other generations use is never resized.
+        """
+        with self._lock:
+            cache = self._ngram_caches.get(vocabulary)
+            if cache is None:
+                cache = self._ngram_caches[vocabulary] = NgramCache(config, ngram)
+            return cache
+
+    def ngram_caches(self) -> list[NgramCache]:
+        with self._lock:
+            return list(self._ngram_caches.values())
+
+    def isolated(self) -> Resources:
+        """The same models and calibrations, with n-gram caches of its own."""
+        view = Resources(self.dtype)
+        view._models, view._lock, view.calibrations = self._models, self._lock, self.calibrations
+        return view
