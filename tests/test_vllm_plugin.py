@@ -79,6 +79,17 @@ def test_batch_rule_commits_what_flyspecs_verifier_commits(guarded: bool) -> Non
     assert loose_seen > 10  # the comparison covered loose accepts, not only exact matches
 
 
+def test_candidates_count_only_those_before_the_first_strict_rejection() -> None:
+    flat = [1.0, 0.9, 0.8, 0.0]  # top-3 entropy ~1.1 nats: FLy would keep a mismatch here
+    peaked = [9.0, 0.0, 0.0, 0.0]  # ~0 nats: a mismatch here is a strict rejection
+    logits = torch.tensor([flat, peaked, flat, flat])  # [k = 4, vocab]
+    draft = torch.tensor([1, 1, 1, 1])  # every position mismatches the argmax (token 0)
+    rule = RequestRule(fly=FlyConfig(window_size=0), guard=GuardConfig.bare())
+    outcome = fly_batch(draft, [4], logits, [rule])
+    assert outcome.loose_positions == [0]
+    assert outcome.candidates == 1  # positions 2 and 3 follow the rejection at 1: never committable
+
+
 def test_window_mask_matches_a_naive_loop() -> None:
     generator = torch.Generator().manual_seed(3)
     for _ in range(300):

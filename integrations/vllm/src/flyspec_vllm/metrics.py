@@ -21,7 +21,7 @@ LOG_EVERY_STEPS = 500
 class Counters:
     steps: int = 0  # verification steps that had at least one FLy request
     fly_requests: int = 0  # request-steps verified with FLy
-    candidates: int = 0  # mismatches FLy would keep before the guards
+    candidates: int = 0  # mismatches FLy would keep before the guards, up to the first strict rejection
     vetoed: int = 0  # request-steps whose first candidate a guard refused
     loose_accepts: int = 0  # draft tokens kept loosely
 

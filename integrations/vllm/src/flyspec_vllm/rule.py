@@ -43,7 +43,7 @@ class BatchOutcome:
     """What the rule did to one batch (the counters the plugin exports)."""
 
     loose_positions: list[int] = field(default_factory=list)  # flat indices into draft_token_ids
-    candidates: int = 0  # mismatches FLy would keep before the guards
+    candidates: int = 0  # mismatches FLy would keep before the guards, up to the first strict rejection
     vetoed: int = 0  # candidates a guard refused (the first refusal of each request ends its prefix)
     fly_requests: int = 0
 
@@ -58,14 +58,16 @@ def loose_accepts(
     target_tokens = target_logits.argmax(-1)  # [k]
     base_accept = draft_tokens == target_tokens  # greedy: exact match on the target's argmax
     candidates, _ = fly_candidates(base_accept, target_logits, rule.fly)
-    if not bool(candidates.any()):
+    # only candidates before the first position neither rule accepts could ever be committed
+    reachable = int(candidates[: num_leading_true(base_accept | candidates)].sum())
+    if not reachable:
         return [], 0, False
     kept, vetoes = guard_loose_mask(
         base_accept, candidates, Draft(draft_tokens), target_logits, rule.guard, rule.context
     )
     accepted = num_leading_true(base_accept | kept)
     loose = [int(j) for j in torch.nonzero(kept[:accepted]).flatten().tolist()]
-    return loose, int(candidates.sum()), bool(vetoes)
+    return loose, reachable, bool(vetoes)
 
 
 def fly_batch(
