@@ -8,7 +8,9 @@
 submitted at once (one prompt: batch 1), counters are the differences over that call.
 
 Methods: ``vllm-plain`` (no speculation), ``vllm-ngram`` (vLLM's own n-gram proposer, lossless),
-``vllm-ngram+fly`` (flyspec's n-gram drafter, FLy with the trust guards for every request).
+``vllm-ngram+fly`` (flyspec's n-gram drafter, FLy with the trust guards for every request),
+``vllm-ngram+fly+bare`` (the same with the paper's bare rule: ``FLYSPEC_VLLM_GUARDS=bare``).
+``--model`` is a complete HF directory, or a GGUF file converted to one with this venv's transformers.
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
-METHODS = ("vllm-plain", "vllm-ngram", "vllm-flyspec-ngram", "vllm-ngram+fly")
+METHODS = ("vllm-plain", "vllm-ngram", "vllm-flyspec-ngram", "vllm-ngram+fly", "vllm-ngram+fly+bare")
 
 
 def speculative_config(method: str, num_draft_tokens: int) -> dict[str, Any] | None:
@@ -48,7 +51,7 @@ def spec_counters(llm: Any) -> dict[str, int]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", required=True, help="a complete Hugging Face model directory")
+    parser.add_argument("--model", required=True, help="a complete Hugging Face model directory or a .gguf file")
     parser.add_argument("--method", choices=METHODS, required=True)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--num-draft-tokens", type=int, default=15)
@@ -58,8 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--eager", action="store_true", help="enforce_eager (starts ~3x faster, runs ~15%% slower)")
     args = parser.parse_args(argv)
-    if args.method == "vllm-ngram+fly":
+    if args.method.startswith("vllm-ngram+fly"):
         os.environ["FLYSPEC_VLLM_FLY"] = "all"  # read by the plugin in the engine process
+        os.environ["FLYSPEC_VLLM_GUARDS"] = "bare" if args.method.endswith("+bare") else "default"
     elif args.method != "vllm-plain":
         os.environ["FLYSPEC_VLLM_FLY"] = "off"
 
@@ -69,8 +73,13 @@ def main(argv: list[str] | None = None) -> int:
 
     from flyspec_vllm import metrics  # noqa: PLC0415
 
+    model = args.model
+    if model.endswith(".gguf"):
+        from flyspec.models import gguf_to_hf_dir  # noqa: PLC0415
+
+        model = str(gguf_to_hf_dir(Path(model)))
     llm = LLM(
-        model=args.model,
+        model=model,
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         enforce_eager=args.eager,
