@@ -46,6 +46,7 @@ class EvalConfig:
     max_new_tokens: int | None = None  # None: each task's default
     drafter: str = "ngram"
     speculation: dict[str, Any] = field(default_factory=dict)
+    vllm_venv: str | None = None  # for the vllm-* methods (None: $FLYSPEC_VLLM_VENV or .venv-vllm)
     use_chat: bool | None = None
     similarity: bool = True
     skip_bad_lines: bool = False
@@ -163,6 +164,7 @@ class EvalRunner:
         }
         self.writer = JsonlWriter(records_path, append=config.resume)
         self.skipped: list[str] = []  # items that could not run (and why)
+        self.engines: dict[str, Any] = {}  # vllm-* method → its vLLM worker, started once for every task
 
     @property
     def total_outputs(self) -> int:
@@ -175,6 +177,8 @@ class EvalRunner:
         finally:
             self.writer.close()
             self.cache.close()
+            for engine in self.engines.values():
+                engine.close()
 
     def _max_new_tokens(self, task: Task) -> int:
         return self.config.max_new_tokens or task.max_new_tokens
@@ -184,6 +188,9 @@ class EvalRunner:
         plain_config = DecodeConfig(max_new_tokens=max_new_tokens, stop_strings=task.stop)
         decoders: dict[str, Decoder] = {BASELINE: PlainDecoder(self.loaded, plain_config)}
         for method in self.config.methods:
+            if method.engine == "vllm":
+                decoders[method.name] = self._vllm_decoder(method, plain_config)  # type: ignore[assignment]
+                continue
             decoders[method.name] = build_decoder(
                 self.loaded,
                 self.config.drafter,
@@ -196,6 +203,14 @@ class EvalRunner:
         for decoder in decoders.values():  # warm-up: the first call pays one-off costs
             decoder.generate("Hello", config=DecodeConfig(max_new_tokens=2), use_chat=self.config.use_chat)
         return decoders
+
+    def _vllm_decoder(self, method: Method, config: DecodeConfig) -> Any:
+        from flyspec.eval.vllm import VllmDecoder, start_engine  # noqa: PLC0415 - only with vllm-* methods
+
+        if method.name not in self.engines:
+            k = int(self.config.speculation.get("num_draft_tokens", 15))
+            self.engines[method.name] = start_engine(method.name, self.loaded, k, self.config.vllm_venv)
+        return VllmDecoder(self.engines[method.name], self.loaded, config)
 
     def _run_task(self, task: Task, progress: Progress) -> None:
         decoders = self._decoders(task)
