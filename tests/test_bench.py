@@ -379,3 +379,46 @@ def test_in_run_limit_uses_the_forward_costs_measured_in_the_run() -> None:
     assert figures["in_run_limit"] == pytest.approx(5.1 / 4.1)
     assert figures["fraction_of_in_run_limit"] == pytest.approx(1.0)  # no drafting or engine time recorded
     assert figures["other_ms_per_step"] == pytest.approx(0.0, abs=1e-9)
+
+
+# --- vLLM peers (the real run needs the vLLM venv: `make test-vllm`, and is a measurement) ---------
+
+
+def test_vllm_methods_parse_as_peers_measured_against_vllm_plain() -> None:
+    from flyspec.bench.methods import PEER_PLAIN
+
+    methods = parse_methods("vllm-plain,vllm-ngram,vllm-ngram+fly,vllm-ngram+fly+bare", has_draft_model=False)
+    by_name = {m.name: m for m in methods}
+    assert [m.name for m in methods][0] == "baseline" and all(by_name[n].peer for n in list(by_name)[1:])
+    assert by_name["vllm-plain"].lossless and by_name["vllm-ngram"].lossless
+    assert not by_name["vllm-ngram+fly"].lossless and not by_name["vllm-ngram+fly"].bare
+    assert by_name["vllm-ngram+fly+bare"].bare and not by_name["vllm-ngram+fly+bare"].lossless
+    assert {PEER_PLAIN[n] for n in ("vllm-ngram", "vllm-ngram+fly", "vllm-ngram+fly+bare")} == {"vllm-plain"}
+    with pytest.raises(ConfigError, match="unknown method"):
+        parse_methods("vllm-ngram+exact", has_draft_model=False)
+
+
+def test_vllm_venv_from_option_then_environment_then_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    from flyspec.bench.vllm import venv_python
+
+    monkeypatch.setenv("FLYSPEC_VLLM_VENV", "/opt/env-vllm")
+    assert venv_python("/x/venv") == Path("/x/venv/bin/python")
+    assert venv_python(None) == Path("/opt/env-vllm/bin/python")
+    monkeypatch.delenv("FLYSPEC_VLLM_VENV")
+    assert venv_python(None) == Path(".venv-vllm/bin/python")
+
+
+def test_vllm_methods_are_skipped_with_a_reason_without_the_venv(tmp_path: Path, tiny_model_dir: Path) -> None:
+    dataset = write_jsonl(tmp_path / "prompts.jsonl", [PROMPTS[0]])
+    out = tmp_path / "out"
+    argv = ["bench", "--dataset", str(dataset), "--target", str(tiny_model_dir), "--dtype", "float32",
+            "--methods", "baseline,vllm-plain,vllm-ngram+fly", "--max-new-tokens", "8", "--no-plots", "--no-warmup",
+            "--vllm-venv", str(tmp_path / "no-such-venv"), "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    results = json.loads((out / "results.json").read_text())
+    skipped = results["meta"]["skipped_peers"]
+    assert set(skipped) == {"vllm-plain", "vllm-ngram+fly"}
+    assert "no vLLM venv at" in skipped["vllm-plain"] and "make vllm-setup" in skipped["vllm-plain"]
+    assert "\n" not in skipped["vllm-plain"]
+    assert {r["method"] for r in results["records"]} == {"baseline"}
+    assert "skipped vllm-plain: no vLLM venv" in (out / "report.md").read_text()

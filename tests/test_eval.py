@@ -348,3 +348,43 @@ def test_speedup_interval() -> None:
     low, high = bootstrap_speedup_ci(tokens, [1.0, 4.0, 3.0, 4.0], tokens, [2.0, 2.0, 6.0, 8.0])
     assert low < 1.6 < high  # mixed items: an interval around the pooled ratio 100/12 ÷ 100/18 = 1.5
     assert bootstrap_speedup_ci([], [], [], []) is None
+
+
+# --- vLLM methods (the engine itself needs the vLLM venv; here a stand-in worker) ----------------
+
+
+def test_vllm_methods_parse_with_the_guards_of_fly() -> None:
+    guarded, bare = parse_methods("vllm-fly,vllm-fly+bare")
+    assert (guarded.engine, guarded.verifier, guarded.guard, guarded.lossless) == ("vllm", "fly", None, False)
+    assert (bare.engine, bare.guard) == ("vllm", "bare")
+    assert guarded.guard_config("text") == parse_method("fly").guard_config("text")
+    with pytest.raises(ConfigError, match="vllm-fly"):
+        parse_method("vllm-exact")
+
+
+def test_vllm_method_without_the_venv_is_a_config_error(tiny_target: LoadedModel, tmp_path: Path) -> None:
+    from flyspec.eval.vllm import start_engine
+
+    with pytest.raises(ConfigError, match="vllm-fly: no vLLM venv at"):
+        start_engine("vllm-fly", tiny_target, 15, str(tmp_path / "none"))
+
+
+def test_vllm_outputs_are_cut_where_flyspec_cuts_them(tiny_target: LoadedModel) -> None:
+    from flyspec.bench.runners import TurnOutput
+    from flyspec.config import DecodeConfig
+    from flyspec.eval.vllm import VllmDecoder
+
+    text_ids = tiny_target.tokenizer.encode(" the cat sat. the dog ran.", add_special_tokens=False)
+
+    class Engine:  # what VllmRunner.generate returns: vLLM's tokens up to EOS or the limit, counters
+        def generate(self, prompt_ids: list[int], max_new_tokens: int, seed: int) -> TurnOutput:
+            ids = text_ids[:max_new_tokens]
+            return TurnOutput(ids, "", 0.5, num_target_forwards=3, num_proposed=9, num_accepted=4, num_loose_accepts=1)
+
+    decoder = VllmDecoder(Engine(), tiny_target, DecodeConfig(max_new_tokens=64, stop_strings=("dog",)))  # type: ignore[arg-type]
+    result = decoder.generate([1, 2, 3])
+    assert result.finish_reason == "stop" and result.text == tiny_target.decode(result.token_ids).split("dog")[0]
+    assert "dog" not in result.text and "cat" in result.text
+    assert result.stats.num_loose_accepts == 1 and result.loose_token_indices == []
+    short = decoder.generate("Hello", config=DecodeConfig(max_new_tokens=2))
+    assert short.finish_reason == "length" and len(short.token_ids) == 2

@@ -6,7 +6,9 @@ hub cache allows; offline it fails with a clear message).
 
 GGUF files are dequantized once by transformers (15-40 s) and the float32 result is cached as
 safetensors under ``$FLYSPEC_CACHE`` (default ``~/.cache/flyspec``), keyed by the file's SHA-256
-and the transformers version, so a changed file or a new converter gets a fresh entry.
+and the transformers version, so a changed file or a new converter gets a fresh entry. The cached
+directory is a complete Hugging Face model directory that other engines (vLLM) load as it is:
+its config names the architecture and a tied embedding is stored under the embedding's name.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ DTYPES = {
     "fp16": torch.float16,
 }
 _CACHE_COMPLETE = "flyspec-complete"
+_CACHE_FORMAT = "hf2"  # hf2: config has `architectures`, tied embeddings saved as the input embedding
 
 
 class ModelLoadError(ConfigError):
@@ -221,7 +224,7 @@ def gguf_cache_key(gguf_path: Path) -> str:
     with gguf_path.open("rb") as handle:
         for block in iter(lambda: handle.read(1 << 22), b""):
             digest.update(block)
-    return f"{digest.hexdigest()[:24]}-tf{transformers.__version__}"
+    return f"{digest.hexdigest()[:24]}-tf{transformers.__version__}-{_CACHE_FORMAT}"
 
 
 def gguf_to_hf_dir(gguf_path: Path) -> Path:
@@ -230,8 +233,6 @@ def gguf_to_hf_dir(gguf_path: Path) -> Path:
     if (target / _CACHE_COMPLETE).is_file():
         return target
     logger.info("dequantizing %s into %s (once; later loads use the cache)", gguf_path, target)
-    from safetensors.torch import save_model
-
     directory, name = str(gguf_path.parent), gguf_path.name
     try:
         tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
@@ -240,10 +241,11 @@ def gguf_to_hf_dir(gguf_path: Path) -> Path:
         raise ModelLoadError(f"could not read GGUF file {gguf_path} ({_first_line(error)})") from error
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config  # the saved weights are plain float32
+    model.config.architectures = [type(model).__name__]  # engines that pick a class by name need it
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=target.parent))
     try:
-        save_model(model, str(staging / "model.safetensors"))  # de-duplicates tied embeddings
+        save_weights(model, staging / "model.safetensors")
         model.config.save_pretrained(staging)
         model.generation_config.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
@@ -255,6 +257,26 @@ def gguf_to_hf_dir(gguf_path: Path) -> Path:
         if staging.exists():
             shutil.rmtree(staging)
     return target
+
+
+def save_weights(model: PreTrainedModel, path: Path) -> None:
+    """Save the weights as safetensors, each tied tensor once, under the input embedding's name.
+
+    safetensors' own de-duplication may keep ``lm_head.weight`` instead: transformers re-ties
+    that, but vLLM then loads no embedding and generates token 0 forever.
+    """
+    from safetensors.torch import save_file
+
+    state = model.state_dict()
+    embedding = model.get_input_embeddings()
+    embedding_name = next(name for name, module in model.named_modules() if module is embedding) + ".weight"
+    kept: dict[str, torch.Tensor] = {}
+    seen: dict[int, str] = {embedding.weight.data_ptr(): embedding_name}
+    for name, tensor in state.items():
+        owner = seen.setdefault(tensor.data_ptr(), name)
+        if owner == name:
+            kept[name] = tensor.contiguous()
+    save_file(kept, str(path), metadata={"format": "pt"})
 
 
 def _first_line(error: BaseException) -> str:

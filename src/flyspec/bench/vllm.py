@@ -1,0 +1,152 @@
+"""Peer: vLLM-CPU with and without the flyspec-vllm plugin, through its JSON-lines worker.
+
+vLLM needs its own virtual environment (``make vllm-setup``: vllm-cpu, its torch and
+transformers pins), so each vLLM method is one ``python -m flyspec_vllm.worker`` subprocess of
+that environment, started once: one engine per method, kept for the whole run. The worker times
+``LLM.generate`` itself, so tokens/s excludes the engine's start-up, which is measured here (spawn
+to "ready") and reported separately. Methods (speedups also against ``vllm-plain``):
+
+* ``vllm-plain``: vLLM's own greedy decoding;
+* ``vllm-ngram``: vLLM's own n-gram speculative decoding (lossless);
+* ``vllm-ngram+fly``: flyspec's n-gram drafter as a vLLM proposer, FLy with flyspec's trust guards;
+* ``vllm-ngram+fly+bare``: the same with the paper's bare rule (``FLYSPEC_VLLM_GUARDS=bare``).
+
+Without the venv the methods are skipped with a one-line reason (:func:`unavailable_reason`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import IO, Any
+
+from flyspec.bench.methods import Method
+from flyspec.bench.runners import RunSettings, TurnOutput
+from flyspec.models import LoadedModel, find_gguf
+
+VENV_VARIABLE = "FLYSPEC_VLLM_VENV"
+DEFAULT_VENV = ".venv-vllm"  # the Makefile's VLLM_VENV
+BATCHED_METHODS = ("vllm-plain", "vllm-ngram+fly")
+START_TIMEOUT_S = 600.0
+# of CPU memory per engine (vLLM's gpu_memory_utilization): SmolLM2-135M float32 takes ~1.5 GiB besides the
+# KV cache, so 0.15 of 14 GiB leaves ~0.6 GiB of KV cache; up to 4 engines live at once
+MEMORY_FRACTION = 0.15
+
+
+def venv_python(venv: str | None) -> Path:
+    """The vLLM venv's interpreter: ``--vllm-venv``, else ``$FLYSPEC_VLLM_VENV``, else ``.venv-vllm``."""
+    return Path(venv or os.environ.get(VENV_VARIABLE) or DEFAULT_VENV) / "bin" / "python"
+
+
+def unavailable_reason(python: Path, target: LoadedModel) -> str | None:
+    """Why the vLLM methods cannot run here (one line), or ``None``."""
+    if not python.exists():
+        return f"no vLLM venv at {python.parent.parent} (run `make vllm-setup`, or pass --vllm-venv / ${VENV_VARIABLE})"
+    if not (Path(target.name).is_dir() or find_gguf(target.name)):
+        return f"vLLM needs a Hugging Face directory or a GGUF/packaged target, not {target.name!r}"
+    return None
+
+
+class VllmRunner:
+    """One vLLM engine in a worker subprocess; ``generate`` at batch 1, ``generate_batch`` for all at once."""
+
+    def __init__(self, method: Method, target: LoadedModel, settings: RunSettings, python: Path, eager: bool):
+        if not settings.sampling.greedy:
+            raise ValueError(f"{method.name}: the vLLM worker decodes greedily only; use --temperature 0")
+        self.method = method
+        self.target = target
+        # vLLM's log lines; their tail goes into the error when the worker dies (closed in close())
+        self.log: IO[str] = tempfile.TemporaryFile("w+", encoding="utf-8")  # noqa: SIM115
+        command = [
+            str(python), "-m", "flyspec_vllm.worker", "--method", method.name,
+            "--model", target.name if Path(target.name).is_dir() else str(find_gguf(target.name)),
+            "--dtype", str(target.dtype).removeprefix("torch."),
+            "--num-draft-tokens", str(settings.speculation.num_draft_tokens),
+            "--memory-fraction", str(MEMORY_FRACTION),
+            *(["--eager"] if eager else []),
+        ]  # fmt: skip
+        started = time.perf_counter()
+        self.process = subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, bufsize=1
+        )
+        self._read_reply()  # {"ready": true}
+        self.startup_s = time.perf_counter() - started
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, seed: int) -> TurnOutput:
+        return self.generate_batch([prompt_ids], max_new_tokens)[0]
+
+    def generate_batch(self, prompts: list[list[int]], max_new_tokens: int) -> list[TurnOutput]:
+        """All ``prompts`` submitted at once; counters and wall time are the batch's, on the first output."""
+        assert self.process.stdin is not None
+        self.process.stdin.write(json.dumps({"prompts": prompts, "max_tokens": max_new_tokens}) + "\n")
+        self.process.stdin.flush()
+        reply = self._read_reply()
+        outputs = [TurnOutput(ids, self.target.decode(ids), 0.0) for ids in reply["outputs"]]
+        tokens = sum(len(ids) for ids in reply["outputs"])
+        first = outputs[0]
+        first.wall_time_s = reply["seconds"]
+        first.num_proposed = reply["draft_tokens"]
+        first.num_accepted = reply["accepted"]
+        first.num_loose_accepts = reply["loose_accepts"]
+        # each engine step commits its accepted drafts + 1 token, the prefill the first token
+        first.num_target_forwards = max(tokens - reply["accepted"], 1) if tokens else 0
+        for output in outputs[1:]:
+            output.num_proposed = output.num_accepted = output.num_loose_accepts = output.num_target_forwards = 0
+        return outputs
+
+    def _read_reply(self) -> dict[str, Any]:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:  # vLLM may log to stdout too: only the worker's JSON objects count
+            if line.startswith("{"):
+                try:
+                    return json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+        raise RuntimeError(f"{self.method.name}: the vLLM worker exited ({self.process.wait()}): {self._log_tail()}")
+
+    def _log_tail(self) -> str:
+        self.log.seek(0)
+        lines = [line.strip() for line in self.log.read().splitlines() if line.strip()]
+        return " | ".join(lines[-3:])
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            assert self.process.stdin is not None
+            self.process.stdin.close()
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+        self.log.close()
+
+
+def run_batched(runners: dict[str, Any], prompt_ids: list[list[int]], max_new_tokens: int) -> dict[str, dict]:
+    """All prompts at once for the :data:`BATCHED_METHODS` present: tokens/s, τ and loose accepts."""
+    figures: dict[str, dict] = {}
+    for name in BATCHED_METHODS:
+        runner = runners.get(name)
+        if not isinstance(runner, VllmRunner) or not prompt_ids:
+            continue
+        runner.generate_batch(prompt_ids[:1], 8)  # warm-up
+        outputs = runner.generate_batch(prompt_ids, max_new_tokens)
+        tokens = sum(len(output.token_ids) for output in outputs)
+        first = outputs[0]
+        figures[name] = {
+            "num_prompts": len(prompt_ids),
+            "num_new_tokens": tokens,
+            "wall_time_s": first.wall_time_s,
+            "tokens_per_s": tokens / first.wall_time_s if first.wall_time_s > 0 else 0.0,
+            "tau": tokens / first.num_target_forwards if first.num_target_forwards else None,
+            "num_loose_accepts": first.num_loose_accepts,
+        }
+    return figures
+
+
+def close_all(runners: dict[str, Any]) -> None:
+    for runner in runners.values():
+        if isinstance(runner, VllmRunner):
+            runner.close()

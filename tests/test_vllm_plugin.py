@@ -1,0 +1,194 @@
+"""The vLLM plugin's rule and start-up checks, without vLLM (its end-to-end test: tests/vllm_engine/)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integrations" / "vllm" / "src"))
+
+from flyspec_vllm import patch  # noqa: E402
+from flyspec_vllm.options import request_fly_config  # noqa: E402
+from flyspec_vllm.proposer import NgramProposer  # noqa: E402
+from flyspec_vllm.rule import RequestRule, fly_batch, keep_draft_tokens  # noqa: E402
+
+from flyspec.config import ConfigError, FlyConfig, GuardConfig, SamplingConfig  # noqa: E402
+from flyspec.types import Draft, VerifyContext  # noqa: E402
+from flyspec.verifiers.fly import FlyVerifier, deferred_window_mask  # noqa: E402
+from test_guard import VOCAB, VOCABULARY  # noqa: E402
+
+GREEDY = SamplingConfig()
+
+
+def greedy_kernel(draft: torch.Tensor, target_logits: torch.Tensor, bonus: int) -> list[int]:
+    """What vLLM's greedy rejection kernel commits: the matching prefix, then the argmax or the bonus."""
+    target_tokens = target_logits.argmax(-1)
+    for position, token in enumerate(draft.tolist()):
+        if token != int(target_tokens[position]):
+            return [*draft[:position].tolist(), int(target_tokens[position])]
+    return [*draft.tolist(), bonus]
+
+
+def random_request(generator: torch.Generator, k: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``([k] draft, [k + 1, vocab] target logits)``: mostly the target's argmax, some near-ties and misses."""
+    scale = torch.rand((k + 1, 1), generator=generator) * 6
+    logits = torch.randn((k + 1, vocab), generator=generator) * scale
+    top2 = logits[:k].topk(2, dim=-1).indices  # [k, 2]
+    choice = torch.randint(0, 10, (k,), generator=generator)
+    draft = torch.where(choice < 7, top2[:, 0], torch.where(choice < 9, top2[:, 1], torch.randint(0, vocab, (k,))))
+    return draft, logits
+
+
+@pytest.mark.parametrize("guarded", [False, True])
+def test_batch_rule_commits_what_flyspecs_verifier_commits(guarded: bool) -> None:
+    generator = torch.Generator().manual_seed(7)
+    configs = [FlyConfig(), FlyConfig(window_size=2, entropy_threshold=0.1), FlyConfig(window_size=0)]
+    guard = GuardConfig() if guarded else GuardConfig.bare()
+    loose_seen = 0
+    for trial in range(60):
+        sizes = [int(torch.randint(0, 12, (1,), generator=generator)) for _ in range(4)]
+        requests = [random_request(generator, k, VOCAB) for k in sizes]
+        rules = []
+        for index in range(len(requests)):
+            context = VerifyContext([1, 2, 3, 4, 19, 13], 4, VOCABULARY) if guarded else None
+            fly = configs[(trial + index) % 3] if index != 3 else None  # the last request stays lossless
+            rules.append(RequestRule(fly=fly, guard=guard, context=context))
+        flat_draft = torch.cat([draft for draft, _ in requests])
+        flat_logits = torch.cat([logits[:-1] for _, logits in requests])  # vLLM keeps the bonus row apart
+        outcome = fly_batch(flat_draft, sizes, flat_logits, rules)
+        rewritten = keep_draft_tokens(flat_logits, flat_draft, outcome.loose_positions)
+        start = 0
+        for (draft, logits), rule, k in zip(requests, rules, sizes, strict=True):
+            bonus = int(logits[-1].argmax())
+            committed = greedy_kernel(draft, rewritten[start : start + k], bonus)
+            if rule.fly is None:
+                expected = greedy_kernel(draft, logits[:-1], bonus)
+            else:
+                context = VerifyContext([1, 2, 3, 4, 19, 13], 4, VOCABULARY) if guarded else None
+                verdict = FlyVerifier(rule.fly, guard=guard).verify(Draft(draft), logits, GREEDY, None, context)
+                expected = verdict.tokens
+                loose_seen += len(verdict.loose_positions)
+            assert committed == expected
+            start += k
+        assert torch.equal(flat_logits, torch.cat([logits[:-1] for _, logits in requests]))  # input untouched
+    assert loose_seen > 10  # the comparison covered loose accepts, not only exact matches
+
+
+def test_candidates_count_only_those_before_the_first_strict_rejection() -> None:
+    flat = [1.0, 0.9, 0.8, 0.0]  # top-3 entropy ~1.1 nats: FLy would keep a mismatch here
+    peaked = [9.0, 0.0, 0.0, 0.0]  # ~0 nats: a mismatch here is a strict rejection
+    logits = torch.tensor([flat, peaked, flat, flat])  # [k = 4, vocab]
+    draft = torch.tensor([1, 1, 1, 1])  # every position mismatches the argmax (token 0)
+    rule = RequestRule(fly=FlyConfig(window_size=0), guard=GuardConfig.bare())
+    outcome = fly_batch(draft, [4], logits, [rule])
+    assert outcome.loose_positions == [0]
+    assert outcome.candidates == 1  # positions 2 and 3 follow the rejection at 1: never committable
+
+
+def test_window_mask_matches_a_naive_loop() -> None:
+    generator = torch.Generator().manual_seed(3)
+    for _ in range(300):
+        k = int(torch.randint(0, 14, (1,), generator=generator))
+        accept = torch.rand(k, generator=generator) < 0.7
+        for window in range(0, 8):
+            naive = torch.zeros(k, dtype=torch.bool)
+            for j in range(k):
+                clean = bool(accept[j + 1 : j + window].all()) if window else True
+                naive[j] = (not accept[j]) and clean and (window == 0 or j <= k - window - 1)
+            assert torch.equal(deferred_window_mask(accept, window), naive)
+
+
+def test_keep_draft_tokens_makes_the_draft_token_the_argmax_in_bf16() -> None:
+    logits = torch.tensor([[300.0, 299.0, 1.0], [0.0, 5.0, 4.0]], dtype=torch.bfloat16)
+    rewritten = keep_draft_tokens(logits, torch.tensor([1, 2]), [0, 1])
+    assert rewritten.argmax(-1).tolist() == [1, 2]
+    assert logits.argmax(-1).tolist() == [0, 1]
+
+
+def test_request_options() -> None:
+    assert request_fly_config({"rejection_sample_method": "fly"}, greedy=True, switch="request") == FlyConfig()
+    assert request_fly_config(None, greedy=True, switch="request") is None
+    assert request_fly_config(None, greedy=True, switch="all") == FlyConfig()
+    assert request_fly_config({"rejection_sample_method": "standard"}, greedy=True, switch="all") is None
+    assert request_fly_config({"rejection_sample_method": "fly"}, greedy=False, switch="all") is None  # sampled
+    assert request_fly_config({"rejection_sample_method": "fly"}, greedy=True, switch="off") is None
+    custom = {"rejection_sample_method": "fly", "fly_window_size": 3, "fly_entropy_threshold": 0.5}
+    assert request_fly_config(custom, greedy=True, switch="request") == FlyConfig(window_size=3, entropy_threshold=0.5)
+    with pytest.raises(ConfigError, match="rejection_sample_method"):
+        request_fly_config({"rejection_sample_method": "loose"}, greedy=True, switch="request")
+    with pytest.raises(ConfigError, match="window_size"):
+        request_fly_config({"rejection_sample_method": "fly", "fly_window_size": -1}, greedy=True, switch="request")
+
+
+def _forward_calling_the_module_global(self):  # as vLLM's RejectionSampler.forward does
+    return rejection_sample()  # type: ignore[name-defined]  # noqa: F821
+
+
+def fake_vllm(*, with_rejection_sample: bool) -> dict[str, SimpleNamespace]:
+    def rejection_sample(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs,
+                         target_logits, bonus_token_ids, sampling_metadata):  # fmt: skip
+        return "vllm's rule"
+
+    class RejectionSampler:
+        forward = _forward_calling_the_module_global
+
+    class GPUModelRunner:
+        def _sample(self, logits, spec_decode_metadata):
+            return "vllm's sample"
+
+    sampler = SimpleNamespace(RejectionSampler=RejectionSampler)
+    if with_rejection_sample:
+        sampler.rejection_sample = rejection_sample
+    return {
+        patch.SAMPLER_MODULE: sampler,
+        patch.RUNNER_MODULE: SimpleNamespace(GPUModelRunner=GPUModelRunner),
+        "vllm.config.speculative": SimpleNamespace(),
+    }
+
+
+def test_plugin_disables_itself_cleanly_when_an_internal_is_missing(caplog, monkeypatch) -> None:
+    modules = fake_vllm(with_rejection_sample=False)
+    original_sample = modules[patch.RUNNER_MODULE].GPUModelRunner._sample
+    monkeypatch.setattr(patch, "STATE", None)
+    with caplog.at_level(logging.WARNING, logger="flyspec_vllm"):
+        assert patch.install(modules.__getitem__) is False
+    warnings = [record for record in caplog.records if record.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "rejection_sample is missing" in warnings[0].getMessage()
+    assert "lossless" in warnings[0].getMessage()
+    assert modules[patch.RUNNER_MODULE].GPUModelRunner._sample is original_sample  # nothing patched
+    assert patch.STATE is None
+
+
+def test_plugin_wraps_the_internals_when_they_have_the_expected_shape(monkeypatch) -> None:
+    modules = fake_vllm(with_rejection_sample=True)
+    monkeypatch.setattr(patch, "STATE", None)
+    assert patch.install(modules.__getitem__) is True
+    assert patch.install(modules.__getitem__) is True  # loaded twice: wrapped once
+    wrapped = modules[patch.SAMPLER_MODULE].rejection_sample
+    assert getattr(wrapped, "__flyspec_vllm__", False)
+    assert not getattr(wrapped.__wrapped__, "__flyspec_vllm__", False)
+    assert wrapped(torch.tensor([1]), [1], 1, None, None, torch.zeros(1, 3), None, None) == "vllm's rule"
+
+
+def test_operator_switch_off_patches_nothing(monkeypatch) -> None:
+    modules = fake_vllm(with_rejection_sample=True)
+    monkeypatch.setenv("FLYSPEC_VLLM_FLY", "off")
+    assert patch.install(modules.__getitem__) is False
+    assert not hasattr(modules[patch.SAMPLER_MODULE].rejection_sample, "__flyspec_vllm__")
+
+
+def test_ngram_proposer_proposes_flyspecs_lookup() -> None:
+    config = SimpleNamespace(
+        speculative_config=SimpleNamespace(num_speculative_tokens=4, prompt_lookup_max=None, prompt_lookup_min=None),
+        model_config=SimpleNamespace(max_model_len=64),
+    )
+    proposer = NgramProposer(config)
+    token_ids = torch.zeros((2, 64), dtype=torch.int32).numpy()
+    token_ids[0, :7] = [5, 6, 7, 8, 9, 5, 6]
+    drafts = proposer.propose([[6], []], torch.tensor([7, 3]).numpy(), token_ids)
+    assert drafts == [[7, 8, 9, 5], []]  # the continuation of the earlier "5 6"; no new token, no draft

