@@ -9,8 +9,9 @@ import torch
 
 from flyspec.baseline import PlainDecoder
 from flyspec.config import DecodeConfig, SamplingConfig, SpeculationConfig
-from flyspec.decoding import Prompt, SpeculativeDecoder
+from flyspec.decoding import SpeculativeDecoder
 from flyspec.drafters.registry import make_drafter
+from flyspec.generation import Prompt
 from flyspec.models import DEFAULT_MODEL, set_threads
 from flyspec.resources import ModelRef, Resources
 from flyspec.sampling import make_generator
