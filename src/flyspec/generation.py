@@ -16,11 +16,12 @@ import torch
 from flyspec.config import ConfigError, DecodeConfig
 from flyspec.draft_length import DraftLength
 from flyspec.models import LoadedModel
+from flyspec.result import GenerationResult
 from flyspec.stats import DecodeStats
 from flyspec.stopping import Stopper
 from flyspec.streaming import GenerationStream, Step
 from flyspec.target import Target
-from flyspec.types import GenerationResult, Verdict
+from flyspec.types import Verdict
 
 Prompt = str | list[dict[str, str]] | list[int]
 

@@ -29,8 +29,8 @@ from flyspec.eval.tasks import PROMPT_FORMAT, Task, load_items
 from flyspec.generation import Decoder
 from flyspec.models import LoadedModel
 from flyspec.resources import Resources
+from flyspec.result import GenerationResult
 from flyspec.sampling import make_generator
-from flyspec.types import GenerationResult
 
 logger = logging.getLogger(__name__)
 
