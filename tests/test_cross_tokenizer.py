@@ -28,7 +28,8 @@ from flyspec import (
     make_verifier,
 )
 from flyspec.config import SpeculationConfig
-from flyspec.drafters.cross_tokenizer import CrossTokenizerDrafter, TextCodec, tokenizers_match
+from flyspec.detokenize import TextCodec
+from flyspec.drafters.cross_tokenizer import CrossTokenizerDrafter, tokenizers_match
 from flyspec.drafters.draft_model import multilevel_drafter
 from flyspec.models import LoadedModel
 from flyspec.types import Draft

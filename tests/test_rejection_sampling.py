@@ -16,12 +16,12 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from flyspec.acceptance import draft_probs_or_one_hot, rejection_accept_mask
 from flyspec.config import FlyConfig, SamplingConfig
 from flyspec.sampling import logits_to_probs, sample, uniform
 from flyspec.types import Draft, Verdict
 from flyspec.verifiers import ExactVerifier, FlyVerifier, RejectionVerifier, Verifier
-from flyspec.verifiers.base import build_verdict, draft_probs_or_one_hot
-from flyspec.verifiers.rejection import rejection_accept_mask
+from flyspec.verifiers.base import build_verdict
 
 VOCAB = 6
 NUM_SAMPLES = 5_000  # per case; ~0.2 ms per verify call keeps the file near 10 s
@@ -86,9 +86,7 @@ def first_token_p_value(verdicts: list[Verdict], probs: torch.Tensor) -> float:
 @pytest.mark.parametrize(("k", "num_samples"), [(1, 10_000), (3, 5_000)])
 def test_rejection_first_token_follows_target(k: int, num_samples: int) -> None:
     draft_probs = DRAFT_PROBS.expand(k, -1).clone()
-    verdicts = run_trials(
-        RejectionVerifier(), target_logits(k), UNIT, draft_probs, seed=k, num_samples=num_samples
-    )
+    verdicts = run_trials(RejectionVerifier(), target_logits(k), UNIT, draft_probs, seed=k, num_samples=num_samples)
     assert first_token_p_value(verdicts, TARGET_PROBS) > MIN_P_VALUE
     # Sanity: the draft distribution really differs, and some drafts really were rejected.
     assert first_token_p_value(verdicts, DRAFT_PROBS) < 1e-12
@@ -216,9 +214,7 @@ class TargetResampleVerifier:
     ) -> Verdict:
         target_probs = logits_to_probs(target_logits, sampling)
         draft_probs = draft_probs_or_one_hot(draft, VOCAB)
-        accept = rejection_accept_mask(
-            draft.tokens, draft_probs, target_probs, uniform((draft.num_tokens,), generator)
-        )
+        accept = rejection_accept_mask(draft.tokens, draft_probs, target_probs, uniform((draft.num_tokens,), generator))
         return build_verdict(
             draft.tokens, accept, torch.zeros_like(accept), lambda n: int(sample(target_probs[n], generator))
         )

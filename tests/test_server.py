@@ -22,12 +22,12 @@ from flyspec.api import build_decoder
 from flyspec.cli import build_parser, main
 from flyspec.config import ConfigError, DecodeConfig, FlyConfig, SamplingConfig, SpeculationConfig
 from flyspec.models import LoadedModel
+from flyspec.result import GenerationResult
 from flyspec.sampling import make_generator
 from flyspec.server.app import create_app
 from flyspec.server.command import settings_from_args
 from flyspec.server.errors import INTERNAL_ERROR_MESSAGE
 from flyspec.server.settings import ServerLimits, ServerSecurity, is_lossless
-from flyspec.types import GenerationResult
 from server_helpers import (
     MALFORMED_REQUESTS,
     WORDS,

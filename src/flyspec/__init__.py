@@ -37,10 +37,11 @@ from flyspec.drafters import (
 )
 from flyspec.models import DEFAULT_MODEL, LoadedModel, ModelLoadError, load_model
 from flyspec.resources import Resources
+from flyspec.result import GenerationResult
 from flyspec.sampling import make_generator
 from flyspec.stats import DecodeStats
 from flyspec.streaming import GenerationStream
-from flyspec.types import Draft, GenerationResult, LooseAccept, Verdict
+from flyspec.types import Draft, LooseAccept, Verdict
 from flyspec.verifiers import (
     ExactVerifier,
     FlyVerifier,

@@ -9,12 +9,13 @@ import torch
 
 from flyspec.baseline import PlainDecoder
 from flyspec.config import DecodeConfig, SamplingConfig, SpeculationConfig
-from flyspec.decoding import Prompt, SpeculativeDecoder
+from flyspec.decoding import SpeculativeDecoder
 from flyspec.drafters.registry import make_drafter
+from flyspec.generation import Prompt
 from flyspec.models import DEFAULT_MODEL, set_threads
 from flyspec.resources import ModelRef, Resources
+from flyspec.result import GenerationResult
 from flyspec.sampling import make_generator
-from flyspec.types import GenerationResult
 from flyspec.verifiers.registry import make_verifier
 
 

@@ -7,38 +7,25 @@ the speculative loop, so only the drafting and verification differ.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import torch
 
-from flyspec.config import DecodeConfig
-from flyspec.decoding import Decoder
+from flyspec.generation import Decoder, Generation
 from flyspec.sampling import choose_tokens
-from flyspec.stats import DecodeStats
-from flyspec.stopping import Stopper
 from flyspec.streaming import Step
 
 
 class PlainDecoder(Decoder):
     """Autoregressive decoding with the same interface as :class:`SpeculativeDecoder`."""
 
-    def _steps(
-        self,
-        prompt_ids: list[int],
-        config: DecodeConfig,
-        generator: torch.Generator | None,
-        stopper: Stopper,
-        stats: DecodeStats,
-    ) -> Iterator[Step]:
-        token_ids = self._prefill(prompt_ids, stats)
+    def _steps(self, generation: Generation) -> Iterator[Step]:
+        self._prefill(generation)
+        token_ids, sampling, generator = generation.token_ids, generation.config.sampling, generation.generator
         no_draft = torch.empty(0, dtype=torch.long)
-        while not stopper.finished:
-            started = time.perf_counter()
-            logits = self.target.score(token_ids[-1], no_draft)  # [1, vocab]
-            stats.target_time_s += time.perf_counter() - started
-            committed = stopper.commit([int(choose_tokens(logits[0], config.sampling, generator))])
-            token_ids += committed
-            stats.observe(0, None, len(committed))
+        while not generation.finished:
+            with generation.stats.timing("target"):
+                logits = self.target.score(token_ids[-1], no_draft)  # [1, vocab]
+            committed = generation.commit([int(choose_tokens(logits[0], sampling, generator))])
             self.target.rollback(len(token_ids))
             yield committed, ()

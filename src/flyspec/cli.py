@@ -20,8 +20,8 @@ from flyspec.cli_options import add_model_options, add_speculation_options, quie
 from flyspec.config import DEFAULT_MAX_NEW_TOKENS, ConfigError, DecodeConfig, SamplingConfig, SpeculationConfig
 from flyspec.models import set_threads
 from flyspec.resources import Resources
+from flyspec.result import GenerationResult
 from flyspec.sampling import make_generator
-from flyspec.types import GenerationResult
 from flyspec.verifiers.registry import LOSSLESS_VERIFIERS, VERIFIERS
 
 

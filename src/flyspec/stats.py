@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from flyspec.types import Verdict
 
@@ -28,6 +31,16 @@ class DecodeStats:
     # every committed loose accept, explained (types.LooseAccept + "index" into the output; texts added at the end)
     loose_accepts: list[dict[str, Any]] = field(default_factory=list)
     guard_vetoes: dict[str, int] = field(default_factory=dict)  # trust guard → loose accepts it refused
+
+    @contextmanager
+    def timing(self, phase: Literal["prefill", "draft", "target"]) -> Iterator[None]:
+        """Add the time spent in the block to ``<phase>_time_s``."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            name = f"{phase}_time_s"
+            setattr(self, name, getattr(self, name) + time.perf_counter() - started)
 
     def observe(
         self, num_proposed: int, verdict: Verdict | None, num_committed: int, requested: int | None = None

@@ -1,7 +1,9 @@
 """When a generation stops: max new tokens, an EOS token, or a stop string.
 
 Shared by speculative and plain decoding, so both truncate in exactly the same place even
-though speculative decoding commits several tokens at once.
+though speculative decoding commits several tokens at once. The output text is kept up to date
+incrementally (:class:`~flyspec.detokenize.CommittedText`): each step decodes a window at the
+end, not the whole output.
 """
 
 from __future__ import annotations
@@ -9,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
+
+from flyspec.detokenize import OVERLAP_TOKENS, CommittedText, TextCodec
 
 
 @dataclass
@@ -19,6 +23,10 @@ class Stopper:
     stop_strings: tuple[str, ...] = ()
     generated: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # None while running; then "length" | "eos" | "stop"
+
+    def __post_init__(self) -> None:
+        # decoded as tokenizer.decode(generated, skip_special_tokens=True) would, a window at a time
+        self._decoded = CommittedText(TextCodec(self.tokenizer, clean_up_spaces=None), OVERLAP_TOKENS)
 
     @property
     def finished(self) -> bool:
@@ -51,12 +59,17 @@ class Stopper:
 
     def text(self) -> str:
         """The generated text, cut before the first stop string."""
-        text = self.tokenizer.decode(self.generated, skip_special_tokens=True)
-        return cut_at_stop_string(text, self.stop_strings)
+        return cut_at_stop_string(self._full_text(), self.stop_strings)
+
+    def _full_text(self) -> str:
+        """The text of every generated token (stop strings included)."""
+        if self._decoded.ids != self.generated:
+            self._decoded.update(self.generated)
+        return self._decoded.text
 
     def _stop_string_end(self, start: int) -> int | None:
         """Fewest generated tokens whose text contains a stop string, if the new tokens complete one."""
-        text = self.tokenizer.decode(self.generated, skip_special_tokens=True)
+        text = self._full_text()
         if cut_at_stop_string(text, self.stop_strings) == text:
             return None
         for end in range(start + 1, len(self.generated) + 1):

@@ -1,15 +1,11 @@
-"""What passes between the stages: Drafter → Draft → Verifier → Verdict → GenerationResult."""
+"""What passes between the stages: Drafter → Draft → Verifier → Verdict (the result: ``result.py``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-
-if TYPE_CHECKING:
-    from flyspec.stats import DecodeStats
-
 
 # Where a draft token came from. The trust guards (verifiers/guard.py) treat copies and cache
 # entries differently from model drafts, and every loose accept reports its source.
@@ -111,19 +107,3 @@ class VerifyContext:
     @property
     def output_ids(self) -> list[int]:
         return self.token_ids[self.prompt_length :]
-
-
-@dataclass
-class GenerationResult:
-    """Output of one generation."""
-
-    text: str
-    token_ids: list[int]  # new tokens only (truncated at EOS / stop string / max_new_tokens)
-    prompt_token_ids: list[int]
-    stats: DecodeStats
-    finish_reason: str = "length"  # "length" | "eos" | "stop"
-    loose_token_indices: list[int] = field(default_factory=list)  # indices into token_ids
-
-    @property
-    def num_new_tokens(self) -> int:
-        return len(self.token_ids)

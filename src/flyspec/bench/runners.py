@@ -21,8 +21,8 @@ from flyspec.baseline import PlainDecoder
 from flyspec.bench.data import BenchPrompt
 from flyspec.bench.methods import Method
 from flyspec.config import DecodeConfig, GuardConfig, SamplingConfig, SpeculationConfig
-from flyspec.decoding import Decoder
 from flyspec.drafters.cross_tokenizer import tokenizers_match
+from flyspec.generation import Decoder
 from flyspec.models import LoadedModel
 from flyspec.resources import Resources
 from flyspec.sampling import make_generator

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from flyspec.acceptance import draft_probs_or_one_hot, num_leading_true, rejection_accept_mask, rejection_next_token
 from flyspec.cached_model import CachedModel
 from flyspec.config import NgramConfig, SamplingConfig
 from flyspec.drafters.base import Drafter
@@ -29,8 +30,6 @@ from flyspec.drafters.ngram import NgramDrafter
 from flyspec.models import LoadedModel
 from flyspec.sampling import logits_to_probs, uniform
 from flyspec.types import MODEL, Draft
-from flyspec.verifiers.base import draft_probs_or_one_hot, num_leading_true
-from flyspec.verifiers.rejection import rejection_accept_mask, rejection_next_token
 
 
 def check_proposal(

@@ -22,15 +22,15 @@ from typing import Any
 from flyspec.api import build_decoder
 from flyspec.baseline import PlainDecoder
 from flyspec.config import ConfigError, DecodeConfig, SpeculationConfig
-from flyspec.decoding import Decoder
 from flyspec.eval import fidelity, trust
 from flyspec.eval.data import EvalItem, LoadReport
 from flyspec.eval.methods import BASELINE, Method
 from flyspec.eval.tasks import PROMPT_FORMAT, Task, load_items
+from flyspec.generation import Decoder
 from flyspec.models import LoadedModel
 from flyspec.resources import Resources
+from flyspec.result import GenerationResult
 from flyspec.sampling import make_generator
-from flyspec.types import GenerationResult
 
 logger = logging.getLogger(__name__)
 

@@ -23,6 +23,7 @@ from starlette.types import Receive
 from flyspec import __version__
 from flyspec.config import ConfigError, SpeculationConfig
 from flyspec.models import LoadedModel
+from flyspec.result import GenerationResult
 from flyspec.server.engine import Engine, EngineHooks, Event, Job, QueueFullError, ShuttingDownError
 from flyspec.server.errors import APIError, from_config_error, install_error_handlers, internal_error
 from flyspec.server.lifecycle import Lifecycle
@@ -38,7 +39,6 @@ from flyspec.server.responses import Kind, ResponseBuilder, sse
 from flyspec.server.schemas import ChatCompletionRequest, CompletionRequest
 from flyspec.server.security import CORS, AuthMiddleware, HostCheckMiddleware, request_tenant
 from flyspec.server.settings import ServerLimits, ServerSecurity, describe
-from flyspec.types import GenerationResult
 
 GENERATION_ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 OTHER_ENDPOINTS = ("/v1/models", "/health", "/metrics")

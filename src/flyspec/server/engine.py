@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 from flyspec.api import make_generator
 from flyspec.config import ConfigError
-from flyspec.decoding import Decoder
+from flyspec.generation import Decoder
 from flyspec.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)

@@ -27,7 +27,8 @@ from pydantic import ValidationError
 
 from flyspec.api import build_decoder
 from flyspec.config import MODEL_DRAFTERS, ConfigError, DecodeConfig, SamplingConfig, SpeculationConfig
-from flyspec.decoding import SpeculativeDecoder, context_room
+from flyspec.decoding import SpeculativeDecoder
+from flyspec.generation import context_room
 from flyspec.models import LoadedModel
 from flyspec.resources import Resources
 from flyspec.server.caches import TenantCaches

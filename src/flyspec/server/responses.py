@@ -17,7 +17,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from flyspec.types import GenerationResult
+from flyspec.result import GenerationResult
 
 Kind = Literal["completion", "chat"]
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}

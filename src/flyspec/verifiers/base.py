@@ -50,6 +50,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from flyspec.acceptance import num_leading_true
 from flyspec.config import GuardConfig, SamplingConfig
 from flyspec.types import Draft, LooseAccept, Verdict, VerifyContext
 from flyspec.verifiers.guard import guard_loose_mask
@@ -79,13 +80,6 @@ class Verifier(Protocol):
         generator: torch.Generator | None,
         context: VerifyContext | None = None,
     ) -> Verdict: ...
-
-
-def num_leading_true(mask: torch.Tensor) -> int:
-    """Length of the all-True prefix of a 1-D bool mask."""
-    if mask.numel() == 0:
-        return 0
-    return int(mask.to(torch.int64).cumprod(0).sum())
 
 
 def build_verdict(
@@ -130,19 +124,3 @@ def loose_verdict(
         for j in verdict.loose_positions
     )
     return replace(verdict, loose=loose, vetoes=vetoes.get(verdict.num_accepted, ()))
-
-
-def draft_probs_or_one_hot(draft: Draft, vocab_size: int) -> torch.Tensor:
-    """``[k, vocab_size]`` draft probabilities; deterministic drafts are one-hot.
-
-    A draft model may have a padded vocabulary of another size than the target's (same
-    tokenizer): columns are cut or zero-padded to the target's size.
-    """
-    if draft.draft_probs is None:
-        return torch.nn.functional.one_hot(draft.tokens, vocab_size).float()
-    probs = draft.draft_probs.float()
-    if probs.shape[-1] > vocab_size:
-        return probs[:, :vocab_size]
-    if probs.shape[-1] < vocab_size:
-        return torch.nn.functional.pad(probs, (0, vocab_size - probs.shape[-1]))
-    return probs

@@ -13,15 +13,11 @@ from dataclasses import dataclass
 
 import torch
 
+from flyspec.acceptance import exact_accept_mask
 from flyspec.config import SamplingConfig
 from flyspec.sampling import choose_tokens
 from flyspec.types import Draft, Verdict, VerifyContext
 from flyspec.verifiers.base import build_verdict
-
-
-def exact_accept_mask(draft_tokens: torch.Tensor, target_tokens: torch.Tensor) -> torch.Tensor:
-    """``[k]`` bool: draft token equals the target's choice at its position (``target_tokens``: ``[k+1]``)."""
-    return draft_tokens == target_tokens[: draft_tokens.shape[0]]
 
 
 @dataclass(frozen=True)

@@ -15,45 +15,11 @@ from dataclasses import dataclass
 
 import torch
 
+from flyspec.acceptance import draft_probs_or_one_hot, exact_accept_mask, rejection_accept_mask, rejection_next_token
 from flyspec.config import SamplingConfig
-from flyspec.sampling import logits_to_probs, sample, uniform
+from flyspec.sampling import logits_to_probs, uniform
 from flyspec.types import Draft, Verdict, VerifyContext
-from flyspec.verifiers.base import build_verdict, draft_probs_or_one_hot
-from flyspec.verifiers.exact import exact_accept_mask
-
-
-def rejection_accept_mask(
-    draft_tokens: torch.Tensor,  # [k]
-    draft_probs: torch.Tensor,  # [k, vocab]
-    target_probs: torch.Tensor,  # [k (+1), vocab]
-    uniforms: torch.Tensor,  # [k] in [0, 1)
-) -> torch.Tensor:
-    """``[k]`` bool: ``u_i < target_probs[i, d_i] / draft_probs[i, d_i]``."""
-    k = draft_tokens.shape[0]
-    index = draft_tokens.unsqueeze(-1)
-    target_p = target_probs[:k].gather(-1, index).squeeze(-1)
-    draft_p = draft_probs.gather(-1, index).squeeze(-1)
-    # A drawn token has draft_p > 0; the clamp only guards against a drafter that lies about it.
-    return uniforms * draft_p.clamp_min(1e-20) < target_p
-
-
-def residual_probs(target_row: torch.Tensor, draft_row: torch.Tensor) -> torch.Tensor:
-    """``normalize(max(0, target - draft))`` (``[vocab]``); the target row when they are equal."""
-    residual = (target_row - draft_row).clamp_min(0)
-    total = residual.sum()
-    return residual / total if total > 0 else target_row
-
-
-def rejection_next_token(
-    position: int,
-    target_probs: torch.Tensor,  # [k + 1, vocab]
-    draft_probs: torch.Tensor,  # [k, vocab]
-    generator: torch.Generator | None,
-) -> int:
-    """Recovered token at a rejected ``position < k`` (residual), bonus token at ``position == k``."""
-    if position == draft_probs.shape[0]:
-        return int(sample(target_probs[position], generator))
-    return int(sample(residual_probs(target_probs[position], draft_probs[position]), generator))
+from flyspec.verifiers.base import build_verdict
 
 
 def strict_base_rule(

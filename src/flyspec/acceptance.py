@@ -1,0 +1,75 @@
+"""Acceptance math shared by verifiers and by drafters that check a proposal (stack levels).
+
+Pure tensor-in/tensor-out functions; terms as in the glossary of ``verifiers/base.py``. A draft
+model checking its proposer's tokens applies the same rules as a verifier checking a draft, so
+these live below both: drafters never import verifiers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flyspec.sampling import sample
+from flyspec.types import Draft
+
+
+def num_leading_true(mask: torch.Tensor) -> int:
+    """Length of the all-True prefix of a 1-D bool mask."""
+    if mask.numel() == 0:
+        return 0
+    return int(mask.to(torch.int64).cumprod(0).sum())
+
+
+def exact_accept_mask(draft_tokens: torch.Tensor, target_tokens: torch.Tensor) -> torch.Tensor:
+    """``[k]`` bool: draft token equals the target's choice at its position (``target_tokens``: ``[k+1]``)."""
+    return draft_tokens == target_tokens[: draft_tokens.shape[0]]
+
+
+def rejection_accept_mask(
+    draft_tokens: torch.Tensor,  # [k]
+    draft_probs: torch.Tensor,  # [k, vocab]
+    target_probs: torch.Tensor,  # [k (+1), vocab]
+    uniforms: torch.Tensor,  # [k] in [0, 1)
+) -> torch.Tensor:
+    """``[k]`` bool: ``u_i < target_probs[i, d_i] / draft_probs[i, d_i]``."""
+    k = draft_tokens.shape[0]
+    index = draft_tokens.unsqueeze(-1)
+    target_p = target_probs[:k].gather(-1, index).squeeze(-1)
+    draft_p = draft_probs.gather(-1, index).squeeze(-1)
+    # A drawn token has draft_p > 0; the clamp only guards against a drafter that lies about it.
+    return uniforms * draft_p.clamp_min(1e-20) < target_p
+
+
+def residual_probs(target_row: torch.Tensor, draft_row: torch.Tensor) -> torch.Tensor:
+    """``normalize(max(0, target - draft))`` (``[vocab]``); the target row when they are equal."""
+    residual = (target_row - draft_row).clamp_min(0)
+    total = residual.sum()
+    return residual / total if total > 0 else target_row
+
+
+def rejection_next_token(
+    position: int,
+    target_probs: torch.Tensor,  # [k + 1, vocab]
+    draft_probs: torch.Tensor,  # [k, vocab]
+    generator: torch.Generator | None,
+) -> int:
+    """Recovered token at a rejected ``position < k`` (residual), bonus token at ``position == k``."""
+    if position == draft_probs.shape[0]:
+        return int(sample(target_probs[position], generator))
+    return int(sample(residual_probs(target_probs[position], draft_probs[position]), generator))
+
+
+def draft_probs_or_one_hot(draft: Draft, vocab_size: int) -> torch.Tensor:
+    """``[k, vocab_size]`` draft probabilities; deterministic drafts are one-hot.
+
+    A draft model may have a padded vocabulary of another size than the target's (same
+    tokenizer): columns are cut or zero-padded to the target's size.
+    """
+    if draft.draft_probs is None:
+        return torch.nn.functional.one_hot(draft.tokens, vocab_size).float()
+    probs = draft.draft_probs.float()
+    if probs.shape[-1] > vocab_size:
+        return probs[:, :vocab_size]
+    if probs.shape[-1] < vocab_size:
+        return torch.nn.functional.pad(probs, (0, vocab_size - probs.shape[-1]))
+    return probs

@@ -1,0 +1,134 @@
+"""One generation: its state (:class:`Generation`), and the front end every decoder shares.
+
+:class:`Decoder` turns a prompt (text, chat or ids) into token ids, makes the generation's
+:class:`Stopper` and statistics, and wraps the subclass's loop (``_steps``) in a
+:class:`GenerationStream`. The loops live in ``decoding.py`` (speculative) and ``baseline.py``
+(plain); neither encodes, detokenizes or streams.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from flyspec.config import ConfigError, DecodeConfig
+from flyspec.draft_length import DraftLength
+from flyspec.models import LoadedModel
+from flyspec.result import GenerationResult
+from flyspec.stats import DecodeStats
+from flyspec.stopping import Stopper
+from flyspec.streaming import GenerationStream, Step
+from flyspec.target import Target
+from flyspec.types import Verdict
+
+Prompt = str | list[dict[str, str]] | list[int]
+
+
+def encode(target: LoadedModel, prompt: Prompt, use_chat: bool | None) -> list[int]:
+    """Token ids for a string, a chat (list of messages) or already-tokenized ids."""
+    if isinstance(prompt, list) and prompt and all(isinstance(token, int) for token in prompt):
+        return list(prompt)  # type: ignore[arg-type]
+    if isinstance(prompt, list) and not prompt:
+        raise ConfigError("the prompt is empty; give some text to continue")
+    return target.encode_prompt(prompt, use_chat)  # type: ignore[arg-type]
+
+
+def context_room(target: LoadedModel, num_tokens: int) -> int:
+    """How many more positions the target's context window allows."""
+    limit = getattr(target.model.config, "max_position_embeddings", None)
+    return limit - num_tokens if limit else 1 << 30
+
+
+def make_stopper(target: LoadedModel, config: DecodeConfig, prompt_length: int) -> Stopper:
+    room = context_room(target, prompt_length)
+    if room < 1:
+        raise ConfigError(f"the prompt ({prompt_length} tokens) fills the model's context window; shorten it")
+    eos_token_ids = frozenset() if config.ignore_eos else target.eos_token_ids
+    return Stopper(target.tokenizer, eos_token_ids, min(config.max_new_tokens, room), config.stop_strings)
+
+
+@dataclass
+class Generation:
+    """Everything one generation changes while it runs; made per call, so nothing outlives it."""
+
+    prompt_ids: list[int]
+    config: DecodeConfig
+    generator: torch.Generator | None  # seeds sampling (T>0); greedy decoding draws nothing
+    stopper: Stopper
+    draft_length: DraftLength | None = None  # speculative decoding only
+    stats: DecodeStats = field(default_factory=DecodeStats)
+    token_ids: list[int] = field(init=False)  # prompt + committed tokens, appended in place
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.stopper.finished
+
+    def draft_budget(self) -> tuple[int, int]:
+        """(draft length asked for, tokens that may be drafted): never past the length limit,
+        since the last slot is the recovered/bonus token."""
+        assert self.draft_length is not None, "plain decoding drafts nothing"
+        requested = self.draft_length.next()
+        return requested, min(requested, self.stopper.remaining - 1)
+
+    def commit(
+        self, tokens: list[int], verdict: Verdict | None = None, num_drafted: int = 0, requested: int | None = None
+    ) -> list[int]:
+        """Commit ``tokens`` up to the first stop condition and record the step; return what was committed."""
+        committed = self.stopper.commit(tokens)
+        self.token_ids += committed
+        self.stats.observe(num_drafted, verdict, len(committed), requested=requested)
+        if self.draft_length is not None and verdict is not None:
+            self.draft_length.observe(num_drafted, verdict.num_accepted)
+        return committed
+
+
+class Decoder:
+    """Shared front end: prompt encoding, stopping, statistics and streaming around ``_steps``."""
+
+    def __init__(self, target: LoadedModel, config: DecodeConfig | None = None) -> None:
+        self.loaded = target
+        self.target = Target(target)
+        self.config = config or DecodeConfig()
+
+    def generate(self, prompt: Prompt, **options) -> GenerationResult:
+        """Generate and return the result. Options as for :meth:`stream`."""
+        return self.stream(prompt, **options).collect()
+
+    def stream(
+        self,
+        prompt: Prompt,
+        *,
+        config: DecodeConfig | None = None,
+        generator: torch.Generator | None = None,
+        use_chat: bool | None = None,
+    ) -> GenerationStream:
+        """Iterate the returned stream for text pieces; its ``result`` is set at the end.
+
+        ``generator`` seeds sampling (T>0); greedy decoding draws no random numbers.
+        """
+        config = config or self.config
+        self.validate(config)
+        prompt_ids = encode(self.loaded, prompt, use_chat)
+        stopper = make_stopper(self.loaded, config, len(prompt_ids))
+        generation = Generation(prompt_ids, config, generator, stopper, self.new_draft_length())
+        return GenerationStream(self._steps(generation), generation.stopper, generation.stats, prompt_ids)
+
+    def validate(self, config: DecodeConfig) -> None:
+        """Checks that need the decode config together with the decoder's components."""
+
+    def new_draft_length(self) -> DraftLength | None:
+        """A generation's draft-length policy (None: this decoder drafts nothing)."""
+        return None
+
+    def _prefill(self, generation: Generation) -> None:
+        """Start the target on the prompt (the first step scores its last token)."""
+        with generation.stats.timing("prefill"):
+            self.target.start(generation.prompt_ids)
+
+    def _steps(self, generation: Generation) -> Iterator[Step]:
+        raise NotImplementedError
