@@ -15,9 +15,9 @@ from flyspec.bench.runners import RunSettings
 from flyspec.bench.vllm import VllmRunner, unavailable_reason, venv_python
 from flyspec.config import ConfigError, DecodeConfig, SamplingConfig
 from flyspec.models import LoadedModel
+from flyspec.result import GenerationResult
 from flyspec.stats import DecodeStats
 from flyspec.stopping import Stopper
-from flyspec.types import GenerationResult
 
 BENCH_METHOD = {"vllm-fly": "vllm-ngram+fly", "vllm-fly+bare": "vllm-ngram+fly+bare"}
 

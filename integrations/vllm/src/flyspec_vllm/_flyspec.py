@@ -1,9 +1,9 @@
 """Everything the plugin takes from flyspec, imported in this one place (the core API may move)."""
 
+from flyspec.acceptance import num_leading_true
 from flyspec.config import ConfigError, FlyConfig, GuardConfig, NgramConfig
 from flyspec.drafters.ngram import ngram_lookup
 from flyspec.types import Draft, VerifyContext
-from flyspec.verifiers.base import num_leading_true
 from flyspec.verifiers.fly import fly_candidates
 from flyspec.verifiers.guard import guard_loose_mask
 from flyspec.verifiers.tokens import Vocabulary
