@@ -326,3 +326,11 @@ def test_real_smollm2_calibrated_layer_skip_is_lossless() -> None:
     report = drafter.report()
     assert report["skip_layers"] and 0 not in report["skip_layers"] and 29 not in report["skip_layers"]
     assert report["calibration"]["num_forwards"] <= 16
+
+
+def test_calibration_tokens_reach_the_calibration(tokenizer) -> None:
+    target = with_noop_layers(make_tiny_model(tokenizer, seed=6, layers=6), (1, 3))
+    prompt_ids = list(range(3, 60))
+    short = calibrate_skip_layers(target, prompt_ids, 4, LayerSkipConfig(calibration_tokens=16))
+    assert short.num_tokens == 16
+    assert calibrate_skip_layers(target, prompt_ids, 4).num_tokens == len(prompt_ids)

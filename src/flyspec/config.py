@@ -113,8 +113,10 @@ class LayerSkipConfig:
     """
 
     skip_layers: tuple[int, ...] | None = None
+    calibration_tokens: int = 64  # prompt tokens the calibration forward reads (the last ones)
 
     def __post_init__(self) -> None:
+        _require(self.calibration_tokens >= 8, f"calibration_tokens must be >= 8 (got {self.calibration_tokens})")
         if self.skip_layers is not None:
             _require(
                 all(layer >= 0 for layer in self.skip_layers),

@@ -10,7 +10,7 @@ stop come with it), on a cache that keeps every position (``CachedModel(full_his
 
 Calibration (``skip_layers=None``) runs on the first prompt the drafter sees, once per target model:
 
-1. One full forward over up to ``MAX_CALIBRATION_TOKENS`` prompt tokens gives the reference greedy tokens
+1. One full forward over up to ``LayerSkipConfig.calibration_tokens`` prompt tokens gives the reference greedy tokens
    and each layer's Block Influence, ``1 - cos(layer input, layer output)`` averaged over positions
    (ShortGPT, Men et al. 2024): layers that barely change the residual stream rank first. The first and
    last layers are never candidates.
@@ -51,7 +51,6 @@ from flyspec.types import Draft
 logger = logging.getLogger(__name__)
 
 MIN_CALIBRATION_TOKENS = 16
-MAX_CALIBRATION_TOKENS = 64
 SCAN_PATIENCE = 2  # evaluated sizes worse than the best before the coarse scan stops
 CALIBRATION_TEXT = (
     "The quick brown fox jumps over the lazy dog. Speculative decoding lets a cheap draft propose several "
@@ -200,12 +199,12 @@ class Calibration:
     seconds: float
 
 
-def calibration_ids(target: LoadedModel, prompt_ids: Sequence[int]) -> list[int]:
-    """The last ``MAX_CALIBRATION_TOKENS`` prompt tokens; a short prompt is followed by ``CALIBRATION_TEXT``."""
+def calibration_ids(target: LoadedModel, prompt_ids: Sequence[int], max_tokens: int) -> list[int]:
+    """The last ``max_tokens`` prompt tokens; a short prompt is followed by ``CALIBRATION_TEXT``."""
     if len(prompt_ids) >= MIN_CALIBRATION_TOKENS:
-        return list(prompt_ids[-MAX_CALIBRATION_TOKENS:])
+        return list(prompt_ids[-max_tokens:])
     text_ids = target.tokenizer(CALIBRATION_TEXT, add_special_tokens=False)["input_ids"]
-    return [*prompt_ids, *map(int, text_ids)][:MAX_CALIBRATION_TOKENS]
+    return [*prompt_ids, *map(int, text_ids)][:max_tokens]
 
 
 def _greedy_tokens(view: LoadedModel, input_ids: torch.Tensor) -> torch.Tensor:
@@ -235,7 +234,10 @@ def _reference_and_influence(target: LoadedModel, input_ids: torch.Tensor) -> tu
 
 @torch.inference_mode()
 def calibrate_skip_layers(
-    target: LoadedModel, prompt_ids: Sequence[int], num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS
+    target: LoadedModel,
+    prompt_ids: Sequence[int],
+    num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS,
+    config: LayerSkipConfig | None = None,
 ) -> Calibration:
     """Choose the skip set with the best predicted speedup on this prompt (uncached; see module doc)."""
     started = time.perf_counter()
@@ -245,7 +247,7 @@ def calibrate_skip_layers(
             f"model {target.name!r} has {num_layers} layers; calibration keeps the first and last, so it needs "
             "at least 3: give skip layers explicitly"
         )
-    ids = calibration_ids(target, prompt_ids)
+    ids = calibration_ids(target, prompt_ids, (config or LayerSkipConfig()).calibration_tokens)
     device = next(target.model.parameters()).device
     input_ids = torch.tensor([ids], dtype=torch.long, device=device)  # [1, n]
     reference, influence = _reference_and_influence(target, input_ids)
@@ -282,17 +284,22 @@ class Calibrations:
     """
 
     def __init__(self) -> None:
-        self._by_model: weakref.WeakKeyDictionary[nn.Module, dict[int, Calibration]] = weakref.WeakKeyDictionary()
+        self._by_model: weakref.WeakKeyDictionary[nn.Module, dict[tuple[int, int], Calibration]] = (
+            weakref.WeakKeyDictionary()
+        )
         self._lock = threading.Lock()
 
-    def get(self, target: LoadedModel, prompt_ids: Sequence[int], num_draft_tokens: int) -> tuple[Calibration, bool]:
+    def get(
+        self, target: LoadedModel, prompt_ids: Sequence[int], num_draft_tokens: int, config: LayerSkipConfig
+    ) -> tuple[Calibration, bool]:
         """(The calibration for ``num_draft_tokens``, whether it was reused); calibrates on this prompt if new."""
+        key = (num_draft_tokens, config.calibration_tokens)
         with self._lock:
             per_model = self._by_model.setdefault(target.model, {})
-            if num_draft_tokens in per_model:
-                return per_model[num_draft_tokens], True
-            calibration = calibrate_skip_layers(target, prompt_ids, num_draft_tokens)
-            per_model[num_draft_tokens] = calibration
+            if key in per_model:
+                return per_model[key], True
+            calibration = calibrate_skip_layers(target, prompt_ids, num_draft_tokens, config)
+            per_model[key] = calibration
         logger.info("layer-skip calibrated %s: %s", target.name, calibration)
         return calibration, False
 
@@ -349,7 +356,7 @@ class LayerSkipDrafter:
     def reset(self, prompt_ids: list[int]) -> None:
         if self.drafter is None:
             self.calibration, self.calibration_reused = self.calibrations.get(
-                self.target, prompt_ids, self.calibration_draft_tokens
+                self.target, prompt_ids, self.calibration_draft_tokens, self.config
             )
             self._build(self.calibration.skip_layers)
         self._ready().reset(prompt_ids)
