@@ -187,7 +187,7 @@ def speculation_config(args: argparse.Namespace) -> SpeculationConfig:
     return base.with_options({**options, "protect": protect, "bare_rule": getattr(args, "bare_rule", None)})
 
 
-# the flags that map one-to-one onto a SpeculationConfig field (config.FLAT_OPTIONS)
+# the flags that map one-to-one onto a SpeculationConfig field (config_mapping.FLAT_OPTIONS)
 FLAG_NAMES = (
     "drafter",
     "verifier",

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import types
-import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from flyspec.config_mapping import FLAT_OPTIONS, floats, from_vllm, jsonable, replaced
+from flyspec.config_mapping import ConfigError as ConfigError  # re-exported: raised by every config here
+from flyspec.config_mapping import require as _require
 
 # FLy reference config (AMD-AGI/FLy): 15 draft tokens, window 6, entropy threshold 0.3 over the
 # target's top-3 probabilities.
@@ -20,15 +22,6 @@ DEFAULT_NUM_DRAFT_TOKENS = 15
 DEFAULT_MAX_NEW_TOKENS = 128
 DEFAULT_NUM_PROPOSAL_TOKENS = 6  # tokens a stack level checks per forward (FLy's multi-level drafter)
 GREEDY_BELOW = 1e-5  # temperatures below this are greedy (SamplingConfig)
-
-
-class ConfigError(ValueError):
-    """A user-facing configuration mistake; the message says how to fix it."""
-
-
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise ConfigError(message)
 
 
 @dataclass(frozen=True)
@@ -280,7 +273,7 @@ class SpeculationConfig:
     :func:`flyspec.api.build_decoder` takes it. ``draft_model`` and the ``stack`` levels are names
     (packaged name, path, hub id) that the caller's :class:`flyspec.resources.Resources` resolves.
     ``num_proposal_tokens``: tokens a stack level checks per forward (multilevel, stack).
-    :meth:`from_dict` also reads vLLM's ``speculative_config`` key names (see ``VLLM_KEYS``).
+    :meth:`from_dict` also reads vLLM's ``speculative_config`` key names (see ``config_mapping.VLLM_KEYS``).
     """
 
     drafter: str = "ngram"
@@ -312,7 +305,7 @@ class SpeculationConfig:
             self.drafter != "stack" or bool(self.stack),
             "drafter 'stack' needs its levels, bottom first: e.g. --stack ngram,DRAFT_MODEL",
         )
-        for name, value in _floats(self):
+        for name, value in floats(self):
             # configs are written to JSON (responses, run metadata): JSON has no NaN or Infinity
             _require(math.isfinite(value), f"{name} must be a finite number (got {value})")
 
@@ -330,12 +323,12 @@ class SpeculationConfig:
 
         An unknown key is an error naming the known ones, never silently ignored.
         """
-        flat = _from_vllm(mapping)
-        return _replaced(base or cls(), flat, "speculative config")
+        flat = from_vllm(mapping)
+        return replaced(base or cls(), flat, "speculative config")
 
     def to_dict(self) -> dict[str, Any]:
         """Every field, nested, JSON-ready; ``from_dict(to_dict())`` gives the same config."""
-        return _jsonable(dataclasses.asdict(self))
+        return jsonable(dataclasses.asdict(self))
 
     def to_vllm(self) -> dict[str, Any]:
         """The settings vLLM's ``speculative_config`` can express, under vLLM's key names."""
@@ -356,7 +349,7 @@ class SpeculationConfig:
     def with_options(self, options: Mapping[str, Any], where: str = "") -> SpeculationConfig:
         """This config with flat options (CLI flags, a server request's ``speculative`` fields) applied.
 
-        ``options`` keys are :data:`FLAT_OPTIONS` names plus ``protect`` and ``bare_rule``; ``None``
+        ``options`` keys are ``config_mapping.FLAT_OPTIONS`` names plus ``protect`` and ``bare_rule``; ``None``
         values are left out. ``where`` prefixes names in messages (``"speculative."`` for requests).
         """
         given = {name: value for name, value in options.items() if value is not None}
@@ -366,127 +359,9 @@ class SpeculationConfig:
                 continue
             *component, field_name = FLAT_OPTIONS[name].split(".")
             (nested.setdefault(component[0], {}) if component else nested)[field_name] = value
-        config = _replaced(self, nested, "speculative config")
+        config = replaced(self, nested, "speculative config")
         guard = config.guard.with_options(given.get("protect"), given.get("bare_rule"), where)
         return dataclasses.replace(config, guard=guard)
 
 
-# Flat option names (``--window-size``, a request's ``speculative.window_size``) → SpeculationConfig field.
-FLAT_OPTIONS = {
-    "drafter": "drafter",
-    "verifier": "verifier",
-    "num_draft_tokens": "num_draft_tokens",
-    "draft_model": "draft_model",
-    "stack": "stack",
-    "num_proposal_tokens": "num_proposal_tokens",
-    "window_size": "fly.window_size",
-    "entropy_threshold": "fly.entropy_threshold",
-    "fly_temperature_rule": "fly.temperature_rule",
-    "margin_ratio": "margin.logit_ratio",
-    "typical_epsilon": "typical.epsilon",
-    "typical_delta": "typical.delta",
-    "max_ngram": "ngram.max_ngram",
-    "min_ngram": "ngram.min_ngram",
-    "ngram_cache_entries": "ngram_cache.max_entries",
-    "skip_layers": "layer_skip.skip_layers",
-    "adaptive_draft": "draft_length.adaptive",
-    "min_draft_tokens": "draft_length.min_tokens",
-    "draft_confidence": "draft_length.confidence_threshold",
-}
 _LEVEL_KEYWORDS = ("ngram", "ngram-cache", "layer-skip")
-
-# vLLM ``speculative_config`` key → flyspec field (dotted: a component's field). Names as in vLLM's
-# docs (docs.vllm.ai, features/speculative_decoding: n_gram, draft_model and fly pages).
-VLLM_KEYS = {
-    "num_speculative_tokens": "num_draft_tokens",
-    "model": "draft_model",
-    "prompt_lookup_max": "ngram.max_ngram",
-    "prompt_lookup_min": "ngram.min_ngram",
-    "fly_window_size": "fly.window_size",
-    "fly_entropy_threshold": "fly.entropy_threshold",
-    "fly_entropy_top_k": "fly.entropy_top_k",
-}
-VLLM_METHODS = {"ngram": "ngram", "draft_model": "draft-model"}  # vLLM ``method`` → flyspec drafter
-
-
-def _from_vllm(mapping: Mapping[str, Any]) -> dict[str, Any]:
-    """``mapping`` with vLLM's keys turned into flyspec's (nested dicts for component fields)."""
-    out: dict[str, Any] = {}
-    for key, value in mapping.items():
-        if key == "method":
-            _require(
-                value in VLLM_METHODS,
-                f"vLLM method {value!r} has no flyspec drafter; use one of {', '.join(VLLM_METHODS)} "
-                "or flyspec's own key 'drafter'",
-            )
-            out["drafter"] = VLLM_METHODS[value]
-        elif key == "rejection_sample_method":
-            # vLLM's FLy switch; its default (strict rejection sampling) is flyspec's lossless default
-            _require(value == "fly", f"rejection_sample_method {value!r} is not supported; use 'fly' or leave it out")
-            out["verifier"] = "fly"
-        elif key in VLLM_KEYS:
-            *component, name = VLLM_KEYS[key].split(".")
-            target = out.setdefault(component[0], {}) if component else out
-            target[name] = value
-        else:
-            if isinstance(value, Mapping) and isinstance(out.get(key), dict):
-                value = {**out[key], **value}
-            out[key] = value
-    return out
-
-
-def _replaced(config: Any, fields: Mapping[str, Any], where: str) -> Any:
-    """``dataclasses.replace`` that recurses into nested config dataclasses and turns lists into tuples."""
-    known = {item.name: item for item in dataclasses.fields(config)}
-    changes: dict[str, Any] = {}
-    hints = typing.get_type_hints(type(config))
-    for name, value in fields.items():
-        _require(
-            name in known,
-            f"unknown {where} key {name!r}; known: {', '.join(known)}"
-            + (
-                f", and vLLM's {', '.join(['method', 'rejection_sample_method', *VLLM_KEYS])}"
-                if where == "speculative config"
-                else ""
-            ),
-        )
-        current = getattr(config, name)
-        if dataclasses.is_dataclass(current) and isinstance(value, Mapping):
-            changes[name] = _replaced(current, value, f"{where} {name}")
-        else:
-            changes[name] = _coerced(value, hints[name], f"{where} {name}")
-    return dataclasses.replace(config, **changes)
-
-
-def _coerced(value: Any, hint: Any, where: str) -> Any:
-    """A JSON value as the field's type wants it: lists become tuples, ints are floats where floats are due."""
-    if isinstance(value, list):
-        return tuple(value)
-    options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
-    if isinstance(value, int) and not isinstance(value, bool) and float in options and int not in options:
-        return float(value)
-    wanted = tuple(option for option in options if isinstance(option, type) and option is not type(None))
-    acceptable = value is None and type(None) in options
-    if not acceptable and wanted and not isinstance(value, wanted):
-        raise ConfigError(f"{where} must be {' or '.join(option.__name__ for option in wanted)} (got {value!r})")
-    return value
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {key: _jsonable(inner) for key, inner in value.items()}
-    if isinstance(value, tuple | list):
-        return [_jsonable(inner) for inner in value]
-    return value
-
-
-def _floats(value: object, prefix: str = "") -> list[tuple[str, float]]:
-    """Every float field of a (nested) dataclass, as ``(dotted name, value)``."""
-    found: list[tuple[str, float]] = []
-    for item in dataclasses.fields(value):  # type: ignore[arg-type]
-        inner = getattr(value, item.name)
-        if isinstance(inner, float):
-            found.append((prefix + item.name, inner))
-        elif dataclasses.is_dataclass(inner):
-            found.extend(_floats(inner, f"{prefix}{item.name}."))
-    return found

@@ -39,13 +39,18 @@ def score_table(summary: dict[str, Any]) -> list[str]:
     return lines
 
 
-def fidelity_table(summary: dict[str, Any]) -> list[str]:
+def _method_rows(summary: dict[str, Any]) -> list[tuple[str, str, dict[str, Any]]]:
+    """``(task, method, result)`` for every task × method, then the all-tasks rows."""
     rows = [
         (task, method, result)
         for task, entry in summary["tasks"].items()
         for method, result in entry["methods"].items()
     ]
-    rows += [("**all tasks**", method, result) for method, result in summary.get("all_tasks", {}).items()]
+    return rows + [("**all tasks**", method, result) for method, result in summary.get("all_tasks", {}).items()]
+
+
+def fidelity_table(summary: dict[str, Any]) -> list[str]:
+    rows = _method_rows(summary)
     lines = [
         "| task | method | n | identical | MiniLM similarity | token agreement | log-lik (method / plain) "
         "| tok/s (method / plain) | speedup [95% CI] | τ | loose / 100 tok |",
@@ -71,12 +76,7 @@ def _rate_cell(entry: dict[str, Any] | None) -> str:
 
 
 def trust_table(summary: dict[str, Any]) -> list[str]:
-    rows = [
-        (task, method, result)
-        for task, entry in summary["tasks"].items()
-        for method, result in entry["methods"].items()
-    ]
-    rows += [("**all tasks**", method, result) for method, result in summary.get("all_tasks", {}).items()]
+    rows = _method_rows(summary)
     lines = [
         "| task | method | n | meaning changed [95% CI] | changed | new loop [95% CI] | loops |",
         "|---|---|---:|---|---:|---|---:|",
