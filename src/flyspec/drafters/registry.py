@@ -27,11 +27,11 @@ from flyspec.drafters.layer_skip import LayerSkipDrafter
 from flyspec.drafters.ngram import NgramDrafter
 from flyspec.drafters.ngram_cache import NgramCacheDrafter
 from flyspec.models import LoadedModel
+from flyspec.names import DRAFTERS
 
 if TYPE_CHECKING:
     from flyspec.resources import Resources
 
-DRAFTERS = ("ngram", "ngram-cache", "draft-model", "multilevel", "layer-skip", "stack")
 NGRAM_LEVELS = ("ngram", "ngram-cache")
 LAYER_SKIP = "layer-skip"
 Level = str | LoadedModel  # an n-gram level name, "layer-skip", or a loaded draft model

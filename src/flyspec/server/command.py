@@ -14,6 +14,7 @@ from pathlib import Path
 
 from flyspec.cli_options import add_model_options, add_speculation_options, speculation_config
 from flyspec.config import ConfigError, SpeculationConfig
+from flyspec.extras import require_extra
 from flyspec.server.settings import (
     ALLOW_REQUEST_SPECULATIVE,
     LOOPBACK_HOSTS,
@@ -198,6 +199,7 @@ def settings_from_args(args: argparse.Namespace) -> tuple[SpeculationConfig, Ser
 
 def run(args: argparse.Namespace) -> int:
     """Load the model(s), check the defaults once, and serve until interrupted."""
+    require_extra("serve", "flyspec serve")
     defaults, limits = settings_from_args(args)
     security = security_from_args(args)
     from flyspec.api import build_decoder  # heavy imports only when serving
