@@ -11,18 +11,17 @@ import json
 import logging
 import shlex
 import sys
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from flyspec import __version__
-from flyspec.api import build_decoder
-from flyspec.baseline import PlainDecoder
 from flyspec.cli_options import add_model_options, add_speculation_options, quiet_transformers, speculation_config
 from flyspec.config import DEFAULT_MAX_NEW_TOKENS, ConfigError, DecodeConfig, SamplingConfig, SpeculationConfig
-from flyspec.models import set_threads
 from flyspec.names import LOSSLESS_VERIFIERS, VERIFIERS
-from flyspec.resources import Resources
-from flyspec.result import GenerationResult
-from flyspec.sampling import make_generator
+
+if TYPE_CHECKING:
+    from flyspec.result import GenerationResult
+
+# torch and transformers are imported by the command handlers, never here: `flyspec --help` stays instant
 
 
 class ErrorParser(argparse.ArgumentParser):
@@ -105,6 +104,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from flyspec.api import build_decoder
+    from flyspec.baseline import PlainDecoder
+    from flyspec.models import set_threads
+    from flyspec.resources import Resources
+    from flyspec.sampling import make_generator
+
     if not args.prompt.strip():
         raise ConfigError("the prompt is empty; give some text to continue")
     set_threads(args.threads)
