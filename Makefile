@@ -27,6 +27,7 @@ demo: setup
 
 test: setup
 	$(VENV)/bin/ruff check .
+	$(PY) -m mypy src
 	$(PY) -m pytest -q
 
 vllm-setup: $(VLLM_STAMP)

@@ -88,8 +88,9 @@ class _StackBuilder:
             assert isinstance(model, LoadedModel)
             proposer = self._translated(below, below_model, model)
             below, below_model = self._model_level(level, model, proposer), model
-        assert below is not None
-        return self._translated(below, below_model, self.target)
+        top = self._translated(below, below_model, self.target)
+        assert top is not None  # levels is never empty
+        return top
 
     def _model_at(self, levels: Sequence[Level], position: int) -> LoadedModel:
         """The model that verifies level ``position - 1``'s proposals (the target above the top)."""
