@@ -16,8 +16,9 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
 
 def _imported(importtime_stderr: str) -> set[str]:
     """Top-level module names from ``python -X importtime`` output (``import time: self | total | name``)."""
-    lines = (line.rsplit("|", 1)[-1].strip() for line in importtime_stderr.splitlines() if line.startswith("import time"))
-    return {name.split(".")[0] for name in lines}
+    lines = importtime_stderr.splitlines()
+    names = (line.rsplit("|", 1)[-1].strip() for line in lines if line.startswith("import time"))
+    return {name.split(".")[0] for name in names}
 
 
 @pytest.mark.parametrize("argv", [["--version"], ["--help"], ["generate", "--help"], ["serve", "--help"]])

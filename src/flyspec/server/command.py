@@ -202,11 +202,12 @@ def run(args: argparse.Namespace) -> int:
     require_extra("serve", "flyspec serve")
     defaults, limits = settings_from_args(args)
     security = security_from_args(args)
-    from flyspec.api import build_decoder  # heavy imports only when serving
+    from flyspec.api import build_decoder, checked_verifier  # heavy imports only when serving
     from flyspec.models import load_model
     from flyspec.server.app import create_app
     from flyspec.server.lifecycle import GracefulServer, server_config
 
+    checked_verifier(defaults)  # option errors that need no model come before loading one
     logging.getLogger("flyspec").setLevel(getattr(logging, args.log_level.upper()))
     target = load_model(args.target, dtype=args.dtype, threads=args.threads)
     draft = load_model(args.draft_model, dtype=args.dtype) if args.draft_model else None
