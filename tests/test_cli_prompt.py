@@ -132,3 +132,13 @@ def test_piped_prompt_through_the_console_entry(capsys: pytest.CaptureFixture[st
     assert done.returncode == 0, done.stderr
     piped, expected = json.loads(done.stdout), _generate(capsys, tiny_model_dir, PROMPT)
     assert (piped["text"], piped["num_prompt_tokens"]) == (expected["text"], expected["num_prompt_tokens"])
+
+
+def test_serve_checks_the_draft_length_before_loading(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, no_loading: None
+) -> None:
+    import flyspec.models
+
+    monkeypatch.setattr(flyspec.models, "load_model", flyspec.resources.load_model)  # the refusing one
+    message = _error(capsys, ["serve", "--target", "never-loaded", "--verifier", "fly", "-k", "4"])
+    assert "num_draft_tokens (4) is too short for verifier 'fly'" in message
