@@ -5,54 +5,108 @@ Quick start::
     import flyspec
     result = flyspec.generate("Explain KV caches.", verifier="fly")   # lossy: opt-in
     text, tau = result.text, result.stats.mean_acceptance_length
+
+The public names are imported on first use (PEP 562), so ``import flyspec`` and ``flyspec --version``
+do not import torch or transformers.
 """
 
-from flyspec.api import build_decoder, generate, generate_plain
-from flyspec.baseline import PlainDecoder
-from flyspec.config import (
-    ConfigError,
-    DecodeConfig,
-    DraftLengthConfig,
-    FlyConfig,
-    GuardConfig,
-    LayerSkipConfig,
-    MarginConfig,
-    NgramCacheConfig,
-    NgramConfig,
-    SamplingConfig,
-    SpeculationConfig,
-    TypicalConfig,
-)
-from flyspec.decoding import SpeculativeDecoder
-from flyspec.drafters import (
-    CrossTokenizerDrafter,
-    Drafter,
-    DraftModelDrafter,
-    LayerSkipDrafter,
-    NgramCache,
-    NgramCacheDrafter,
-    NgramDrafter,
-    make_drafter,
-    multilevel_drafter,
-)
-from flyspec.models import DEFAULT_MODEL, LoadedModel, ModelLoadError, load_model
-from flyspec.resources import Resources
-from flyspec.result import GenerationResult
-from flyspec.sampling import make_generator
-from flyspec.stats import DecodeStats
-from flyspec.streaming import GenerationStream
-from flyspec.types import Draft, LooseAccept, Verdict
-from flyspec.verifiers import (
-    ExactVerifier,
-    FlyVerifier,
-    MarginVerifier,
-    RejectionVerifier,
-    TypicalVerifier,
-    Verifier,
-    make_verifier,
-)
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:  # the same names for type checkers and IDEs; at run time __getattr__ imports them
+    from flyspec.api import build_decoder, generate, generate_plain
+    from flyspec.baseline import PlainDecoder
+    from flyspec.config import (
+        ConfigError,
+        DecodeConfig,
+        DraftLengthConfig,
+        FlyConfig,
+        GuardConfig,
+        LayerSkipConfig,
+        MarginConfig,
+        NgramCacheConfig,
+        NgramConfig,
+        SamplingConfig,
+        SpeculationConfig,
+        TypicalConfig,
+    )
+    from flyspec.decoding import SpeculativeDecoder
+    from flyspec.drafters import (
+        CrossTokenizerDrafter,
+        Drafter,
+        DraftModelDrafter,
+        LayerSkipDrafter,
+        NgramCache,
+        NgramCacheDrafter,
+        NgramDrafter,
+        make_drafter,
+        multilevel_drafter,
+    )
+    from flyspec.models import DEFAULT_MODEL, LoadedModel, ModelLoadError, load_model
+    from flyspec.resources import Resources
+    from flyspec.result import GenerationResult
+    from flyspec.sampling import make_generator
+    from flyspec.stats import DecodeStats
+    from flyspec.streaming import GenerationStream
+    from flyspec.types import Draft, LooseAccept, Verdict
+    from flyspec.verifiers import (
+        ExactVerifier,
+        FlyVerifier,
+        MarginVerifier,
+        RejectionVerifier,
+        TypicalVerifier,
+        Verifier,
+        make_verifier,
+    )
+
+# module → the public names it defines (tests/test_startup.py checks this against __all__)
+_SOURCES = {
+    "flyspec.api": ("build_decoder", "generate", "generate_plain"),
+    "flyspec.baseline": ("PlainDecoder",),
+    "flyspec.config": (
+        "ConfigError", "DecodeConfig", "DraftLengthConfig", "FlyConfig", "GuardConfig", "LayerSkipConfig",
+        "MarginConfig", "NgramCacheConfig", "NgramConfig", "SamplingConfig", "SpeculationConfig", "TypicalConfig",
+    ),
+    "flyspec.decoding": ("SpeculativeDecoder",),
+    "flyspec.drafters": (
+        "CrossTokenizerDrafter", "Drafter", "DraftModelDrafter", "LayerSkipDrafter", "NgramCache", "NgramCacheDrafter",
+        "NgramDrafter", "make_drafter", "multilevel_drafter",
+    ),
+    "flyspec.models": ("DEFAULT_MODEL", "LoadedModel", "ModelLoadError", "load_model"),
+    "flyspec.resources": ("Resources",),
+    "flyspec.result": ("GenerationResult",),
+    "flyspec.sampling": ("make_generator",),
+    "flyspec.stats": ("DecodeStats",),
+    "flyspec.streaming": ("GenerationStream",),
+    "flyspec.types": ("Draft", "LooseAccept", "Verdict"),
+    "flyspec.verifiers": (
+        "ExactVerifier", "FlyVerifier", "MarginVerifier", "RejectionVerifier", "TypicalVerifier", "Verifier",
+        "make_verifier",
+    ),
+}
+_EXPORTS = {name: module for module, names in _SOURCES.items() for name in names}
+
+
+def __getattr__(name: str) -> Any:
+    """Import a public name (or a submodule, e.g. ``flyspec.models``) the first time it is used."""
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    elif importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        value = importlib.import_module(f"{__name__}.{name}")
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
 
 __all__ = [
     "DEFAULT_MODEL",

@@ -9,14 +9,25 @@ import torch
 
 from flyspec.baseline import PlainDecoder
 from flyspec.config import DecodeConfig, SamplingConfig, SpeculationConfig
-from flyspec.decoding import SpeculativeDecoder
+from flyspec.decoding import SpeculativeDecoder, check_draft_length
 from flyspec.drafters.registry import make_drafter
 from flyspec.generation import Prompt
 from flyspec.models import DEFAULT_MODEL, set_threads
 from flyspec.resources import ModelRef, Resources
 from flyspec.result import GenerationResult
 from flyspec.sampling import make_generator
+from flyspec.verifiers.base import Verifier
 from flyspec.verifiers.registry import make_verifier
+
+
+def checked_verifier(spec: SpeculationConfig) -> Verifier:
+    """``spec``'s verifier, after the checks that need no model: its name, and a draft length it can use.
+
+    ``build_decoder`` calls it before loading anything, so these errors never wait for a model.
+    """
+    verifier = make_verifier(spec.verifier, spec)
+    check_draft_length(verifier, spec)  # FLy needs window_size + 1 draft tokens
+    return verifier
 
 
 def build_decoder(
@@ -35,7 +46,7 @@ def build_decoder(
     """
     spec = spec or SpeculationConfig()
     resources = resources or Resources()
-    verifier = make_verifier(spec.verifier, spec)  # an unknown name fails before any model is loaded
+    verifier = checked_verifier(spec)
     target_model = resources.model(target)
     drafter = make_drafter(spec, target_model, resources)
     return SpeculativeDecoder(target_model, drafter, verifier, decode or DecodeConfig(), spec)

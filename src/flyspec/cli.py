@@ -11,18 +11,19 @@ import json
 import logging
 import shlex
 import sys
-from typing import Any, NoReturn
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from flyspec import __version__
-from flyspec.api import build_decoder
-from flyspec.baseline import PlainDecoder
 from flyspec.cli_options import add_model_options, add_speculation_options, quiet_transformers, speculation_config
 from flyspec.config import DEFAULT_MAX_NEW_TOKENS, ConfigError, DecodeConfig, SamplingConfig, SpeculationConfig
-from flyspec.models import set_threads
-from flyspec.resources import Resources
-from flyspec.result import GenerationResult
-from flyspec.sampling import make_generator
-from flyspec.verifiers.registry import LOSSLESS_VERIFIERS, VERIFIERS
+from flyspec.names import LOSSLESS_VERIFIERS, VERIFIERS
+
+if TYPE_CHECKING:
+    from flyspec.result import GenerationResult
+
+# torch and transformers are imported by the command handlers, never here: `flyspec --help` stays instant
 
 
 class ErrorParser(argparse.ArgumentParser):
@@ -65,7 +66,15 @@ def _add_generate_parser(commands: argparse._SubParsersAction) -> None:
         "fly, margin and typical are lossy and must be asked for.",
     )
     gen.set_defaults(handler=_generate)
-    gen.add_argument("prompt", help="the prompt (chat models get their chat template unless --no-chat)")
+    gen.add_argument(
+        "prompt",
+        nargs="?",
+        help="the prompt (chat models get their chat template unless --no-chat); - or left out with input piped "
+        "in: read it from stdin (one trailing newline dropped)",
+    )
+    gen.add_argument(
+        "--prompt-file", metavar="PATH", help="read the prompt from this UTF-8 text file (one trailing newline dropped)"
+    )
     add_model_options(gen)
     add_speculation_options(gen)
     sampling = gen.add_argument_group("sampling and stopping")
@@ -104,9 +113,55 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def read_prompt(args: argparse.Namespace) -> str:
+    """The prompt from exactly one source: the argument, ``--prompt-file``, or stdin (``-``, or piped in).
+
+    One trailing newline of a file or stdin is dropped, so ``echo hi | flyspec generate -`` is ``flyspec generate hi``.
+    """
+    piped = sys.stdin is not None and not sys.stdin.isatty()
+    if args.prompt is not None and args.prompt_file is not None:
+        where = "on stdin (-)" if args.prompt == "-" else "as an argument"
+        raise ConfigError(f"give the prompt once: {where} or with --prompt-file, not both")
+    if args.prompt == "-" or (args.prompt is None and args.prompt_file is None and piped):
+        source, prompt = "stdin", _read_text(sys.stdin.read if sys.stdin is not None else None, "stdin")
+    elif args.prompt_file is not None:
+        source = f"--prompt-file {args.prompt_file}"
+        prompt = _read_text(lambda: Path(args.prompt_file).read_text(encoding="utf-8"), source)
+    elif args.prompt is not None:
+        return _non_empty(args.prompt, "the prompt argument")
+    else:
+        raise ConfigError(
+            "no prompt: give it as an argument, with --prompt-file PATH, or on stdin (echo text | flyspec generate -)"
+        )
+    return _non_empty(prompt.removesuffix("\n").removesuffix("\r"), source)
+
+
+def _read_text(read: Callable[[], str] | None, source: str) -> str:
+    if read is None:
+        raise ConfigError(f"cannot read the prompt from {source}: there is none")
+    try:
+        return read()
+    except OSError as error:
+        raise ConfigError(f"cannot read the prompt from {source}: {error.strerror or error}") from error
+    except UnicodeDecodeError as error:
+        reason = f"it is not UTF-8 text ({error.reason} at byte {error.start})"
+        raise ConfigError(f"cannot read the prompt from {source}: {reason}") from error
+
+
+def _non_empty(prompt: str, source: str) -> str:
+    if not prompt.strip():
+        raise ConfigError(f"the prompt is empty ({source}); give some text to continue")
+    return prompt
+
+
 def _generate(args: argparse.Namespace) -> int:
-    if not args.prompt.strip():
-        raise ConfigError("the prompt is empty; give some text to continue")
+    from flyspec.api import build_decoder
+    from flyspec.baseline import PlainDecoder
+    from flyspec.models import set_threads
+    from flyspec.resources import Resources
+    from flyspec.sampling import make_generator
+
+    args.prompt = read_prompt(args)
     set_threads(args.threads)
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
     spec = speculation_config(args)

@@ -12,9 +12,7 @@ import json
 from typing import Any
 
 from flyspec.config import PROTECT_CLASSES, ConfigError, SpeculationConfig
-from flyspec.drafters.registry import DRAFTERS
-from flyspec.models import DEFAULT_MODEL, DTYPES
-from flyspec.verifiers.registry import VERIFIERS
+from flyspec.names import DEFAULT_MODEL, DRAFTERS, DTYPE_NAMES, VERIFIERS
 
 # Defaults are SpeculationConfig's (config.py); a flag left out keeps the --speculative-config value.
 _DEFAULT = SpeculationConfig()
@@ -36,7 +34,7 @@ def add_model_options(parser: argparse.ArgumentParser, *, chat: bool = True) -> 
     models.add_argument(
         "--dtype",
         default="auto",
-        choices=sorted(DTYPES),
+        choices=sorted(DTYPE_NAMES),
         help="weights/compute dtype; auto = bfloat16 where the CPU/GPU has native bf16, else float32",
     )
     models.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")

@@ -314,7 +314,7 @@ class SpeculationConfig:
         """Every model name this configuration drafts with (draft model, stack levels that are models)."""
         levels = self.stack if self.drafter == "stack" else ()
         named = (self.draft_model,) if self.drafter in MODEL_DRAFTERS else ()
-        return tuple(name for name in (*named, *levels) if name not in _LEVEL_KEYWORDS)  # type: ignore[misc]
+        return tuple(name for name in (*named, *levels) if name not in _LEVEL_KEYWORDS)
 
     @classmethod
     def from_dict(cls, mapping: Mapping[str, Any], base: SpeculationConfig | None = None) -> SpeculationConfig:

@@ -20,6 +20,17 @@ from flyspec.types import Draft, VerifyContext
 from flyspec.verifiers.base import Verifier
 
 
+def check_draft_length(verifier: Verifier, speculation: SpeculationConfig) -> None:
+    """Refuse a draft length the verifier cannot use (needs no model: ``build_decoder`` checks it before loading)."""
+    shortest = verifier.min_draft_tokens
+    if speculation.num_draft_tokens < shortest:
+        raise ConfigError(
+            f"num_draft_tokens ({speculation.num_draft_tokens}) is too short for verifier {verifier.name!r}: "
+            f"it needs at least {shortest} (FLy: window_size + 1, or no mismatch could ever be judged); "
+            "raise --num-draft-tokens or lower --window-size"
+        )
+
+
 class SpeculativeDecoder(Decoder):
     """Drafter + target + verifier. One generation at a time per instance (caches are per instance).
 
@@ -41,14 +52,7 @@ class SpeculativeDecoder(Decoder):
         self.validate(self.config)
 
     def validate(self, config: DecodeConfig) -> None:
-        shortest = self.verifier.min_draft_tokens
-        num_draft_tokens = self.speculation.num_draft_tokens
-        if num_draft_tokens < shortest:
-            raise ConfigError(
-                f"num_draft_tokens ({num_draft_tokens}) is too short for verifier {self.verifier.name!r}: "
-                f"it needs at least {shortest} (FLy: window_size + 1, or no mismatch could ever be judged); "
-                "raise --num-draft-tokens or lower --window-size"
-            )
+        check_draft_length(self.verifier, self.speculation)
 
     def new_draft_length(self) -> DraftLength:
         speculation = self.speculation

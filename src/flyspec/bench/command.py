@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from flyspec.cli_options import add_model_options, add_speculation_options
+from flyspec.extras import require_extra
 
 QUICK_LIMIT = 2
 QUICK_MAX_NEW_TOKENS = 48
@@ -78,6 +79,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    require_extra("bench", "flyspec bench")
     # Heavy imports only when benchmarking (keeps `flyspec generate` quick to start).
     from flyspec.bench.data import load_prompts
     from flyspec.bench.harness import BenchSettings, VllmSettings, forward_times, make_runners, run_bench

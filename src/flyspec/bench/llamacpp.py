@@ -66,7 +66,8 @@ class LlamaCppRunner:
             seed=seed,
         )
         wall = time.perf_counter() - started
-        choice = completion["choices"][0]  # type: ignore[index]
+        assert isinstance(completion, dict)  # not streamed: one response, not an iterator of chunks
+        choice = completion["choices"][0]
         token_ids = self.target.tokenizer.encode(choice["text"], add_special_tokens=False)
         if choice["finish_reason"] == "stop" and self.target.eos_token_ids:
             token_ids.append(min(self.target.eos_token_ids))

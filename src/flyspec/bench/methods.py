@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from flyspec.config import ConfigError
-from flyspec.verifiers.registry import LOSSLESS_VERIFIERS, VERIFIERS
+from flyspec.names import LOSSLESS_VERIFIERS, VERIFIERS
 
 BASELINE = "baseline"
 DRAFTER_ALIASES = {

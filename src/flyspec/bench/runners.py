@@ -148,7 +148,8 @@ class HFGenerateRunner:
         torch.manual_seed(seed)
         started = time.perf_counter()
         with torch.inference_mode():
-            output = self.target.model.generate(
+            # transformers types PreTrainedModel without GenerationMixin; every causal LM it loads has generate
+            output = self.target.model.generate(  # type: ignore[operator]
                 inputs, attention_mask=torch.ones_like(inputs), generation_config=config, **extra
             )
         wall = time.perf_counter() - started

@@ -94,9 +94,9 @@ def _figures(
     tau = tokens / forwards if forwards else None
     limit = None
     own_engine = method not in VLLM_PEERS  # the forward times are flyspec's; vLLM's kernels cost differently
-    timed = bool(forward_times) and 1 in forward_times and k + 1 in forward_times  # type: ignore[operator]
-    if tau is not None and timed and method != BASELINE and own_engine:
-        limit = tau * forward_times[1] / forward_times[k + 1]
+    times = forward_times or {}
+    if tau is not None and 1 in times and k + 1 in times and method != BASELINE and own_engine:
+        limit = tau * times[1] / times[k + 1]
     speedup = statistics.median(speedups) if speedups else None
     cost_limit = _cost_limit(mine, tokens, forwards, forward_times) if method != BASELINE and own_engine else None
     figures: dict[str, Any] = {

@@ -37,16 +37,19 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
+from transformers import PreTrainedModel
 
 from flyspec.config import DEFAULT_NUM_DRAFT_TOKENS, ConfigError, LayerSkipConfig, SamplingConfig
 from flyspec.drafters.base import Drafter
 from flyspec.drafters.draft_model import DraftModelDrafter
 from flyspec.models import LoadedModel
 from flyspec.types import Draft
+
+ModuleT = TypeVar("ModuleT", bound=nn.Module)
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +94,7 @@ def validate_skip_layers(skip_layers: Sequence[int], num_layers: int) -> tuple[i
     return tuple(sorted(set(skip_layers)))
 
 
-def _shallow_clone(module: nn.Module) -> nn.Module:
+def _shallow_clone(module: ModuleT) -> ModuleT:
     """The module sharing parameters and children, with its own child/parameter/hook tables (so edits stay local)."""
     clone = copy.copy(module)
     clone.__dict__.update(
@@ -156,11 +159,12 @@ def predicted_speedup(acceptance: float, draft_cost: float, num_draft_tokens: in
     return expected_tokens_per_step(acceptance, num_draft_tokens) / (num_draft_tokens * draft_cost + 1)
 
 
-def relative_draft_cost(model: nn.Module, skip_layers: Sequence[int]) -> float:
+def relative_draft_cost(model: PreTrainedModel, skip_layers: Sequence[int]) -> float:
     """A skip view's forward cost over a full forward's, counted in parameters (output head + kept layers)."""
     layer_sizes = [sum(p.numel() for p in layer.parameters()) for layer in decoder_layers(model)]
     head = model.get_output_embeddings()
-    head_size = head.weight.numel() if head is not None else 0
+    head_weight = getattr(head, "weight", None)  # nn.Module attributes are typed Tensor | Module
+    head_size = head_weight.numel() if isinstance(head_weight, torch.Tensor) else 0
     skipped = sum(layer_sizes[index] for index in set(skip_layers))
     return 1 - skipped / (head_size + sum(layer_sizes))
 

@@ -27,11 +27,11 @@ from flyspec.drafters.layer_skip import LayerSkipDrafter
 from flyspec.drafters.ngram import NgramDrafter
 from flyspec.drafters.ngram_cache import NgramCacheDrafter
 from flyspec.models import LoadedModel
+from flyspec.names import DRAFTERS
 
 if TYPE_CHECKING:
     from flyspec.resources import Resources
 
-DRAFTERS = ("ngram", "ngram-cache", "draft-model", "multilevel", "layer-skip", "stack")
 NGRAM_LEVELS = ("ngram", "ngram-cache")
 LAYER_SKIP = "layer-skip"
 Level = str | LoadedModel  # an n-gram level name, "layer-skip", or a loaded draft model
@@ -88,8 +88,9 @@ class _StackBuilder:
             assert isinstance(model, LoadedModel)
             proposer = self._translated(below, below_model, model)
             below, below_model = self._model_level(level, model, proposer), model
-        assert below is not None
-        return self._translated(below, below_model, self.target)
+        top = self._translated(below, below_model, self.target)
+        assert top is not None  # levels is never empty
+        return top
 
     def _model_at(self, levels: Sequence[Level], position: int) -> LoadedModel:
         """The model that verifies level ``position - 1``'s proposals (the target above the top)."""

@@ -13,11 +13,12 @@ from typing import Any
 
 from flyspec.cli_options import add_model_options, add_speculation_options, speculation_config
 from flyspec.config import ConfigError
-from flyspec.drafters.registry import DRAFTERS
 from flyspec.eval.methods import DEFAULT_METHODS
 from flyspec.eval.scoring import METRICS
 from flyspec.eval.stats import DEFAULT_FLOOR, DEFAULT_RESAMPLES
 from flyspec.eval.tasks import DEFAULT_TASKS
+from flyspec.extras import require_extra
+from flyspec.names import DRAFTERS
 
 META_FILE = "meta.json"
 
@@ -167,6 +168,7 @@ def _report(out_dir: Path, floor: float, resamples: int) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
+    require_extra("eval", "flyspec eval")
     from rich.console import Console
 
     console = Console(stderr=True)

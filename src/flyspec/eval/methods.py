@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from flyspec.config import PROTECT_CLASSES, ConfigError, GuardConfig
-from flyspec.verifiers.registry import LOSSLESS_VERIFIERS, VERIFIERS
+from flyspec.names import LOSSLESS_VERIFIERS, VERIFIERS
 
 BASELINE = "plain"
 DEFAULT_METHODS = ("exact", "fly", "fly+bare", "margin")

@@ -200,7 +200,7 @@ class EvalRunner:
         decoders: dict[str, Decoder] = {BASELINE: PlainDecoder(self.loaded, plain_config)}
         for method in self.config.methods:
             if method.engine == "vllm":
-                decoders[method.name] = self._vllm_decoder(method, plain_config)  # type: ignore[assignment]
+                decoders[method.name] = self._vllm_decoder(method, plain_config)
                 continue
             spec = dataclasses.replace(
                 self.config.speculation, verifier=method.verifier, guard=method.guard_config(task.kind)

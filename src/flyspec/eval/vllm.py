@@ -13,7 +13,7 @@ from __future__ import annotations
 from flyspec.bench.methods import Method as BenchMethod
 from flyspec.bench.runners import RunSettings
 from flyspec.bench.vllm import VllmRunner, unavailable_reason, venv_python
-from flyspec.config import ConfigError, DecodeConfig, SamplingConfig
+from flyspec.config import ConfigError, DecodeConfig, SamplingConfig, SpeculationConfig
 from flyspec.models import LoadedModel
 from flyspec.result import GenerationResult
 from flyspec.stats import DecodeStats
@@ -30,7 +30,7 @@ def start_engine(name: str, loaded: LoadedModel, num_draft_tokens: int, venv: st
         raise ConfigError(f"{name}: {reason}")
     bench_name = BENCH_METHOD[name]
     method = BenchMethod(bench_name, verifier="fly", peer=True, bare=bench_name.endswith("+bare"))
-    settings = RunSettings(SamplingConfig(), {"num_draft_tokens": num_draft_tokens})
+    settings = RunSettings(SamplingConfig(), SpeculationConfig(num_draft_tokens=num_draft_tokens))
     return VllmRunner(method, loaded, settings, python, eager=True)  # eval measures outputs, not speed
 
 

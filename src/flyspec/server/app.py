@@ -34,7 +34,7 @@ from flyspec.server.middleware import (
     RequestMetricsMiddleware,
     record_status,
 )
-from flyspec.server.planning import Planner, parse_request
+from flyspec.server.planning import GenerationRequest, Planner, parse_request
 from flyspec.server.responses import Kind, ResponseBuilder, sse
 from flyspec.server.schemas import ChatCompletionRequest, CompletionRequest
 from flyspec.server.security import CORS, AuthMiddleware, HostCheckMiddleware, request_tenant
@@ -165,8 +165,10 @@ class Generations:
     async def respond(self, request: Request, kind: Kind) -> Response:
         arrived = time.perf_counter()
         deadline = asyncio.get_running_loop().time() + self.timeout_s
-        schema = ChatCompletionRequest if kind == "chat" else CompletionRequest
-        body = parse_request(await request.body(), schema)
+        raw = await request.body()
+        body: GenerationRequest = (
+            parse_request(raw, ChatCompletionRequest) if kind == "chat" else parse_request(raw, CompletionRequest)
+        )
         speculation = self.planner.check(body)  # 4xx before a place in the queue is taken
         builder = ResponseBuilder(kind, self.served_model, describe(speculation), body.include_usage)
         job = Job(body.seed, label=builder.request_id)

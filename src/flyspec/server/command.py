@@ -14,6 +14,7 @@ from pathlib import Path
 
 from flyspec.cli_options import add_model_options, add_speculation_options, speculation_config
 from flyspec.config import ConfigError, SpeculationConfig
+from flyspec.extras import require_extra
 from flyspec.server.settings import (
     ALLOW_REQUEST_SPECULATIVE,
     LOOPBACK_HOSTS,
@@ -198,13 +199,15 @@ def settings_from_args(args: argparse.Namespace) -> tuple[SpeculationConfig, Ser
 
 def run(args: argparse.Namespace) -> int:
     """Load the model(s), check the defaults once, and serve until interrupted."""
+    require_extra("serve", "flyspec serve")
     defaults, limits = settings_from_args(args)
     security = security_from_args(args)
-    from flyspec.api import build_decoder  # heavy imports only when serving
+    from flyspec.api import build_decoder, checked_verifier  # heavy imports only when serving
     from flyspec.models import load_model
     from flyspec.server.app import create_app
     from flyspec.server.lifecycle import GracefulServer, server_config
 
+    checked_verifier(defaults)  # option errors that need no model come before loading one
     logging.getLogger("flyspec").setLevel(getattr(logging, args.log_level.upper()))
     target = load_model(args.target, dtype=args.dtype, threads=args.threads)
     draft = load_model(args.draft_model, dtype=args.dtype) if args.draft_model else None

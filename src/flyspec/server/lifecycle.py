@@ -102,6 +102,7 @@ def server_config(app: FastAPI, **options: Any) -> uvicorn.Config:
     return uvicorn.Config(
         app,
         timeout_graceful_shutdown=math.ceil(limits.shutdown_timeout_s + FLUSH_GRACE_S),
-        timeout_keep_alive=limits.keep_alive_timeout_s,  # type: ignore[arg-type] - a float works (call_later)
+        # uvicorn types this int, but passes it to loop.call_later, which takes a float
+        timeout_keep_alive=limits.keep_alive_timeout_s,  # type: ignore[arg-type]
         **options,
     )

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
+import functools
 import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -158,8 +159,8 @@ class Planner:
         if len(prompt_ids) > self._prompt_limit:
             raise self._too_long(request, f"{len(prompt_ids)} tokens, more than")
         max_tokens = self._max_tokens(request, len(prompt_ids))
-        build = (self._build_decoder, request, speculation, max_tokens, tenant)
-        decoder = await loop.run_in_executor(self._executor, *build)
+        build = functools.partial(self._build_decoder, request, speculation, max_tokens, tenant)
+        decoder = await loop.run_in_executor(self._executor, build)
         return Plan(prompt_ids, max_tokens, decoder)
 
     def _too_long(self, request: GenerationRequest, size: str) -> APIError:
@@ -249,7 +250,8 @@ class Planner:
                 messages = [self._without_special_tokens(message.as_template_message()) for message in request.messages]
                 return self._prompt_model.encode_prompt(messages, use_chat=True)
             if isinstance(request.prompt, list):
-                return self._checked_token_ids(request.prompt)
+                # the schema's validator turned a list of one string into that string: a list here is ids
+                return self._checked_token_ids(request.prompt)  # type: ignore[arg-type]
             return self._prompt_model.encode_prompt(request.prompt, use_chat=False)
         except ConfigError as error:
             param = "messages" if isinstance(request, ChatCompletionRequest) else "prompt"

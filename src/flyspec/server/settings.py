@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from flyspec.config import DEFAULT_MAX_NEW_TOKENS, ConfigError, SpeculationConfig
-from flyspec.verifiers.registry import LOSSLESS_VERIFIERS, VERIFIERS
+from flyspec.names import LOSSLESS_VERIFIERS, VERIFIERS
 
 # Which verifier each per-request speculative parameter belongs to: setting one while another
 # verifier runs is a 400, so nobody believes they ran FLy when they did not.

