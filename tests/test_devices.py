@@ -8,18 +8,38 @@ decision, not the GPU. Tests that run on every available device are parametrised
 from __future__ import annotations
 
 import argparse
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
+from conftest import on_devices
 from flyspec.api import build_decoder, generate
+from flyspec.baseline import PlainDecoder
 from flyspec.cli import build_parser, main
-from flyspec.config import DEFAULT_DEVICE, ConfigError, DecodeConfig, check_device
+from flyspec.config import (
+    DEFAULT_DEVICE,
+    ConfigError,
+    DecodeConfig,
+    LayerSkipConfig,
+    SamplingConfig,
+    SpeculationConfig,
+    check_device,
+)
+from flyspec.decoding import SpeculativeDecoder
+from flyspec.drafters.ngram import NgramDrafter
 from flyspec.models import LoadedModel, default_dtype, load_model, resolve_device, resolve_dtype
 from flyspec.resources import Resources
 from flyspec.sampling import make_generator
+from flyspec.target import Target
+from flyspec.types import Draft
+from flyspec.verifiers.registry import make_verifier
 
 
 def no_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -151,3 +171,138 @@ def test_every_command_has_the_device_option(command: str) -> None:
     device = next(action for action in commands.choices[command]._actions if "--device" in action.option_strings)
     assert device.default == DEFAULT_DEVICE == "auto"
     assert device.type("cuda:1") == "cuda:1"
+
+
+# --- every tensor of a step on the target's device -------------------------------------------------
+#
+# Without a GPU a forgotten ``device=`` is invisible: the tensor lands on the CPU like the model.
+# With the default device set to ``meta`` it lands on ``meta`` instead, where it has no data, so
+# the first comparison with a real (CPU) tensor or the first ``.tolist()`` fails. Every tensor the
+# step needs must therefore be made where the target (or the draft model) is, as on a GPU.
+
+STEP_DRAFTERS = {
+    "ngram": {},
+    "ngram-cache": {"drafter": "ngram-cache"},
+    "multilevel": {"drafter": "multilevel"},
+    "layer-skip": {"drafter": "layer-skip", "layer_skip": LayerSkipConfig(skip_layers=(1,))},
+}
+
+
+@contextmanager
+def default_device_meta() -> Iterator[None]:
+    torch.set_default_device("meta")
+    try:
+        yield
+    finally:
+        torch.set_default_device(None)
+
+
+def run_on_meta_default(decoder: SpeculativeDecoder | PlainDecoder, prompt_ids: list[int]) -> list[int]:
+    generator = make_generator(0, decoder.device)
+    with default_device_meta():
+        return decoder.generate(prompt_ids, generator=generator).token_ids
+
+
+@pytest.mark.parametrize("drafter", list(STEP_DRAFTERS))
+@pytest.mark.parametrize("verifier", ["exact", "rejection", "fly", "margin", "typical"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_no_step_tensor_is_made_off_the_target_device(
+    tiny_target: LoadedModel, tiny_draft: LoadedModel, drafter: str, verifier: str, temperature: float
+) -> None:
+    fields = {**STEP_DRAFTERS[drafter], "verifier": verifier, "num_draft_tokens": 8}
+    if drafter == "multilevel":
+        fields["draft_model"] = tiny_draft.name
+    spec = SpeculationConfig(**fields)
+    decode = DecodeConfig(max_new_tokens=10, sampling=SamplingConfig(temperature=temperature))
+
+    def fresh() -> SpeculativeDecoder:  # own resources: the n-gram cache learns from every generation
+        return build_decoder(tiny_target, spec, decode, resources=Resources(models=(tiny_target, tiny_draft)))
+
+    prompt_ids = tiny_target.encode_prompt("The capital of France is Paris. The capital of", use_chat=False)
+    expected = fresh().generate(prompt_ids, generator=make_generator(0)).token_ids
+    assert run_on_meta_default(fresh(), prompt_ids) == expected  # same tokens, and nothing landed on meta
+
+
+def test_plain_decoding_makes_no_tensor_off_the_target_device(tiny_target: LoadedModel) -> None:
+    decoder = PlainDecoder(tiny_target, DecodeConfig(max_new_tokens=6, sampling=SamplingConfig(temperature=1.0)))
+    assert len(run_on_meta_default(decoder, [5, 6, 7])) == 6
+
+
+@dataclass
+class DeviceBlindDrafter(NgramDrafter):
+    """An n-gram drafter that forgets ``device=``: the bug the meta default device must catch."""
+
+    def propose(self, token_ids, num_draft_tokens, sampling, generator) -> Draft:  # type: ignore[no-untyped-def]
+        draft = super().propose(token_ids, num_draft_tokens, sampling, generator)
+        return Draft(torch.tensor(draft.tokens.tolist(), dtype=torch.long), sources=draft.sources)
+
+
+def test_the_meta_check_catches_a_tensor_made_without_device(tiny_target: LoadedModel) -> None:
+    decoder = SpeculativeDecoder(
+        tiny_target, DeviceBlindDrafter(), make_verifier("exact"), DecodeConfig(max_new_tokens=8)
+    )
+    prompt_ids = tiny_target.encode_prompt("The capital of France is Paris. The capital of", use_chat=False)
+    decoder.generate(prompt_ids)  # fine where everything is on the CPU anyway
+    with pytest.raises((NotImplementedError, RuntimeError)):
+        run_on_meta_default(decoder, prompt_ids)
+
+
+# --- host syncs: one transfer per step for the lossless rules ---------------------------------------
+
+HOST_CALLS = {"tolist", "item", "__int__", "__bool__", "__float__", "__index__", "cpu", "numpy", "nonzero"}
+
+
+class HostCalls(TorchFunctionMode):
+    """Counts the tensor calls that copy to the host (each one a device sync on a GPU)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if getattr(func, "__name__", "") in HOST_CALLS:
+            self.calls.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize(
+    ("verifier", "temperature", "most"),
+    [
+        ("exact", 0.0, 1),
+        ("exact", 1.0, 1),
+        ("rejection", 0.0, 1),
+        ("rejection", 1.0, 2),  # the residual sample is drawn once the rejected position is known
+        ("fly", 0.0, 2),  # + the trust guards' one transfer
+        ("margin", 0.0, 2),
+        ("typical", 1.0, 2),
+    ],
+)
+def test_verifiers_copy_to_the_host_once_per_step_not_per_token(verifier: str, temperature: float, most: int) -> None:
+    torch.manual_seed(0)
+    target_logits = torch.randn(9, 50)  # [k + 1, vocab]
+    draft_tokens = target_logits.argmax(-1)[:8].clone()
+    draft_tokens[5] = (draft_tokens[5] + 1) % 50  # five accepted, a rejection, two more after it
+    rule = make_verifier(verifier, SpeculationConfig(num_draft_tokens=8))
+    with HostCalls() as counted:
+        rule.verify(Draft(draft_tokens), target_logits, SamplingConfig(temperature=temperature), make_generator(0))
+    assert len(counted.calls) <= most, counted.calls
+
+
+def test_scoring_a_draft_copies_nothing_to_the_host(tiny_target: LoadedModel) -> None:
+    target = Target(tiny_target)
+    target.start([5, 6, 7, 8])
+    with HostCalls() as counted:
+        logits = target.score(8, torch.tensor([9, 10, 11]))
+    assert logits.shape[0] == 4
+    assert counted.calls == []
+
+
+@on_devices
+def test_generate_runs_on_every_available_device(
+    capsys: pytest.CaptureFixture[str], tiny_model_dir: Path, device: str
+) -> None:
+    argv = ["generate", "Once upon a time", "--target", str(tiny_model_dir), "--device", device, "--json"]
+    options = ["--dtype", "float32", "--no-chat", "--max-new-tokens", "8", "--temperature", "0.8", "--seed", "3"]
+    assert main([*argv, *options]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["device"].startswith(device) and record["num_new_tokens"] == 8
