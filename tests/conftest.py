@@ -1,4 +1,9 @@
-"""Shared fixtures: tiny random Llama models with a small byte-level BPE tokenizer, built offline."""
+"""Shared fixtures: tiny random Llama models with a small byte-level BPE tokenizer, built offline.
+
+Device-dependent tests run on every device in ``DEVICES``: the CPU always, CUDA when
+``torch.cuda.is_available()``. Parametrise them with ``@on_devices`` and put models there with
+``on_device(loaded, device)``; the same suite then passes on CPU in CI and on a GPU machine.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +20,24 @@ from tokenizers import ByteLevelBPETokenizer
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from flyspec.models import LoadedModel
+
+DEVICES = ("cpu", *(("cuda",) if torch.cuda.is_available() else ()))
+on_devices = pytest.mark.parametrize("device", DEVICES)
+_MOVED: dict[tuple[int, str], LoadedModel] = {}
+
+
+def on_device(loaded: LoadedModel, device: str) -> LoadedModel:
+    """``loaded`` on ``device`` (itself on the CPU); a copy moved there once per session, under the same name."""
+    if torch.device(device) == loaded.device:
+        return loaded
+    key = (id(loaded), device)
+    if key not in _MOVED:
+        config = loaded.model.config
+        copy = type(loaded.model)(config).to(loaded.dtype).eval()
+        copy.load_state_dict(loaded.model.state_dict())
+        _MOVED[key] = LoadedModel(model=copy.to(device), tokenizer=loaded.tokenizer, name=loaded.name)
+    return _MOVED[key]
+
 
 CORPUS = [
     "The capital of France is Paris. The capital of Italy is Rome.",

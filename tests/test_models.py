@@ -76,7 +76,8 @@ def test_dtype_option_is_honoured(tiny_model_dir: Path, dtype: str | torch.dtype
 
 def test_auto_dtype_is_the_hardware_default(tiny_model_dir: Path) -> None:
     assert resolve_dtype("auto") in (torch.float32, torch.bfloat16)
-    assert load_model(str(tiny_model_dir), dtype="auto").dtype == resolve_dtype("auto")
+    loaded = load_model(str(tiny_model_dir), dtype="auto")
+    assert loaded.dtype == resolve_dtype("auto", loaded.device)
 
 
 @pytest.mark.parametrize("dtype", ["int8", "float64", ""])

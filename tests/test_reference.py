@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import on_device, on_devices
 from flyspec import (
     DecodeConfig,
     LayerSkipConfig,
@@ -29,7 +30,7 @@ def naive_greedy(model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: 
     """Full recompute, argmax of the last position, append; nothing else."""
     ids = list(prompt_ids)
     for _ in range(max_new_tokens):
-        logits = model(torch.tensor([ids])).logits[0, -1]  # [vocab]
+        logits = model(torch.tensor([ids], device=model.device)).logits[0, -1]  # [vocab]
         ids.append(int(logits.argmax()))
     return ids[len(prompt_ids) :]
 
@@ -37,8 +38,8 @@ def naive_greedy(model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: 
 @torch.no_grad()
 def hf_greedy(model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     output = model.generate(
-        torch.tensor([prompt_ids]),
-        attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+        torch.tensor([prompt_ids], device=model.device),
+        attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long, device=model.device),
         do_sample=False,
         max_new_tokens=max_new_tokens,
         pad_token_id=0,
@@ -46,16 +47,27 @@ def hf_greedy(model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: int
     return output[0, len(prompt_ids) :].tolist()
 
 
+_REFERENCES: dict[str, dict[str, list[int]]] = {}
+
+
+def references_on(target: LoadedModel) -> dict[str, list[int]]:
+    """The naive reference of every prompt, computed on the target's own device (once per device)."""
+    key = str(target.device)
+    if key not in _REFERENCES:
+        found = {}
+        for prompt in PROMPTS:
+            ids = target.tokenizer.encode(prompt)
+            naive = naive_greedy(target.model, ids, MAX_NEW_TOKENS)
+            hf = hf_greedy(target.model, ids, MAX_NEW_TOKENS)  # stops after EOS; the decoder runs with ignore_eos
+            assert len(hf) > 5 and naive[: len(hf)] == hf, "the two references disagree"
+            found[prompt] = naive
+        _REFERENCES[key] = found
+    return _REFERENCES[key]
+
+
 @pytest.fixture(scope="module")
 def references(tiny_target: LoadedModel) -> dict[str, list[int]]:
-    found = {}
-    for prompt in PROMPTS:
-        ids = tiny_target.tokenizer.encode(prompt)
-        naive = naive_greedy(tiny_target.model, ids, MAX_NEW_TOKENS)
-        hf = hf_greedy(tiny_target.model, ids, MAX_NEW_TOKENS)  # stops after EOS; the decoder runs with ignore_eos
-        assert len(hf) > 5 and naive[: len(hf)] == hf, "the two references disagree"
-        found[prompt] = naive
-    return found
+    return references_on(tiny_target)
 
 
 @pytest.mark.parametrize("verifier", ["exact", "rejection"])
@@ -71,15 +83,18 @@ def references(tiny_target: LoadedModel) -> dict[str, list[int]]:
     ],
 )
 @pytest.mark.parametrize("num_draft_tokens", [1, 4])
+@on_devices
 def test_lossless_equals_the_independent_reference(
     tiny_target: LoadedModel,
     tiny_draft: LoadedModel,
-    references: dict[str, list[int]],
     verifier: str,
     drafter: str,
     stack: tuple[str, ...],
     num_draft_tokens: int,
+    device: str,
 ) -> None:
+    tiny_target, tiny_draft = on_device(tiny_target, device), on_device(tiny_draft, device)
+    references = references_on(tiny_target)
     spec = SpeculationConfig(
         drafter=drafter,
         verifier=verifier,
@@ -95,7 +110,7 @@ def test_lossless_equals_the_independent_reference(
     )
     for prompt, expected in references.items():
         ids = tiny_target.tokenizer.encode(prompt)
-        assert decoder.generate(ids).token_ids == expected, (drafter, verifier, prompt)
+        assert decoder.generate(ids).token_ids == expected, (drafter, verifier, prompt, device)
 
 
 def test_the_reference_can_fail(tiny_target: LoadedModel, references: dict[str, list[int]]) -> None:

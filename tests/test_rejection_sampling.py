@@ -16,6 +16,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from conftest import on_devices
 from flyspec.acceptance import draft_probs_or_one_hot, rejection_accept_mask
 from flyspec.config import FlyConfig, SamplingConfig
 from flyspec.sampling import logits_to_probs, sample, uniform
@@ -54,12 +55,16 @@ def run_trials(
     seed: int,
     fixed_draft: list[int] | None = None,
     num_samples: int = NUM_SAMPLES,
+    device: str = "cpu",
 ) -> list[Verdict]:
-    generator = torch.Generator().manual_seed(seed)
+    """The verdicts of ``num_samples`` drafts, every tensor and the generator on ``device``."""
+    generator = torch.Generator(device).manual_seed(seed)
+    logits = logits.to(device)
+    draft_probs = draft_probs.to(device) if draft_probs is not None else None
     k = logits.shape[0] - 1
     if draft_probs is None:
         assert fixed_draft is not None and len(fixed_draft) == k
-        all_drafts = torch.tensor([fixed_draft] * num_samples, dtype=torch.long)
+        all_drafts = torch.tensor([fixed_draft] * num_samples, dtype=torch.long, device=device)
     else:
         # [num_samples, k]: row i of each draft drawn from draft_probs[i]
         all_drafts = torch.multinomial(draft_probs, num_samples, replacement=True, generator=generator).T
@@ -84,9 +89,12 @@ def first_token_p_value(verdicts: list[Verdict], probs: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize(("k", "num_samples"), [(1, 10_000), (3, 5_000)])
-def test_rejection_first_token_follows_target(k: int, num_samples: int) -> None:
+@on_devices
+def test_rejection_first_token_follows_target(k: int, num_samples: int, device: str) -> None:
     draft_probs = DRAFT_PROBS.expand(k, -1).clone()
-    verdicts = run_trials(RejectionVerifier(), target_logits(k), UNIT, draft_probs, seed=k, num_samples=num_samples)
+    verdicts = run_trials(
+        RejectionVerifier(), target_logits(k), UNIT, draft_probs, seed=k, num_samples=num_samples, device=device
+    )
     assert first_token_p_value(verdicts, TARGET_PROBS) > MIN_P_VALUE
     # Sanity: the draft distribution really differs, and some drafts really were rejected.
     assert first_token_p_value(verdicts, DRAFT_PROBS) < 1e-12
@@ -99,7 +107,8 @@ def test_rejection_first_token_follows_target(k: int, num_samples: int) -> None:
 
 
 @pytest.mark.parametrize("draft_token", [0, 5])
-def test_rejection_with_ngram_draft_follows_target(draft_token: int) -> None:
+@on_devices
+def test_rejection_with_ngram_draft_follows_target(draft_token: int, device: str) -> None:
     # draft_probs=None: the draft is deterministic (one-hot); accepted w.p. target_probs[d].
     verdicts = run_trials(
         RejectionVerifier(),
@@ -109,6 +118,7 @@ def test_rejection_with_ngram_draft_follows_target(draft_token: int) -> None:
         seed=20 + draft_token,
         fixed_draft=[draft_token, 1],
         num_samples=4_000,
+        device=device,
     )
     assert first_token_p_value(verdicts, TARGET_PROBS) > MIN_P_VALUE
     acceptance = np.mean([v.num_accepted >= 1 for v in verdicts])
@@ -124,9 +134,12 @@ def test_fly_rejection_rule_without_judgeable_positions_is_lossless() -> None:
     assert all(v.loose_positions == () for v in verdicts)
 
 
-def test_exact_match_at_positive_temperature_follows_target() -> None:
+@on_devices
+def test_exact_match_at_positive_temperature_follows_target(device: str) -> None:
     draft_probs = DRAFT_PROBS.expand(2, -1).clone()
-    verdicts = run_trials(ExactVerifier(), target_logits(2), UNIT, draft_probs, seed=40, num_samples=3_000)
+    verdicts = run_trials(
+        ExactVerifier(), target_logits(2), UNIT, draft_probs, seed=40, num_samples=3_000, device=device
+    )
     assert first_token_p_value(verdicts, TARGET_PROBS) > MIN_P_VALUE
 
 

@@ -17,6 +17,7 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from conftest import on_devices
 from flyspec.config import (
     ConfigError,
     DecodeConfig,
@@ -390,14 +391,16 @@ def fly_tables(draw: st.DrawFn) -> tuple[list[int], torch.Tensor, list[int], lis
     return draft, table(rows), targets, entropies
 
 
+@on_devices
 @settings(max_examples=300, deadline=None)
 @given(case=fly_tables(), window_size=st.integers(0, 8), threshold=st.sampled_from([0.0, 0.3, 0.6]))
 def test_fly_matches_naive_reference(
-    case: tuple[list[int], torch.Tensor, list[int], list[float]], window_size: int, threshold: float
+    case: tuple[list[int], torch.Tensor, list[int], list[float]], window_size: int, threshold: float, device: str
 ) -> None:
     draft, logits, targets, entropies = case
     assume(all(abs(h - threshold) > 1e-4 for h in entropies))  # float32 vs float64 at the boundary
-    verdict = fly(window_size, threshold).verify(draft_of(draft), logits, GREEDY, None)
+    draft_tokens = torch.tensor(draft, dtype=torch.long, device=device)
+    verdict = fly(window_size, threshold).verify(Draft(draft_tokens), logits.to(device), GREEDY, None)
     assert verdict == naive_fly(draft, targets, entropies, window_size, threshold)
 
 

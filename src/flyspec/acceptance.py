@@ -44,7 +44,7 @@ def residual_probs(target_row: torch.Tensor, draft_row: torch.Tensor) -> torch.T
     """``normalize(max(0, target - draft))`` (``[vocab]``); the target row when they are equal."""
     residual = (target_row - draft_row).clamp_min(0)
     total = residual.sum()
-    return residual / total if total > 0 else target_row
+    return torch.where(total > 0, residual / total, target_row)  # no host sync to test ``total``
 
 
 def rejection_next_token(

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from flyspec.baseline import PlainDecoder
-from flyspec.config import DecodeConfig, SamplingConfig, SpeculationConfig
+from flyspec.config import DEFAULT_DEVICE, DEFAULT_DTYPE, DecodeConfig, SamplingConfig, SpeculationConfig
 from flyspec.decoding import SpeculativeDecoder, check_draft_length
 from flyspec.drafters.registry import make_drafter
 from flyspec.generation import Prompt
@@ -63,21 +63,23 @@ def generate(
     seed: int | None = None,
     use_chat: bool | None = None,
     threads: int | None = None,
-    dtype: str | torch.dtype = "auto",
+    dtype: str | torch.dtype = DEFAULT_DTYPE,
+    device: str | torch.device = DEFAULT_DEVICE,
     decode: DecodeConfig | None = None,
     resources: Resources | None = None,
     **fields,
 ) -> GenerationResult:
     """Generate with speculative decoding. Lossy verifiers (fly, margin, typical) must be asked for.
 
-    ``dtype`` loads a model named by string (without ``resources``). ``fields`` are
+    ``dtype`` and ``device`` (``auto``, ``cpu``, ``cuda``, ``cuda:N``) load a model named by string
+    (without ``resources``); a loaded model runs where it is. ``fields`` are
     :class:`SpeculationConfig` or :class:`DecodeConfig` fields (``verifier="fly"``,
     ``fly=FlyConfig(...)``, ``num_draft_tokens=8``, ``max_new_tokens=64``, ...).
     """
     set_threads(threads)
     spec, decode = _configs(spec, decode, SamplingConfig(temperature, top_k, top_p), fields)
-    decoder = build_decoder(target, spec, decode, resources=resources or Resources(dtype))
-    return decoder.generate(prompt, generator=make_generator(seed), use_chat=use_chat)
+    decoder = build_decoder(target, spec, decode, resources=resources or Resources(dtype, device=device))
+    return decoder.generate(prompt, generator=make_generator(seed, decoder.device), use_chat=use_chat)
 
 
 def generate_plain(
@@ -89,7 +91,8 @@ def generate_plain(
     top_p: float = 1.0,
     seed: int | None = None,
     use_chat: bool | None = None,
-    dtype: str | torch.dtype = "auto",
+    dtype: str | torch.dtype = DEFAULT_DTYPE,
+    device: str | torch.device = DEFAULT_DEVICE,
     decode: DecodeConfig | None = None,
     resources: Resources | None = None,
     **fields,
@@ -99,8 +102,8 @@ def generate_plain(
     ``fields`` are :class:`DecodeConfig` fields (``max_new_tokens=64``, ...).
     """
     decode = dataclasses.replace(decode or DecodeConfig(), sampling=SamplingConfig(temperature, top_k, top_p), **fields)
-    decoder = PlainDecoder((resources or Resources(dtype)).model(target), decode)
-    return decoder.generate(prompt, generator=make_generator(seed), use_chat=use_chat)
+    decoder = PlainDecoder((resources or Resources(dtype, device=device)).model(target), decode)
+    return decoder.generate(prompt, generator=make_generator(seed, decoder.device), use_chat=use_chat)
 
 
 def _configs(

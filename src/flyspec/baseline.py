@@ -22,9 +22,9 @@ class PlainDecoder(Decoder):
     def _steps(self, generation: Generation) -> Iterator[Step]:
         self._prefill(generation)
         token_ids, sampling, generator = generation.token_ids, generation.config.sampling, generation.generator
-        no_draft = torch.empty(0, dtype=torch.long)
+        no_draft = torch.empty(0, dtype=torch.long, device=self.device)
         while not generation.finished:
-            with generation.stats.timing("target"):
+            with generation.stats.timing("target", self.device):
                 logits = self.target.score(token_ids[-1], no_draft)  # [1, vocab]
             committed = generation.commit([int(choose_tokens(logits[0], sampling, generator))])
             self.target.rollback(len(token_ids))

@@ -56,12 +56,16 @@ class CachedModel:
         return int(self.cache.get_seq_length())
 
     @torch.inference_mode()
-    def forward(self, token_ids: list[int], logits_to_keep: int = 0) -> torch.Tensor:
-        """Append ``token_ids`` to the cache; return their logits ``[n, vocab]`` (float32).
+    def forward(self, token_ids: list[int] | torch.Tensor, logits_to_keep: int = 0) -> torch.Tensor:
+        """Append ``token_ids`` (a list, or ``[n]`` int64 on the model's device) to the cache; return
+        their logits ``[n, vocab]`` (float32).
 
         ``logits_to_keep > 0`` computes only the last that many rows (prefill needs none).
         """
-        inputs = torch.tensor([token_ids], dtype=torch.long, device=self.device)
+        if isinstance(token_ids, torch.Tensor):
+            inputs = token_ids.unsqueeze(0)  # [1, n]
+        else:
+            inputs = torch.tensor([token_ids], dtype=torch.long, device=self.device)
         output = self.model(input_ids=inputs, past_key_values=self.cache, use_cache=True, logits_to_keep=logits_to_keep)
         return output.logits[0].float()
 

@@ -166,19 +166,20 @@ def _generate(args: argparse.Namespace) -> int:
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
     spec = speculation_config(args)
     decode = DecodeConfig(max_new_tokens=args.max_new_tokens, stop_strings=tuple(args.stop), sampling=sampling)
-    decoder = build_decoder(args.target, spec, decode, resources=Resources(args.dtype))
+    decoder = build_decoder(args.target, spec, decode, resources=Resources(args.dtype, device=args.device))
     baseline = None
+    device = decoder.device
     if args.compare:
         plain = PlainDecoder(decoder.loaded, decode)
         plain.generate(args.prompt, use_chat=args.use_chat, config=DecodeConfig(max_new_tokens=4))  # warm-up
-        baseline = plain.generate(args.prompt, generator=make_generator(args.seed), use_chat=args.use_chat)
-    stream = decoder.stream(args.prompt, generator=make_generator(args.seed), use_chat=args.use_chat)
+        baseline = plain.generate(args.prompt, generator=make_generator(args.seed, device), use_chat=args.use_chat)
+    stream = decoder.stream(args.prompt, generator=make_generator(args.seed, device), use_chat=args.use_chat)
     for piece in stream:
         if args.stream and not args.json:
             print(piece, end="", flush=True)
     result = stream.result
     assert result is not None
-    record = _record(args, spec, decoder.loaded.dtype, result, baseline)
+    record = _record(args, spec, decoder.loaded, result, baseline)
     if args.json:
         print(json.dumps(record, ensure_ascii=False))
     else:
@@ -195,7 +196,7 @@ def _generate(args: argparse.Namespace) -> int:
 def _record(
     args: argparse.Namespace,
     spec: SpeculationConfig,
-    dtype: Any,
+    loaded: Any,
     result: GenerationResult,
     baseline: GenerationResult | None,
 ) -> dict[str, Any]:
@@ -209,7 +210,8 @@ def _record(
         "verifier": spec.verifier,
         "lossless": lossless,
         "trust_guards": None if lossless else "bare" if spec.guard.is_bare else "on",
-        "dtype": str(dtype).removeprefix("torch."),
+        "dtype": str(loaded.dtype).removeprefix("torch."),
+        "device": str(loaded.device),
         "num_draft_tokens": spec.num_draft_tokens,
         "speculative_config": spec.to_dict(),
         "temperature": args.temperature,

@@ -11,7 +11,7 @@ import argparse
 import json
 from typing import Any
 
-from flyspec.config import PROTECT_CLASSES, ConfigError, SpeculationConfig
+from flyspec.config import DEFAULT_DEVICE, DEFAULT_DTYPE, PROTECT_CLASSES, ConfigError, SpeculationConfig, check_device
 from flyspec.names import DEFAULT_MODEL, DRAFTERS, DTYPE_NAMES, VERIFIERS
 
 # Defaults are SpeculationConfig's (config.py); a flag left out keeps the --speculative-config value.
@@ -19,7 +19,7 @@ _DEFAULT = SpeculationConfig()
 
 
 def add_model_options(parser: argparse.ArgumentParser, *, chat: bool = True) -> None:
-    """--target, --draft-model, --dtype, --threads and (optionally) --chat/--no-chat."""
+    """--target, --draft-model, --device, --dtype, --threads and (optionally) --chat/--no-chat."""
     models = parser.add_argument_group("models")
     models.add_argument(
         "--target",
@@ -32,10 +32,18 @@ def add_model_options(parser: argparse.ArgumentParser, *, chat: bool = True) -> 
         "fine (its draft text is re-tokenized)",
     )
     models.add_argument(
+        "--device",
+        default=DEFAULT_DEVICE,
+        type=_device,
+        help=f"where the models run: auto (CUDA when available, else the CPU), cpu, cuda or cuda:N "
+        f"(default {DEFAULT_DEVICE}); draft models run on the target's device",
+    )
+    models.add_argument(
         "--dtype",
-        default="auto",
+        default=DEFAULT_DTYPE,
         choices=sorted(DTYPE_NAMES),
-        help="weights/compute dtype; auto = bfloat16 where the CPU/GPU has native bf16, else float32",
+        help="weights/compute dtype; auto = bfloat16 on CUDA (float16 on GPUs without bf16), on the CPU "
+        "bfloat16 where it has native bf16, else float32",
     )
     models.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     if chat:
@@ -48,6 +56,14 @@ def add_model_options(parser: argparse.ArgumentParser, *, chat: bool = True) -> 
             help="apply the chat template (default when the model has one)",
         )
         group.add_argument("--no-chat", dest="use_chat", action="store_false", help="feed the prompt as raw text")
+
+
+def _device(text: str) -> str:
+    """``--device``: checked for its form here (argparse reports the error); for a GPU when a model loads."""
+    try:
+        return check_device(text)
+    except ConfigError as error:
+        raise argparse.ArgumentTypeError(str(error)) from error
 
 
 def add_speculation_options(parser: argparse.ArgumentParser, *, components: bool = True) -> None:

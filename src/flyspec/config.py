@@ -22,6 +22,11 @@ DEFAULT_NUM_DRAFT_TOKENS = 15
 DEFAULT_MAX_NEW_TOKENS = 128
 DEFAULT_NUM_PROPOSAL_TOKENS = 6  # tokens a stack level checks per forward (FLy's multi-level drafter)
 GREEDY_BELOW = 1e-5  # temperatures below this are greedy (SamplingConfig)
+# Where models run and in which dtype (``--device``, ``--dtype``, ``device=``/``dtype=`` of the API). ``auto``
+# device: CUDA when available, else the CPU; ``auto`` dtype: bfloat16 on CUDA (float16 where the GPU has no
+# bf16), on the CPU bfloat16 only with native bf16 instructions, else float32 (``models.resolve_dtype``).
+DEFAULT_DEVICE = "auto"
+DEFAULT_DTYPE = "auto"
 
 
 @dataclass(frozen=True)
@@ -177,6 +182,20 @@ class TypicalConfig:
 
 
 PROTECT_CLASSES = ("digits", "names", "identifiers")
+
+
+def check_device(device: str) -> str:
+    """``device`` if it is ``auto``, ``cpu``, ``cuda`` or ``cuda:N``; else a :class:`ConfigError` saying so.
+
+    Whether CUDA is there is checked when a model is loaded (``models.resolve_device``).
+    """
+    text = str(device).strip().lower()
+    index = text.removeprefix("cuda:")
+    _require(
+        text in ("auto", "cpu", "cuda") or (text.startswith("cuda:") and index.isdigit()),
+        f"unknown device {device!r}; use auto, cpu, cuda or cuda:N (N = GPU index)",
+    )
+    return text
 
 
 @dataclass(frozen=True)

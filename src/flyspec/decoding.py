@@ -60,6 +60,7 @@ class SpeculativeDecoder(Decoder):
 
     def _steps(self, generation: Generation) -> Iterator[Step]:
         sampling, generator, stats = generation.config.sampling, generation.generator, generation.stats
+        device = self.device  # every tensor of a step lives on the target's device
         self.drafter.reset(generation.prompt_ids)
         self._prefill(generation)
         token_ids = generation.token_ids  # grows in place as tokens are committed
@@ -68,12 +69,13 @@ class SpeculativeDecoder(Decoder):
             while not generation.finished:
                 # draft: up to k tokens after the committed ones
                 requested, budget = generation.draft_budget()
-                draft = Draft.empty()
+                draft = Draft.empty(device)
                 if budget > 0:
-                    with stats.timing("draft"):
-                        draft = self.drafter.propose(token_ids, budget, sampling, generator)
+                    with stats.timing("draft", device):
+                        # a no-op unless a draft model sits on another device than the target
+                        draft = self.drafter.propose(token_ids, budget, sampling, generator).to(device)
                 # score: [last committed token] + draft in one target forward
-                with stats.timing("target"):
+                with stats.timing("target", device):
                     target_logits = self.target.score(token_ids[-1], draft.tokens)  # [k + 1, vocab]
                 # verify: accepted prefix + one recovered or bonus token
                 verdict = self.verifier.verify(draft, target_logits, sampling, generator, context)

@@ -95,6 +95,11 @@ class Decoder:
         self.target = Target(target)
         self.config = config or DecodeConfig()
 
+    @property
+    def device(self) -> torch.device:
+        """The target's device: drafts, probabilities and random numbers of every step live here."""
+        return self.target.device
+
     def generate(self, prompt: Prompt, **options) -> GenerationResult:
         """Generate and return the result. Options as for :meth:`stream`."""
         return self.stream(prompt, **options).collect()
@@ -109,10 +114,16 @@ class Decoder:
     ) -> GenerationStream:
         """Iterate the returned stream for text pieces; its ``result`` is set at the end.
 
-        ``generator`` seeds sampling (T>0); greedy decoding draws no random numbers.
+        ``generator`` seeds sampling (T>0); greedy decoding draws no random numbers. It must be on
+        the target's device: ``make_generator(seed, decoder.device)``.
         """
         config = config or self.config
         self.validate(config)
+        if generator is not None and generator.device != self.device:
+            raise ConfigError(
+                f"the random generator is on {generator.device} but the target on {self.device}; "
+                "make it with flyspec.make_generator(seed, decoder.device)"
+            )
         prompt_ids = encode(self.loaded, prompt, use_chat)
         stopper = make_stopper(self.loaded, config, len(prompt_ids))
         generation = Generation(prompt_ids, config, generator, stopper, self.new_draft_length())
@@ -127,7 +138,7 @@ class Decoder:
 
     def _prefill(self, generation: Generation) -> None:
         """Start the target on the prompt (the first step scores its last token)."""
-        with generation.stats.timing("prefill"):
+        with generation.stats.timing("prefill", self.device):
             self.target.start(generation.prompt_ids)
 
     def _steps(self, generation: Generation) -> Iterator[Step]:

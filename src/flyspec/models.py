@@ -29,7 +29,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from flyspec.config import ConfigError
+from flyspec.config import DEFAULT_DEVICE, DEFAULT_DTYPE, ConfigError, check_device
 from flyspec.detokenize import decode_text
 from flyspec.names import DEFAULT_MODEL as DEFAULT_MODEL  # re-exported: the names live in names.py
 from flyspec.names import DTYPE_NAMES, PACKAGED_MODELS
@@ -59,6 +59,11 @@ class LoadedModel:
     @property
     def dtype(self) -> torch.dtype:
         return self.model.dtype
+
+    @property
+    def device(self) -> torch.device:
+        """Where the weights are; every tensor of a step on this model lives here too."""
+        return next(self.model.parameters()).device
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -112,13 +117,42 @@ def cpu_name() -> str:
     return platform.processor() or "unknown CPU"
 
 
-def default_dtype() -> torch.dtype:
-    """bfloat16 where the hardware computes it natively (CUDA, or a CPU with AVX512-BF16/AMX), else float32.
+def resolve_device(device: str | torch.device = DEFAULT_DEVICE) -> torch.device:
+    """``auto`` → CUDA when available, else the CPU; ``cuda[:N]`` only where that GPU exists (else a ConfigError)."""
+    if isinstance(device, torch.device):
+        device = str(device)
+    name = check_device(device)
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        built = "this torch has no CUDA support" if torch.version.cuda is None else "no CUDA GPU is visible"
+        raise ConfigError(f"device {device!r} asked for, but {built}; use --device cpu (or auto)")
+    resolved = torch.device(name)
+    count = torch.cuda.device_count()
+    if resolved.index is not None and resolved.index >= count:
+        raise ConfigError(f"device {device!r} asked for, but only {count} CUDA GPU(s) are visible (cuda:0..)")
+    return resolved
 
-    On a CPU without native bf16 (e.g. AVX2 only) bf16 matmuls are emulated and slower than float32.
+
+def device_name(device: torch.device) -> str:
+    """The device's hardware name (for benchmark and evaluation reports)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return cpu_name()
+
+
+def default_dtype(device: torch.device | None = None) -> torch.dtype:
+    """The ``auto`` dtype for a model on ``device`` (default: the CPU).
+
+    CUDA: bfloat16, or float16 on GPUs without bf16 (pre-Ampere). CPU: bfloat16 where the CPU
+    computes it natively (AVX512-BF16/AMX), else float32; on a CPU without native bf16 (e.g. AVX2
+    only) bf16 matmuls are emulated and slower than float32. A GPU in the machine does not change
+    the rule for a model that stays on the CPU.
     """
-    if torch.cuda.is_available():
-        return torch.bfloat16
+    if device is not None and device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -126,12 +160,12 @@ def default_dtype() -> torch.dtype:
     return torch.bfloat16 if ("avx512_bf16" in flags or "amx_bf16" in flags) else torch.float32
 
 
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device | None = None) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype not in DTYPES:
         raise ConfigError(f"unknown dtype {dtype!r}; choose one of: auto, bfloat16, float32, float16")
-    return DTYPES[dtype] or default_dtype()
+    return DTYPES[dtype] or default_dtype(device)
 
 
 def set_threads(threads: int | None) -> None:
@@ -141,10 +175,16 @@ def set_threads(threads: int | None) -> None:
         torch.set_num_threads(threads)
 
 
-def load_model(name_or_path: str, dtype: str | torch.dtype = "auto", threads: int | None = None) -> LoadedModel:
-    """Load a causal LM and its tokenizer from any supported source (see module docstring)."""
+def load_model(
+    name_or_path: str,
+    dtype: str | torch.dtype = DEFAULT_DTYPE,
+    threads: int | None = None,
+    device: str | torch.device = DEFAULT_DEVICE,
+) -> LoadedModel:
+    """Load a causal LM and its tokenizer from any supported source (see module docstring), onto ``device``."""
     set_threads(threads)
-    torch_dtype = resolve_dtype(dtype)
+    torch_device = resolve_device(device)  # an unavailable GPU fails before anything is read
+    torch_dtype = resolve_dtype(dtype, torch_device)
     hf_dir = _resolve_to_hf_source(name_or_path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(hf_dir)
@@ -154,7 +194,7 @@ def load_model(name_or_path: str, dtype: str | torch.dtype = "auto", threads: in
             f"could not load model {name_or_path!r} ({_first_line(error)}); give a local model directory, "
             f"a .gguf file, one of {', '.join(PACKAGED_MODELS)}, or a hub id with network access"
         ) from error
-    model.eval()
+    model.to(torch_device).eval()  # type: ignore[arg-type]  # transformers wraps `.to`; its stub is wrong
     return LoadedModel(model=model, tokenizer=tokenizer, name=name_or_path)
 
 

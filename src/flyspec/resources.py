@@ -14,7 +14,7 @@ from collections.abc import Iterable
 
 import torch
 
-from flyspec.config import NgramCacheConfig, NgramConfig
+from flyspec.config import DEFAULT_DEVICE, DEFAULT_DTYPE, NgramCacheConfig, NgramConfig
 from flyspec.drafters.layer_skip import Calibrations
 from flyspec.drafters.ngram_cache import NgramCache
 from flyspec.models import LoadedModel, load_model
@@ -23,15 +23,21 @@ ModelRef = str | LoadedModel
 
 
 class Resources:
-    """Models by name (loaded once, in ``dtype``), n-gram caches by vocabulary, calibrations by model and k.
+    """Models by name (loaded once, in ``dtype`` on ``device``), n-gram caches by vocabulary, calibrations.
 
     ``models``: already loaded models, found by their ``name`` (tests, or a caller that loaded them).
     :meth:`isolated` gives a view that shares the models and calibrations but has its own n-gram
     caches: the server gives one to each tenant, a benchmark one to each method.
     """
 
-    def __init__(self, dtype: str | torch.dtype = "auto", models: Iterable[LoadedModel] = ()) -> None:
+    def __init__(
+        self,
+        dtype: str | torch.dtype = DEFAULT_DTYPE,
+        models: Iterable[LoadedModel] = (),
+        device: str | torch.device = DEFAULT_DEVICE,
+    ) -> None:
         self.dtype = dtype
+        self.device = device  # every model named here loads onto it: draft models sit beside the target
         self._models: dict[str, LoadedModel] = {model.name: model for model in models}
         self._ngram_caches: dict[str, NgramCache] = {}
         self.calibrations = Calibrations()
@@ -43,7 +49,7 @@ class Resources:
             if isinstance(model, LoadedModel):
                 return self._models.setdefault(model.name, model)
             if model not in self._models:
-                self._models[model] = load_model(model, dtype=self.dtype)
+                self._models[model] = load_model(model, dtype=self.dtype, device=self.device)
             return self._models[model]
 
     def ngram_cache(self, vocabulary: str, config: NgramCacheConfig, ngram: NgramConfig) -> NgramCache:
@@ -63,6 +69,6 @@ class Resources:
 
     def isolated(self) -> Resources:
         """The same models and calibrations, with n-gram caches of its own."""
-        view = Resources(self.dtype)
+        view = Resources(self.dtype, device=self.device)
         view._models, view._lock, view.calibrations = self._models, self._lock, self.calibrations
         return view

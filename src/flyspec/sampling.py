@@ -48,14 +48,22 @@ def choose_tokens(logits: torch.Tensor, sampling: SamplingConfig, generator: tor
     return sample(logits_to_probs(logits, sampling), generator)
 
 
-def uniform(shape: tuple[int, ...], generator: torch.Generator | None) -> torch.Tensor:
-    """Uniform [0, 1) draws for acceptance tests."""
-    return torch.rand(shape, generator=generator)
+def uniform(
+    shape: tuple[int, ...], generator: torch.Generator | None, device: torch.device | None = None
+) -> torch.Tensor:
+    """Uniform [0, 1) draws for acceptance tests, on ``device`` (default: the generator's, else the CPU)."""
+    if device is None:
+        device = generator.device if generator is not None else torch.device("cpu")
+    return torch.rand(shape, generator=generator, device=device)
 
 
-def make_generator(seed: int | None) -> torch.Generator:
-    """A CPU generator seeded with ``seed``, or from the OS's entropy when ``seed`` is None."""
-    generator = torch.Generator()
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator on ``device`` seeded with ``seed``, or from the OS's entropy when ``seed`` is None.
+
+    Random numbers are drawn where the target's probabilities are (``Decoder.device``), so a CUDA
+    target needs a CUDA generator. The same seed gives different draws on different devices.
+    """
+    generator = torch.Generator(device=device)
     if seed is not None:
         generator.manual_seed(seed)
     else:

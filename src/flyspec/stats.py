@@ -8,6 +8,8 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
+import torch
+
 from flyspec.types import Verdict
 
 
@@ -33,12 +35,20 @@ class DecodeStats:
     guard_vetoes: dict[str, int] = field(default_factory=dict)  # trust guard → loose accepts it refused
 
     @contextmanager
-    def timing(self, phase: Literal["prefill", "draft", "target"]) -> Iterator[None]:
-        """Add the time spent in the block to ``<phase>_time_s``."""
+    def timing(
+        self, phase: Literal["prefill", "draft", "target"], device: torch.device | None = None
+    ) -> Iterator[None]:
+        """Add the time spent in the block to ``<phase>_time_s``.
+
+        On a CUDA ``device`` the block's kernels are waited for, so the time is the phase's and not
+        only its launch (the verifier would wait for them right after anyway).
+        """
         started = time.perf_counter()
         try:
             yield
         finally:
+            if device is not None and device.type == "cuda":
+                torch.cuda.synchronize(device)
             name = f"{phase}_time_s"
             setattr(self, name, getattr(self, name) + time.perf_counter() - started)
 

@@ -23,6 +23,10 @@ class Target:
         self.runner = CachedModel(loaded)
         self.num_committed = 0
 
+    @property
+    def device(self) -> torch.device:
+        return self.runner.device
+
     def start(self, prompt_ids: list[int]) -> None:
         """Prefill everything but the last prompt token (which the first step scores)."""
         if not prompt_ids:
@@ -34,8 +38,13 @@ class Target:
         self.check_invariant()
 
     def score(self, last_token: int, draft_tokens: torch.Tensor) -> torch.Tensor:
-        """Logits ``[k + 1, vocab]`` for ``[last_token] + draft_tokens`` in one forward."""
-        return self.runner.forward([last_token, *draft_tokens.tolist()])
+        """Logits ``[k + 1, vocab]`` for ``[last_token] + draft_tokens`` in one forward.
+
+        ``draft_tokens`` (``[k]``) must be on the target's device; the input is assembled there,
+        without a round trip through the host.
+        """
+        last = torch.full((1,), last_token, dtype=torch.long, device=self.device)
+        return self.runner.forward(torch.cat([last, draft_tokens]))  # [k + 1, vocab]
 
     def rollback(self, num_committed: int) -> None:
         """Keep the cache of the committed tokens only (all but the last)."""

@@ -45,9 +45,16 @@ class Draft:
     def num_tokens(self) -> int:
         return int(self.tokens.shape[0])
 
+    def to(self, device: torch.device) -> Draft:
+        """This draft on ``device`` (itself when already there): a draft model may sit on another device."""
+        if self.tokens.device == device:
+            return self
+        probs = self.draft_probs.to(device) if self.draft_probs is not None else None
+        return Draft(self.tokens.to(device), probs, self.sources)
+
     @staticmethod
-    def empty() -> Draft:
-        return Draft(torch.empty(0, dtype=torch.long))
+    def empty(device: torch.device | str = "cpu") -> Draft:
+        return Draft(torch.empty(0, dtype=torch.long, device=device))
 
 
 @dataclass(frozen=True)

@@ -103,7 +103,8 @@ def run(args: argparse.Namespace) -> int:
     out_dir = _prepare_out_dir(Path(args.out))
 
     set_threads(args.threads)
-    resources = Resources(args.dtype)  # this run's models, calibrations (and each method's own caches)
+    # this run's models, calibrations (and each method's own caches)
+    resources = Resources(args.dtype, device=args.device)
     target = resources.model(args.target)
     draft = resources.model(args.draft_model) if args.draft_model else None
     settings = RunSettings(sampling, speculation, args.use_chat, args.hf_lookup_tokens, resources)
@@ -200,16 +201,18 @@ def _meta(
     import transformers
 
     from flyspec import __version__
-    from flyspec.models import cpu_name
+    from flyspec.models import cpu_name, device_name
 
+    gpu = f"{device_name(target.device)}; " if target.device.type == "cuda" else ""
     return {
         "date": datetime.date.today().isoformat(),
         "command": getattr(args, "command_line", None),
-        "machine": f"{cpu_name()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, "
+        "machine": f"{gpu}{cpu_name()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, "
         f"{platform.system()}; torch {torch.__version__}, transformers {transformers.__version__}, "
         f"flyspec {__version__}",
         "target": target.name,
         "dtype": str(target.dtype).removeprefix("torch."),
+        "device": str(target.device),
         "draft_model": args.draft_model,
         "dataset": args.dataset or "Spec-Bench (vendored)",
         "categories": list(dict.fromkeys(prompt.category for prompt in prompts)),

@@ -13,6 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from flyspec.bench.data import BenchPrompt
 from flyspec.bench.methods import BASELINE, Method
 from flyspec.bench.runners import FlyspecRunner, HFGenerateRunner, PromptOutput, Runner, RunSettings, run_prompt
@@ -221,6 +223,8 @@ def forward_times(
         for _ in range(repeats + 1):  # the first is a warm-up
             started = time.perf_counter()
             runner.forward(probe[:size])
+            if runner.device.type == "cuda":
+                torch.cuda.synchronize(runner.device)  # the forward's kernels, not only their launch
             samples.append(time.perf_counter() - started)
             runner.crop_to(len(context))
         times[size] = statistics.median(samples[1:])

@@ -95,7 +95,7 @@ class FlyspecRunner:
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, seed: int) -> TurnOutput:
         config = dataclasses.replace(self.decoder.config, max_new_tokens=max_new_tokens, sampling=self.sampling)
-        result = self.decoder.generate(prompt_ids, config=config, generator=make_generator(seed))
+        result = self.decoder.generate(prompt_ids, config=config, generator=make_generator(seed, self.decoder.device))
         stats = result.stats
         speculative = self.method.drafter is not None
         return TurnOutput(

@@ -152,6 +152,7 @@ class CrossTokenizerDrafter:
     name: str = "draft-model"
     overlap_tokens: int = 4  # ids re-decoded / re-encoded before the first change
     context_tokens: int = 4  # committed target ids re-encoded with the draft text
+    device: torch.device | str = "cpu"  # where the re-tokenized drafts are built: the listener's device
 
     def __post_init__(self) -> None:
         if self.overlap_tokens < 1 or self.context_tokens < 1:
@@ -203,7 +204,7 @@ class CrossTokenizerDrafter:
         sequence = self._sync(token_ids)
         if not sequence:  # no text and no BOS: nothing to condition the draft model on
             self.num_empty_drafts += 1
-            return Draft.empty()
+            return Draft.empty(self.device)
         # the inner draft's probabilities are over the draft vocabulary: dropped (module docstring)
         drafted = self.inner.propose(sequence, self._num_inner_tokens(num_draft_tokens), sampling, generator)
         self._inner_sequence = sequence + drafted.tokens.tolist()
@@ -217,8 +218,9 @@ class CrossTokenizerDrafter:
         self.num_target_tokens += len(target_tokens)
         if not target_tokens:
             self.num_empty_drafts += 1
-            return Draft.empty()
-        return Draft(torch.tensor(target_tokens, dtype=torch.long), sources=(MODEL,) * len(target_tokens))
+            return Draft.empty(self.device)
+        tokens = torch.tensor(target_tokens, dtype=torch.long, device=self.device)
+        return Draft(tokens, sources=(MODEL,) * len(target_tokens))
 
     def rollback(self, num_committed: int) -> None:
         """Nothing to do now: the next ``propose`` re-syncs from the committed ids it is given."""

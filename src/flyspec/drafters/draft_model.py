@@ -13,6 +13,11 @@ model checks them in *one* forward (exact match greedy; rejection sampling at T>
 proposer's probabilities or one-hot ones) and adds its own next token; rounds repeat until ``k``
 draft tokens exist. The draft is distributed exactly as the plain draft model's (greedy:
 identical tokens), in fewer forwards. A proposer can itself have a proposer: that is a stack.
+
+Devices: the draft model drafts on its own device (proposals are moved there) and the decoder moves
+the draft to the target's. Loaded through a ``Resources`` every model sits on the target's device;
+a draft model placed elsewhere by the caller works for greedy decoding, while sampling (T>0) needs
+it on the target's device, since random numbers come from one generator on the target's device.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import torch
 
 from flyspec.acceptance import draft_probs_or_one_hot, num_leading_true, rejection_accept_mask, rejection_next_token
 from flyspec.cached_model import CachedModel
-from flyspec.config import NgramConfig, SamplingConfig
+from flyspec.config import ConfigError, NgramConfig, SamplingConfig
 from flyspec.drafters.base import Drafter
 from flyspec.drafters.ngram import NgramDrafter
 from flyspec.models import LoadedModel
@@ -50,7 +55,8 @@ def check_proposal(
         return tokens[:kept] + [int(choice[kept])], None
     model_probs = logits_to_probs(logits, sampling)  # [len + 1, vocab]
     proposal_probs = draft_probs_or_one_hot(proposal, model_probs.shape[-1])  # [len, vocab]
-    accept = rejection_accept_mask(proposal.tokens, proposal_probs, model_probs, uniform((len(tokens),), generator))
+    uniforms = uniform((len(tokens),), generator, logits.device)
+    accept = rejection_accept_mask(proposal.tokens, proposal_probs, model_probs, uniforms)
     kept = num_leading_true(accept)
     next_token = rejection_next_token(kept, model_probs, proposal_probs, generator)
     return tokens[:kept] + [next_token], model_probs[: kept + 1]
@@ -77,6 +83,7 @@ class DraftModelDrafter:
 
     def __post_init__(self) -> None:
         self.runner = CachedModel(self.draft, full_history=True)  # rollbacks span several draft forwards
+        self.device = self.runner.device  # its proposals, drafts and draft probabilities live here
         self._reset_counters()
 
     def _reset_counters(self) -> None:
@@ -98,13 +105,19 @@ class DraftModelDrafter:
         sampling: SamplingConfig,
         generator: torch.Generator | None,
     ) -> Draft:
+        if not sampling.greedy and generator is not None and generator.device != self.device:
+            raise ConfigError(
+                f"draft model {self.draft.name!r} is on {self.device} but the random generator on "
+                f"{generator.device}: at temperature > 0 a draft model must be on the target's device"
+            )
         sequence = list(token_ids)
         drafted: list[int] = []
         probs: list[torch.Tensor] = []
         while len(drafted) < num_draft_tokens:
             proposal = self._proposal(sequence, num_draft_tokens - len(drafted) - 1, sampling, generator)
             pending = sequence[self.runner.cached_length :]  # >= 1 token: the cache lags by one
-            logits = self.runner.forward(pending + proposal.tokens.tolist(), logits_to_keep=proposal.num_tokens + 1)
+            inputs = torch.cat([torch.tensor(pending, dtype=torch.long, device=self.device), proposal.tokens])
+            logits = self.runner.forward(inputs, logits_to_keep=proposal.num_tokens + 1)
             self.num_forwards += 1
             new_tokens, new_probs = check_proposal(proposal, logits, sampling, generator)
             self.num_proposal_tokens_kept += len(new_tokens) - 1
@@ -123,7 +136,8 @@ class DraftModelDrafter:
                 self.num_confidence_stops += 1
                 break
         draft_probs = torch.cat(probs) if probs else None
-        return Draft(torch.tensor(drafted, dtype=torch.long), draft_probs, sources=(MODEL,) * len(drafted))
+        tokens = torch.tensor(drafted, dtype=torch.long, device=self.device)
+        return Draft(tokens, draft_probs, sources=(MODEL,) * len(drafted))
 
     def _proposal(
         self, sequence: list[int], room: int, sampling: SamplingConfig, generator: torch.Generator | None
@@ -131,8 +145,8 @@ class DraftModelDrafter:
         """The level below's proposal (at most ``room`` tokens, leaving a slot for the model's own token)."""
         room = min(self.num_proposal_tokens, room)
         if self.proposer is None or room <= 0:
-            return Draft.empty()
-        proposal = self.proposer.propose(sequence, room, sampling, generator)
+            return Draft.empty(self.device)
+        proposal = self.proposer.propose(sequence, room, sampling, generator).to(self.device)
         self.num_proposal_tokens_offered += proposal.num_tokens
         return proposal
 
@@ -163,7 +177,7 @@ def multilevel_drafter(
     """FLy's multi-level drafter: n-gram → draft model (defaults from the FLy reference config)."""
     return DraftModelDrafter(
         draft,
-        proposer=NgramDrafter(ngram or NgramConfig()),
+        proposer=NgramDrafter(ngram or NgramConfig(), device=draft.device),
         num_proposal_tokens=num_ngram_tokens,
         confidence_threshold=confidence_threshold,
         name="multilevel",

@@ -50,9 +50,12 @@ def copy_sources(indices: list[int], prompt_length: int) -> tuple[str, ...]:
 
 @dataclass
 class NgramDrafter:
+    """Prompt lookup; the draft is built on ``device``, the device of the model that checks it."""
+
     config: NgramConfig = field(default_factory=NgramConfig)
     name: str = "ngram"
     prompt_length: int = 0  # per generation: tells prompt copies from output copies
+    device: torch.device | str = "cpu"
 
     def reset(self, prompt_ids: list[int]) -> None:
         """The lookup reads the committed tokens passed to ``propose``; only the prompt's length is kept."""
@@ -67,7 +70,8 @@ class NgramDrafter:
     ) -> Draft:
         indices = ngram_match(token_ids, num_draft_tokens, self.config.max_ngram, self.config.min_ngram)
         tokens = [token_ids[index] for index in indices]
-        return Draft(torch.tensor(tokens, dtype=torch.long), sources=copy_sources(indices, self.prompt_length))
+        draft_tokens = torch.tensor(tokens, dtype=torch.long, device=self.device)  # [k], one host-to-device copy
+        return Draft(draft_tokens, sources=copy_sources(indices, self.prompt_length))
 
     def rollback(self, num_committed: int) -> None:
         """Stateless: nothing to roll back."""

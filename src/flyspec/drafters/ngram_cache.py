@@ -246,6 +246,7 @@ class NgramCacheDrafter:
     cache: NgramCache
     ngram: NgramConfig = field(default_factory=NgramConfig)
     name: str = "ngram-cache"
+    device: torch.device | str = "cpu"  # where drafts are built: the device of the model that checks them
 
     def __post_init__(self) -> None:
         self.reset([])
@@ -272,7 +273,7 @@ class NgramCacheDrafter:
         elif source == "cache":
             self.counters.cache_drafts += 1
             self.counters.cache_draft_tokens += len(tokens)
-        return Draft(torch.tensor(tokens, dtype=torch.long), sources=sources)
+        return Draft(torch.tensor(tokens, dtype=torch.long, device=self.device), sources=sources)
 
     def _draft(self, token_ids: list[int], num_tokens: int) -> tuple[str, list[int], tuple[str, ...]]:
         """(source, tokens, per-token provenance): the longest match of the context and the cache; the

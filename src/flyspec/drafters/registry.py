@@ -101,11 +101,12 @@ class _StackBuilder:
         return level
 
     def _ngram_level(self, level: str, above: LoadedModel) -> Drafter:
+        # drafts are built on the device of the model that checks them
         if level == "ngram":
-            return NgramDrafter(self.spec.ngram)
+            return NgramDrafter(self.spec.ngram, device=above.device)
         # one cache per vocabulary (the model above reads its token ids), owned by the resources
         cache = self.resources.ngram_cache(above.name, self.spec.ngram_cache, self.spec.ngram)
-        return NgramCacheDrafter(cache, self.spec.ngram)
+        return NgramCacheDrafter(cache, self.spec.ngram, device=above.device)
 
     def _model_level(self, level: Level, model: LoadedModel, proposer: Drafter | None) -> Drafter:
         if level == LAYER_SKIP:
@@ -133,4 +134,6 @@ class _StackBuilder:
             return drafter
         if tokenizers_match(speaks.tokenizer, listener.tokenizer):
             return drafter
-        return CrossTokenizerDrafter(drafter, speaks.tokenizer, listener.tokenizer, name=drafter.name)
+        return CrossTokenizerDrafter(
+            drafter, speaks.tokenizer, listener.tokenizer, name=drafter.name, device=listener.device
+        )

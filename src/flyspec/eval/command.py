@@ -122,18 +122,20 @@ def _meta(args: argparse.Namespace, config: Any, loaded: Any, skipped: list[str]
     import torch
 
     from flyspec import __version__
-    from flyspec.models import cpu_name
+    from flyspec.models import cpu_name, device_name
 
+    gpu = f"{device_name(loaded.device)}; " if loaded.device.type == "cuda" else ""
     return {
         "command": "flyspec " + shlex.join(sys.argv[1:]),
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "target": loaded.name,
         "dtype": str(loaded.dtype).removeprefix("torch."),
+        "device": str(loaded.device),
         "drafter": config.speculation.drafter,
         "speculative_config": config.speculation.to_dict(),
         "methods": ", ".join(method.name for method in config.methods),
         "limit per task": config.limit,
-        "machine": f"{cpu_name()}, {torch.get_num_threads()} torch threads, {platform.system()}",
+        "machine": f"{gpu}{cpu_name()}, {torch.get_num_threads()} torch threads, {platform.system()}",
         "versions": f"flyspec {__version__}, torch {torch.__version__}",
         "skipped data lines": len(skipped),
         "task_metrics": {task.name: list(task.metrics) for task in config.tasks},
@@ -190,7 +192,7 @@ def _evaluate(args: argparse.Namespace, config: Any, console: Any) -> int:
     report = LoadReport()
     items = load_all_items(config, report)
     set_threads(args.threads)
-    resources = Resources(args.dtype)
+    resources = Resources(args.dtype, device=args.device)
     loaded = resources.model(args.target)
     _write_meta(config, _meta(args, config, loaded, report.skipped))
     runner = EvalRunner(config, loaded, items, resources)

@@ -50,10 +50,10 @@ def mean_log_likelihood(loaded: LoadedModel, prompt_ids: list[int], output_ids: 
     """Mean ``log p_target(output[i] | prompt, output[:i])`` in nats; None for an empty output."""
     if not output_ids:
         return None
-    input_ids = torch.tensor([prompt_ids + output_ids], dtype=torch.long)  # [1, n]
+    input_ids = torch.tensor([prompt_ids + output_ids], dtype=torch.long, device=loaded.device)  # [1, n]
     logits = loaded.model(input_ids=input_ids).logits[0, len(prompt_ids) - 1 : -1]  # [len(output), vocab]
     log_probs = torch.log_softmax(logits.float(), dim=-1)
-    targets = torch.tensor(output_ids, dtype=torch.long).unsqueeze(-1)  # [len(output), 1]
+    targets = torch.tensor(output_ids, dtype=torch.long, device=loaded.device).unsqueeze(-1)  # [len(output), 1]
     return float(log_probs.gather(-1, targets).mean())
 
 

@@ -104,6 +104,8 @@ class BaselineCache:
     @staticmethod
     def key(loaded: LoadedModel, task: Task, item_id: str, prompt_ids: list[int], max_new_tokens: int) -> str:
         fields = [loaded.name, str(loaded.dtype), task.name, item_id, max_new_tokens, task.stop, PROMPT_FORMAT]
+        if loaded.device.type != "cpu":  # a GPU rounds differently; CPU keys stay as they were
+            fields.append(loaded.device.type)
         return hashlib.sha256(json.dumps([*fields, prompt_ids]).encode()).hexdigest()
 
     def get(self, key: str) -> dict[str, Any] | None:
@@ -237,7 +239,7 @@ class EvalRunner:
             progress(f"{task.name} {item.id} plain")
             for method in self.config.methods:
                 if _record_key(task.name, method.name, item.id) not in self.done:
-                    result = decoders[method.name].generate(prompt_ids, generator=make_generator(0))
+                    result = decoders[method.name].generate(prompt_ids, generator=make_generator(0, self.loaded.device))
                     self._write(run, method, Output.of(result))
                 progress(f"{task.name} {item.id} {method.name}")
 
@@ -246,7 +248,7 @@ class EvalRunner:
         entry = self.cache.get(key)
         if entry is not None:
             return Output(**{**entry["output"], "cached": True})
-        output = Output.of(decoder.generate(prompt_ids, generator=make_generator(0)))
+        output = Output.of(decoder.generate(prompt_ids, generator=make_generator(0, self.loaded.device)))
         self.cache.put(key, {"task": task.name, "item_id": item.id, "output": output.__dict__})
         return output
 

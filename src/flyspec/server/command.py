@@ -209,18 +209,19 @@ def run(args: argparse.Namespace) -> int:
 
     checked_verifier(defaults)  # option errors that need no model come before loading one
     logging.getLogger("flyspec").setLevel(getattr(logging, args.log_level.upper()))
-    target = load_model(args.target, dtype=args.dtype, threads=args.threads)
-    draft = load_model(args.draft_model, dtype=args.dtype) if args.draft_model else None
+    target = load_model(args.target, dtype=args.dtype, threads=args.threads, device=args.device)
+    draft = load_model(args.draft_model, dtype=args.dtype, device=target.device) if args.draft_model else None
     # bad defaults fail now, not per request (and stack models and layer-skip calibration load once)
     app = create_app(target, defaults, limits, security, draft_model=draft, served_model_name=args.served_model_name)
     planner = app.state.planner
     build_decoder(target, planner.defaults, resources=planner.caches.resources)
     described = ", ".join(f"{name}={value}" for name, value in describe(defaults).items())
     logger.info(
-        "serving %s (%s, %s) at http://%s:%d/v1",
+        "serving %s (%s, %s on %s) at http://%s:%d/v1",
         args.served_model_name or target.name,
         described,
         str(target.dtype).removeprefix("torch."),
+        target.device,
         args.host,
         args.port,
     )

@@ -218,7 +218,7 @@ class Engine:
         """Run one job to its end, its cancellation, or its failure; send the events."""
         assert job.decoder is not None
         try:
-            stream = job.decoder.stream(job.prompt_ids, generator=make_generator(job.seed))
+            stream = job.decoder.stream(job.prompt_ids, generator=make_generator(job.seed, job.decoder.device))
             pieces = iter(stream)
             try:
                 for piece in pieces:

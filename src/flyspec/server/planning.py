@@ -113,10 +113,10 @@ class Planner:
         self.security = security
         self.draft_model = draft_model
         self.model_names = model_names or (target.name,)
-        # the server owns the loaded models (stack levels load once, in the target's dtype) and
+        # the server owns the loaded models (stack levels load once, in the target's dtype, on its device) and
         # calibrations; each tenant gets its own n-gram caches
         models = (target,) if draft_model is None else (target, draft_model)
-        resources = Resources(target.dtype, models=models)
+        resources = Resources(target.dtype, models=models, device=target.device)
         self.caches = TenantCaches(resources, shared=security.share_ngram_cache)
         # Prompt encoding only: the worker decodes with the original tokenizer at the same time.
         tokenizer = copy.deepcopy(target.tokenizer)

@@ -50,7 +50,6 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from flyspec.acceptance import num_leading_true
 from flyspec.config import GuardConfig, SamplingConfig
 from flyspec.types import Draft, LooseAccept, Verdict, VerifyContext
 from flyspec.verifiers.guard import guard_loose_mask
@@ -85,18 +84,35 @@ class Verifier(Protocol):
     ) -> Verdict: ...
 
 
+NextToken = Callable[[int], int] | torch.Tensor
+"""The recovered (position ``n < k``) or bonus (``n == k``) token: ``[k + 1]`` tokens when known for every
+position (the target's choices), or ``position -> token`` when drawn once the position is known (residual
+sampling)."""
+
+
 def build_verdict(
     draft_tokens: torch.Tensor,  # [k]
     accept: torch.Tensor,  # [k] bool, final acceptance (loose accepts included)
     loose: torch.Tensor,  # [k] bool, positions kept only by the lossy rule
-    next_token: Callable[[int], int],  # position n -> recovered (n < k) or bonus (n == k) token
+    next_token: NextToken,  # [k + 1] tokens, or position n -> recovered (n < k) or bonus (n == k) token
 ) -> Verdict:
-    """Commit the accepted prefix plus one recovered or bonus token."""
-    num_accepted = num_leading_true(accept)
-    kept = draft_tokens[:num_accepted].tolist()
-    loose_positions = tuple(int(i) for i in torch.nonzero(loose[:num_accepted]).flatten().tolist())
+    """Commit the accepted prefix plus one recovered or bonus token.
+
+    Everything the verdict needs from the device comes back in one transfer (draft tokens, masks and,
+    when given as a tensor, the target's choices): one host sync per step on a GPU, not one per token.
+    """
+    k = draft_tokens.shape[0]
+    parts = [draft_tokens, accept.long(), loose.long()]
+    if isinstance(next_token, torch.Tensor):
+        parts.append(next_token.long())
+    host = torch.cat(parts).tolist()  # the step's device-to-host transfer
+    accepted = host[k : 2 * k]
+    num_accepted = accepted.index(0) if 0 in accepted else k
+    kept = host[:num_accepted]
+    loose_positions = tuple(i for i, flag in enumerate(host[2 * k : 2 * k + num_accepted]) if flag)
+    following = host[3 * k + num_accepted] if isinstance(next_token, torch.Tensor) else int(next_token(num_accepted))
     return Verdict(
-        tokens=kept + [int(next_token(num_accepted))],
+        tokens=kept + [following],
         num_accepted=num_accepted,
         loose_positions=loose_positions,
         bonus=num_accepted == draft_tokens.shape[0],
@@ -109,21 +125,28 @@ def loose_verdict(
     base_accept: torch.Tensor,  # [k] bool, the strict rule's acceptance
     candidates: torch.Tensor,  # [k] bool, mismatches the lossy rule would keep
     evidence: torch.Tensor,  # [k], the lossy rule's measure at each position (see LooseAccept)
-    next_token: Callable[[int], int],
+    next_token: NextToken,
     guard: GuardConfig,
     context: VerifyContext | None,
 ) -> Verdict:
     """A lossy verifier's verdict: candidates filtered by the trust guards, each loose accept explained."""
     kept, vetoes = guard_loose_mask(base_accept, candidates, draft, target_logits, guard, context)
     verdict = build_verdict(draft.tokens, base_accept | kept, kept, next_token)
+    positions = list(verdict.loose_positions)
+    if not positions:
+        return replace(verdict, vetoes=vetoes.get(verdict.num_accepted, ()))
+    index = torch.tensor(positions, dtype=torch.long, device=target_logits.device)
+    # one transfer for every explanation: [2, loose accepts] (float64 holds token ids exactly)
+    explained = torch.stack([target_logits[index].argmax(-1).double(), evidence[index].double()])
+    target_tokens, evidences = explained.tolist()
     loose = tuple(
         LooseAccept(
             position=j,
-            draft_token=int(draft.tokens[j]),
-            target_token=int(target_logits[j].argmax()),
-            evidence=float(evidence[j]),
+            draft_token=verdict.tokens[j],  # a loose accept is in the accepted prefix
+            target_token=int(target_token),
+            evidence=value,
             source=draft.source(j),
         )
-        for j in verdict.loose_positions
+        for j, target_token, value in zip(positions, target_tokens, evidences, strict=True)
     )
     return replace(verdict, loose=loose, vetoes=vetoes.get(verdict.num_accepted, ()))

@@ -42,4 +42,4 @@ class ExactVerifier:
     ) -> Verdict:
         target_tokens = choose_tokens(target_logits, sampling, generator)  # [k + 1]
         accept = exact_accept_mask(draft.tokens, target_tokens)
-        return build_verdict(draft.tokens, accept, torch.zeros_like(accept), lambda n: int(target_tokens[n]))
+        return build_verdict(draft.tokens, accept, torch.zeros_like(accept), target_tokens)

@@ -120,9 +120,7 @@ class FlyVerifier:
         else:  # the reference code's two-sample rule
             samples = choose_tokens(target_logits.unsqueeze(0).expand(2, -1, -1), sampling, generator)  # [2, k + 1]
             base_accept = (samples[:, :k] == draft.tokens).any(0)  # [k]
-
-            def next_token(n: int) -> int:
-                return int(samples[0, n])
+            next_token = samples[0]  # [k + 1]: the recovered token is the first sample
 
         candidates, entropy = fly_candidates(base_accept, target_logits, self.config)
         return loose_verdict(draft, target_logits, base_accept, candidates, entropy, next_token, self.guard, context)

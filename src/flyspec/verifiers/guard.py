@@ -107,7 +107,7 @@ def _prompt_names(context: VerifyContext) -> tuple[frozenset[int], bool]:
     return context.memo["prompt-names"]
 
 
-def _protected(token: int, position: int, draft: Draft, config: GuardConfig, context: VerifyContext) -> bool:
+def _protected(token: int, position: int, draft_ids: list[int], config: GuardConfig, context: VerifyContext) -> bool:
     vocabulary = context.vocabulary
     wide = [name for name in config.protect if name != "names"]
     if wide and bool(vocabulary.mask(wide)[token]):
@@ -119,16 +119,21 @@ def _protected(token: int, position: int, draft: Draft, config: GuardConfig, con
         return True
     if not bool(vocabulary.mask(("identifiers",))[token]):
         return False
-    in_code = prompt_is_code != vocabulary.opens_code(context.output_ids + draft.tokens[:position].tolist())
+    in_code = prompt_is_code != vocabulary.opens_code(context.output_ids + draft_ids[:position])
     return in_code
 
 
 def _vetoes_at(
-    position: int, draft: Draft, target_logits: torch.Tensor, config: GuardConfig, context: VerifyContext | None
+    position: int,
+    draft: Draft,
+    draft_ids: list[int],  # the draft tokens, on the host
+    target_token: int,  # the target's top token at ``position``
+    target_logits: torch.Tensor,
+    config: GuardConfig,
+    context: VerifyContext | None,
 ) -> list[str]:
     """The guards that refuse a loose accept of draft token ``position`` (empty: it may be kept)."""
-    draft_token = int(draft.tokens[position])
-    target_token = int(target_logits[position].argmax())
+    draft_token = draft_ids[position]
     reasons = []
     if draft.source(position) == CACHE:
         reasons.append("cache")
@@ -136,10 +141,10 @@ def _vetoes_at(
         return reasons
     if draft_token in context.vocabulary.eos_token_ids or target_token in context.vocabulary.eos_token_ids:
         reasons.append("eos")
-    if config.protect and any(_protected(t, position, draft, config, context) for t in (draft_token, target_token)):
+    if config.protect and any(_protected(t, position, draft_ids, config, context) for t in (draft_token, target_token)):
         reasons.append("protect")
     if config.repeat_ngram:
-        reasons.extend(_repetition_vetoes(position, target_token, draft, target_logits, config, context))
+        reasons.extend(_repetition_vetoes(position, target_token, draft, draft_ids, target_logits, config, context))
     return reasons
 
 
@@ -147,13 +152,14 @@ def _repetition_vetoes(
     position: int,
     target_token: int,
     draft: Draft,
+    draft_ids: list[int],
     target_logits: torch.Tensor,
     config: GuardConfig,
     context: VerifyContext,
 ) -> list[str]:
     """``loop`` or ``copy`` (see the module docstring), judged on the n-grams that contain the candidate."""
     n = config.repeat_ngram
-    ahead = draft.tokens[: position + n].tolist()  # the candidate, the draft before it and up to n - 1 after
+    ahead = draft_ids[: position + n]  # the candidate, the draft before it and up to n - 1 after
     output = context.output_ids + ahead
     index = len(context.output_ids) + position
     if repeats_earlier(output, index, n) and not repeats_earlier([*output[:index], target_token], index, n):
@@ -185,17 +191,24 @@ def guard_loose_mask(
     kept = loose & ~base_accept
     if config.top_k:
         kept &= top_k_mask(draft.tokens, target_logits, config.top_k)
+    k = draft.num_tokens
+    # one device-to-host transfer for the loop below (indexing device tensors would sync per position)
+    host = torch.cat(
+        [base_accept.long(), loose.long(), kept.long(), draft.tokens, target_logits[:k].argmax(-1)]
+    ).tolist()
+    base_host, loose_host, kept_host = host[:k], host[k : 2 * k], host[2 * k : 3 * k]
+    draft_ids, target_ids = host[3 * k : 4 * k], host[4 * k :]
     vetoes: Vetoes = {}
-    for position in range(draft.num_tokens):
-        if base_accept[position]:
+    for position in range(k):
+        if base_host[position]:
             continue
-        if not kept[position]:
-            if loose[position]:
+        if not kept_host[position]:
+            if loose_host[position]:
                 vetoes[position] = ("top-k",)
             break  # the accepted prefix ends here
-        reasons = _vetoes_at(position, draft, target_logits, config, context)
+        reasons = _vetoes_at(position, draft, draft_ids, target_ids[position], target_logits, config, context)
         if reasons:
-            kept[position] = False
+            kept_host[position] = 0
             vetoes[position] = tuple(reasons)
             break
-    return kept, vetoes
+    return torch.tensor(kept_host, dtype=torch.bool, device=kept.device), vetoes

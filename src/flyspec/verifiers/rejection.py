@@ -10,7 +10,6 @@ which is what runs (no random numbers are drawn).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +18,7 @@ from flyspec.acceptance import draft_probs_or_one_hot, exact_accept_mask, reject
 from flyspec.config import SamplingConfig
 from flyspec.sampling import logits_to_probs, uniform
 from flyspec.types import Draft, Verdict, VerifyContext
-from flyspec.verifiers.base import build_verdict
+from flyspec.verifiers.base import NextToken, build_verdict
 
 
 def strict_base_rule(
@@ -27,16 +26,17 @@ def strict_base_rule(
     target_logits: torch.Tensor,  # [k + 1, vocab]
     sampling: SamplingConfig,
     generator: torch.Generator | None,
-) -> tuple[torch.Tensor, Callable[[int], int]]:
+) -> tuple[torch.Tensor, NextToken]:
     """The lossless rule the lossy verifiers relax: exact match on the argmax when greedy,
-    rejection sampling at T>0. Returns the ``[k]`` acceptance mask and ``position -> token``
-    for the recovered (residual) or bonus token."""
+    rejection sampling at T>0. Returns the ``[k]`` acceptance mask and the recovered (residual)
+    or bonus token: the ``[k + 1]`` argmaxes when greedy, ``position -> token`` at T>0."""
     if sampling.greedy:
         target_tokens = target_logits.argmax(-1)  # [k + 1]
-        return exact_accept_mask(draft.tokens, target_tokens), lambda n: int(target_tokens[n])
+        return exact_accept_mask(draft.tokens, target_tokens), target_tokens
     target_probs = logits_to_probs(target_logits, sampling)  # [k + 1, vocab]
     draft_probs = draft_probs_or_one_hot(draft, target_probs.shape[-1])  # [k, vocab]
-    accept = rejection_accept_mask(draft.tokens, draft_probs, target_probs, uniform((draft.num_tokens,), generator))
+    uniforms = uniform((draft.num_tokens,), generator, target_logits.device)  # [k]
+    accept = rejection_accept_mask(draft.tokens, draft_probs, target_probs, uniforms)
     return accept, lambda n: rejection_next_token(n, target_probs, draft_probs, generator)
 
 

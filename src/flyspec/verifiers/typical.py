@@ -69,7 +69,7 @@ class TypicalVerifier:
             greedy_match,
             accept & ~greedy_match,
             draft_probability,
-            lambda n: int(target_tokens[n]),
+            target_tokens,
             self.guard,
             context,
         )
