@@ -20,31 +20,31 @@ class Target:
     """The target model: prefill, score drafts, roll back. Holds the per-request cache."""
 
     def __init__(self, loaded: LoadedModel) -> None:
-        self.runner = CachedModel(loaded)
+        self.cached_model = CachedModel(loaded)
         self.num_committed = 0
 
     def start(self, prompt_ids: list[int]) -> None:
         """Prefill everything but the last prompt token (which the first step scores)."""
         if not prompt_ids:
             raise ConfigError("the prompt encodes to no tokens; give some text")
-        self.runner.reset()
+        self.cached_model.reset()
         if len(prompt_ids) > 1:
-            self.runner.forward(prompt_ids[:-1], logits_to_keep=1)
+            self.cached_model.forward(prompt_ids[:-1], logits_to_keep=1)
         self.num_committed = len(prompt_ids)
         self.check_invariant()
 
     def score(self, last_token: int, draft_tokens: torch.Tensor) -> torch.Tensor:
         """Logits ``[k + 1, vocab]`` for ``[last_token] + draft_tokens`` in one forward."""
-        return self.runner.forward([last_token, *draft_tokens.tolist()])
+        return self.cached_model.forward([last_token, *draft_tokens.tolist()])
 
     def rollback(self, num_committed: int) -> None:
         """Keep the cache of the committed tokens only (all but the last)."""
-        self.runner.crop_to(num_committed - 1)
+        self.cached_model.crop_to(num_committed - 1)
         self.num_committed = num_committed
         self.check_invariant()
 
     def check_invariant(self) -> None:
-        cached = self.runner.cached_length
+        cached = self.cached_model.cached_length
         if cached != self.num_committed - 1:
             raise RuntimeError(
                 f"KV cache invariant broken: {cached} cached positions for {self.num_committed} committed tokens "

@@ -124,26 +124,31 @@ def run_bench(
     """
     failures = {} if failures is None else failures
     names = list(backends)
+
+    def run_or_drop(name: str, prompt: BenchPrompt, max_new_tokens: int, seed: int) -> PromptOutput | None:
+        backend = backends[name]
+        if not backend.method.peer:
+            return run_prompt(backend, target, prompt, max_new_tokens, seed, use_chat)
+        try:
+            return run_prompt(backend, target, prompt, max_new_tokens, seed, use_chat)
+        except Exception as error:  # a peer's failure must not lose the run
+            message = f"{type(error).__name__}: {error}"
+            logger.warning("peer %s failed on prompt %s and is dropped from the run: %s", name, prompt.id, message)
+            failures[name] = f"prompt {prompt.id}: {message}"
+            names.remove(name)
+            return None
+
     if settings.warmup:
         warmup = BenchPrompt("warmup", "warmup", ("Hello! Say something short.",))
         for name in list(names):
-            _run_or_drop(names, failures, backends[name], target, warmup, WARMUP_TOKENS, settings.seed, use_chat)
+            run_or_drop(name, warmup, WARMUP_TOKENS, settings.seed)
     records: list[Record] = []
     for index, prompt in enumerate(prompts):
         for repeat in range(settings.repeats):
             shift = (index * settings.repeats + repeat) % len(names)
             outputs = {}
             for name in names[shift:] + names[:shift]:
-                output = _run_or_drop(
-                    names,
-                    failures,
-                    backends[name],
-                    target,
-                    prompt,
-                    settings.max_new_tokens,
-                    settings.seed + index,
-                    use_chat,
-                )
+                output = run_or_drop(name, prompt, settings.max_new_tokens, settings.seed + index)
                 if output is not None:
                     outputs[name] = output
             for name in [name for name in names if name in outputs]:
@@ -152,30 +157,6 @@ def run_bench(
                 on_record(record)
         on_prompt_done()
     return records
-
-
-def _run_or_drop(
-    names: list[str],
-    failures: dict[str, str],
-    backend: Backend,
-    target: LoadedModel,
-    prompt: BenchPrompt,
-    max_new_tokens: int,
-    seed: int,
-    use_chat: bool | None,
-) -> PromptOutput | None:
-    if not backend.method.peer:
-        return run_prompt(backend, target, prompt, max_new_tokens, seed, use_chat)
-    try:
-        return run_prompt(backend, target, prompt, max_new_tokens, seed, use_chat)
-    except Exception as error:  # a peer's failure must not lose the run
-        message = f"{type(error).__name__}: {error}"
-        logger.warning(
-            "peer %s failed on prompt %s and is dropped from the run: %s", backend.method.name, prompt.id, message
-        )
-        failures[backend.method.name] = f"prompt {prompt.id}: {message}"
-        names.remove(backend.method.name)
-        return None
 
 
 def make_record(
