@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from flyspec.bench.data import SPEC_BENCH_CATEGORIES, DatasetError, load_prompts, spec_bench_path
-from flyspec.bench.methods import parse_methods
+from flyspec.bench.data import SPEC_BENCH_CATEGORIES, load_prompts
+from flyspec.bench.loop import bench_methods
 from flyspec.bench.summary import OVERALL, summarize
 from flyspec.cli import main
 from flyspec.config import ConfigError
+from flyspec.harness.data import DataError, spec_bench_path
 
 PROMPTS = [
     {"id": "a1", "category": "alpha", "prompt": "The capital of France is Paris. The capital of"},
@@ -23,7 +24,7 @@ PROMPTS = [
     {"id": "b1", "category": "beta", "turns": ["Speculative decoding drafts tokens", "Once upon a time there"]},
     {"id": "b2", "category": "beta", "prompt": "Once upon a time there was a small model that"},
 ]
-METHODS = "baseline,ngram+exact,ngram+fly,ngram+rejection,hf-plain,hf-lookup"
+METHODS = "plain,ngram+exact,ngram+fly,ngram+rejection,hf-plain,hf-lookup"
 
 
 def write_jsonl(path: Path, rows: list) -> Path:
@@ -59,7 +60,7 @@ def test_limit_per_category_and_category_filter() -> None:
 
 def test_malformed_line_names_file_and_line(tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "p.jsonl", [PROMPTS[0], "{not json", {"text": "no prompt"}, PROMPTS[1]])
-    with pytest.raises(DatasetError, match=r"p\.jsonl:2: .*--skip-bad-lines"):
+    with pytest.raises(DataError, match=r"p\.jsonl:2: .*--skip-bad-lines"):
         load_prompts(path)
     kept = load_prompts(path, skip_bad_lines=True)
     assert [p.id for p in kept] == ["a1", "a2"]
@@ -77,29 +78,34 @@ def test_malformed_line_names_file_and_line(tmp_path: Path) -> None:
 )
 def test_bad_records_are_reported(tmp_path: Path, row: object, message: str) -> None:
     path = write_jsonl(tmp_path / "p.jsonl", [row])
-    with pytest.raises(DatasetError, match=message):
+    with pytest.raises(DataError, match=message):
         load_prompts(path)
 
 
 def test_missing_file_unknown_category_bad_limit(tmp_path: Path) -> None:
-    with pytest.raises(DatasetError, match="does not exist"):
+    with pytest.raises(DataError, match="not found"):
         load_prompts(tmp_path / "nope.jsonl")
-    with pytest.raises(DatasetError, match="unknown category poetry.*it has: mt_bench"):
+    with pytest.raises(DataError, match="unknown category poetry.*it has: mt_bench"):
         load_prompts(categories=("poetry",))
-    with pytest.raises(DatasetError, match="--limit"):
+    with pytest.raises(DataError, match="--limit"):
         load_prompts(limit=0)
 
 
 # --- methods ----------------------------------------------------------------------------------
 
 
-def test_methods_parse_and_baseline_is_always_first() -> None:
-    methods = parse_methods("ngram+fly,hf-lookup", has_draft_model=False)
-    assert [m.name for m in methods] == ["baseline", "ngram+fly", "hf-lookup"]
+def test_methods_parse_and_plain_is_always_first() -> None:
+    methods = bench_methods("ngram+fly,hf-lookup", has_draft_model=False)
+    assert [m.name for m in methods] == ["plain", "ngram+fly", "hf-lookup"]
     assert methods[1].drafter == "ngram" and methods[1].verifier == "fly" and not methods[1].lossless
-    assert parse_methods("draft+exact", has_draft_model=True)[1].drafter == "draft-model"
-    defaults = [m.name for m in parse_methods(None, has_draft_model=True)]
+    assert bench_methods("draft+exact", has_draft_model=True)[1].drafter == "draft-model"
+    defaults = [m.name for m in bench_methods(None, has_draft_model=True)]
     assert "multilevel+fly" in defaults and "hf-assisted" in defaults
+    # the old name of plain still works; duplicates run once
+    assert [m.name for m in bench_methods("ngram+exact,baseline,ngram+exact", has_draft_model=False)] == [
+        "plain",
+        "ngram+exact",
+    ]
 
 
 @pytest.mark.parametrize(
@@ -109,13 +115,13 @@ def test_methods_parse_and_baseline_is_always_first() -> None:
         ("speedy", "unknown method"),
         ("draft+fly", "need\\(s\\) a draft model"),
         ("hf-assisted", "need\\(s\\) a draft model"),
-        ("ngram+fly,ngram+fly", "listed twice"),
-        (" , ", "empty"),
+        ("ngram+exact+bare", "lossless"),
+        (" , ", "no methods given"),
     ],
 )
 def test_bad_methods(spec: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
-        parse_methods(spec, has_draft_model=False)
+        bench_methods(spec, has_draft_model=False)
 
 
 # --- summary arithmetic -------------------------------------------------------------------------
@@ -145,7 +151,7 @@ def test_speedup_is_the_median_over_repeats_of_rate_ratios() -> None:
     records = []
     # repeat 0: baseline 100 tok / 10 s, fast 100 tok / 4 s → 2.5x; repeat 1: 10 s vs 5 s → 2x; repeat 2: 3x
     for repeat, (base_s, fast_s) in enumerate([(10.0, 4.0), (10.0, 5.0), (9.0, 3.0)]):
-        records.append(_record("baseline", "c", repeat, 100, base_s, 100))
+        records.append(_record("plain", "c", repeat, 100, base_s, 100))
         records.append(_record("ngram+exact", "c", repeat, 100, fast_s, 40))
     summary = summarize(records, {1: 0.05, 16: 0.1}, num_draft_tokens=15)
     fast = summary[OVERALL]["ngram+exact"]
@@ -161,7 +167,7 @@ def test_speedup_is_the_median_over_repeats_of_rate_ratios() -> None:
 
 
 def test_cost_limit_charges_each_step_its_actual_forward_size() -> None:
-    base = _record("baseline", "c", 0, 10, 1.0, 10)
+    base = _record("plain", "c", 0, 10, 1.0, 10)
     # 4 forwards: drafts proposed 2, 2, 1, 0 → forward sizes 3, 3, 2, 1; 10 tokens committed
     fast = _record("ngram+exact", "c", 0, 10, 0.5, 4) | {"proposed_per_position": [3, 2]}
     times = {1: 0.010, 2: 0.012, 3: 0.015, 16: 0.05}
@@ -224,8 +230,8 @@ def test_quick_bench_records_are_consistent(bench_run: Path) -> None:
     assert results["meta"]["dtype"] == "float32" and results["meta"]["categories"] == ["alpha", "beta"]
     assert {r["num_turns"] for r in records if r["prompt_id"] == "b1"} == {2}
     overall = results["summary"][OVERALL]
-    base_rate = sum(r["num_new_tokens"] for r in records if r["method"] == "baseline") / sum(
-        r["wall_time_s"] for r in records if r["method"] == "baseline"
+    base_rate = sum(r["num_new_tokens"] for r in records if r["method"] == "plain") / sum(
+        r["wall_time_s"] for r in records if r["method"] == "plain"
     )
     for method in methods:
         mine = [r for r in records if r["method"] == method]
@@ -233,7 +239,7 @@ def test_quick_bench_records_are_consistent(bench_run: Path) -> None:
         figures = overall[method]
         assert figures["tokens_per_s"] == pytest.approx(rate)
         assert figures["speedup"] == pytest.approx(rate / base_rate)
-        assert figures["speedup"] == pytest.approx(figures["tokens_per_s"] / overall["baseline"]["tokens_per_s"])
+        assert figures["speedup"] == pytest.approx(figures["tokens_per_s"] / overall["plain"]["tokens_per_s"])
         for record in mine:
             assert record["tokens_per_s"] == pytest.approx(record["num_new_tokens"] / record["wall_time_s"])
             if record["num_target_forwards"] is not None:
@@ -245,7 +251,7 @@ def test_quick_bench_records_are_consistent(bench_run: Path) -> None:
         if record["lossless"]:
             assert record["identical_to_baseline"], (record["method"], record["prompt_id"])
     assert overall["ngram+exact"]["tau"] > 1.0  # the tiny model repeats itself: some drafts are accepted
-    assert overall["baseline"]["tau"] == pytest.approx(1.0)
+    assert overall["plain"]["tau"] == pytest.approx(1.0)
     assert overall["hf-lookup"]["speedup_vs_own_plain"] is not None
 
 
@@ -255,7 +261,7 @@ def test_quick_bench_records_are_consistent(bench_run: Path) -> None:
         (["--methods", "ngram+wrong"], "unknown method"),
         (["--methods", "draft+fly"], "draft model"),
         (["--categories", "nope"], "unknown category"),
-        (["--dataset", "/nonexistent/prompts.jsonl"], "does not exist"),
+        (["--dataset", "/nonexistent/prompts.jsonl"], "data file not found"),
         (["--repeats", "0"], "must be >= 1"),
         (["--window-size", "-1"], "window_size"),
         (["--methods", "llamacpp-lookup"], "llama"),
@@ -322,9 +328,9 @@ def test_draft_model_methods_and_hf_assisted(tmp_path: Path, tiny_model_dir: Pat
 def test_a_failing_peer_is_dropped_and_the_run_completes(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, tiny_model_dir: Path
 ) -> None:
-    from flyspec.bench.runners import HFGenerateRunner
+    from flyspec.bench.backends import HFGenerateBackend
 
-    original = HFGenerateRunner.generate
+    original = HFGenerateBackend.generate
     calls = {"n": 0}
 
     def flaky(self, prompt_ids, max_new_tokens, seed):  # hf-lookup fails on its third call (2nd real prompt)
@@ -334,7 +340,7 @@ def test_a_failing_peer_is_dropped_and_the_run_completes(
                 raise RuntimeError("peer exploded")
         return original(self, prompt_ids, max_new_tokens, seed)
 
-    monkeypatch.setattr(HFGenerateRunner, "generate", flaky)
+    monkeypatch.setattr(HFGenerateBackend, "generate", flaky)
     dataset = write_jsonl(tmp_path / "prompts.jsonl", [PROMPTS[0], PROMPTS[1], PROMPTS[3]])
     out = tmp_path / "out"
     argv = [
@@ -346,7 +352,7 @@ def test_a_failing_peer_is_dropped_and_the_run_completes(
         "--dtype",
         "float32",
         "--methods",
-        "baseline,ngram+exact,hf-lookup",
+        "plain,ngram+exact,hf-lookup",
         "--max-new-tokens",
         "12",
         "--no-plots",
@@ -357,12 +363,12 @@ def test_a_failing_peer_is_dropped_and_the_run_completes(
     results = json.loads((out / "results.json").read_text())
     assert "peer exploded" in results["meta"]["failed_peers"]["hf-lookup"]
     methods = [r["method"] for r in results["records"]]
-    assert methods.count("baseline") == 3 and methods.count("ngram+exact") == 3 and methods.count("hf-lookup") == 1
+    assert methods.count("plain") == 3 and methods.count("ngram+exact") == 3 and methods.count("hf-lookup") == 1
     # the dropped peer's speedup is over the one prompt it completed
     records = results["records"]
     first = records[0]["prompt_id"]
     lookup = next(r for r in records if r["method"] == "hf-lookup")
-    base = next(r for r in records if r["method"] == "baseline" and r["prompt_id"] == first)
+    base = next(r for r in records if r["method"] == "plain" and r["prompt_id"] == first)
     assert lookup["prompt_id"] == first
     assert results["summary"][OVERALL]["hf-lookup"]["speedup"] == pytest.approx(
         lookup["tokens_per_s"] / base["tokens_per_s"]
@@ -371,7 +377,7 @@ def test_a_failing_peer_is_dropped_and_the_run_completes(
 
 def test_in_run_limit_uses_the_forward_costs_measured_in_the_run() -> None:
     timing = {"prefill_time_s": 0.1, "draft_time_s": 0.0}
-    base = _record("baseline", "c", 0, 100, 5.1, 100) | timing | {"target_time_s": 5.0}  # 50 ms per step
+    base = _record("plain", "c", 0, 100, 5.1, 100) | timing | {"target_time_s": 5.0}  # 50 ms per step
     fast = _record("ngram+exact", "c", 0, 100, 4.1, 40) | timing | {"target_time_s": 4.0}  # 100 ms per step
     figures = summarize([base, fast], None, num_draft_tokens=15)[OVERALL]["ngram+exact"]
     assert figures["target_ms_per_step"] == pytest.approx(100.0)
@@ -385,17 +391,17 @@ def test_in_run_limit_uses_the_forward_costs_measured_in_the_run() -> None:
 
 
 def test_vllm_methods_parse_as_peers_measured_against_vllm_plain() -> None:
-    from flyspec.bench.methods import PEER_PLAIN
+    from flyspec.harness.methods import PEER_PLAIN
 
-    methods = parse_methods("vllm-plain,vllm-ngram,vllm-ngram+fly,vllm-ngram+fly+bare", has_draft_model=False)
+    methods = bench_methods("vllm-plain,vllm-ngram,vllm-ngram+fly,vllm-ngram+fly+bare", has_draft_model=False)
     by_name = {m.name: m for m in methods}
-    assert [m.name for m in methods][0] == "baseline" and all(by_name[n].peer for n in list(by_name)[1:])
+    assert [m.name for m in methods][0] == "plain" and all(by_name[n].peer for n in list(by_name)[1:])
     assert by_name["vllm-plain"].lossless and by_name["vllm-ngram"].lossless
     assert not by_name["vllm-ngram+fly"].lossless and not by_name["vllm-ngram+fly"].bare
     assert by_name["vllm-ngram+fly+bare"].bare and not by_name["vllm-ngram+fly+bare"].lossless
     assert {PEER_PLAIN[n] for n in ("vllm-ngram", "vllm-ngram+fly", "vllm-ngram+fly+bare")} == {"vllm-plain"}
     with pytest.raises(ConfigError, match="unknown method"):
-        parse_methods("vllm-ngram+exact", has_draft_model=False)
+        bench_methods("vllm-ngram+exact", has_draft_model=False)
 
 
 def test_vllm_venv_from_option_then_environment_then_default(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -412,7 +418,7 @@ def test_vllm_methods_are_skipped_with_a_reason_without_the_venv(tmp_path: Path,
     dataset = write_jsonl(tmp_path / "prompts.jsonl", [PROMPTS[0]])
     out = tmp_path / "out"
     argv = ["bench", "--dataset", str(dataset), "--target", str(tiny_model_dir), "--dtype", "float32",
-            "--methods", "baseline,vllm-plain,vllm-ngram+fly", "--max-new-tokens", "8", "--no-plots", "--no-warmup",
+            "--methods", "plain,vllm-plain,vllm-ngram+fly", "--max-new-tokens", "8", "--no-plots", "--no-warmup",
             "--vllm-venv", str(tmp_path / "no-such-venv"), "--out", str(out)]  # fmt: skip
     assert main(argv) == 0
     results = json.loads((out / "results.json").read_text())
@@ -420,5 +426,5 @@ def test_vllm_methods_are_skipped_with_a_reason_without_the_venv(tmp_path: Path,
     assert set(skipped) == {"vllm-plain", "vllm-ngram+fly"}
     assert "no vLLM venv at" in skipped["vllm-plain"] and "make vllm-setup" in skipped["vllm-plain"]
     assert "\n" not in skipped["vllm-plain"]
-    assert {r["method"] for r in results["records"]} == {"baseline"}
+    assert {r["method"] for r in results["records"]} == {"plain"}
     assert "skipped vllm-plain: no vLLM venv" in (out / "report.md").read_text()

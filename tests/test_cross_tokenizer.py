@@ -271,13 +271,13 @@ class CheckedDraftModel:
         self.last = list(prompt_ids)
 
     def propose(self, token_ids: list[int], num_draft_tokens: int, sampling: Any, generator: Any) -> Draft:
-        cached = self.inner.runner.cached_length
+        cached = self.inner.cached_model.cached_length
         assert cached <= len(token_ids) - 1
         assert self.last[:cached] == token_ids[:cached]
         self.num_cached_reused += cached
         draft = self.inner.propose(token_ids, num_draft_tokens, sampling, generator)
         self.last = token_ids + draft.tokens.tolist()
-        assert draft.tokens.tolist() == greedy_from_scratch(self.inner.draft, token_ids, num_draft_tokens)
+        assert draft.tokens.tolist() == greedy_from_scratch(self.inner.draft_model, token_ids, num_draft_tokens)
         return draft
 
     def rollback(self, num_committed: int) -> None:
@@ -354,7 +354,7 @@ def test_lossless_with_an_ngram_proposer_below_the_draft_model(models_by_side, d
     draft, target = models_by_side[direction[0]]["draft"], models_by_side[direction[1]]["target"]
     config = DecodeConfig(max_new_tokens=40)  # stops at EOS like plain decoding
     for prompt in PROMPTS[:2]:
-        drafter = cross(multilevel_drafter(draft, num_ngram_tokens=3), draft, target)
+        drafter = cross(multilevel_drafter(draft, num_proposal_tokens=3), draft, target)
         result = SpeculativeDecoder(
             target, drafter, make_verifier("exact"), config, SpeculationConfig(num_draft_tokens=5)
         ).generate(prompt, use_chat=False)

@@ -253,11 +253,11 @@ def test_stack_mixing_tokenizers_and_layer_skip_is_lossless(
 
 def test_bench_gives_ngram_cache_methods_a_private_cache(tiny_target: LoadedModel) -> None:
     """Sharing the run's cache, a method would find this very prompt's answer left by the others."""
-    from flyspec.bench.methods import parse_method
-    from flyspec.bench.runners import FlyspecRunner, RunSettings
+    from flyspec.bench.backends import BackendSettings, FlyspecBackend
+    from flyspec.harness.methods import parse_method
 
-    settings = RunSettings(SamplingConfig(), resources=Resources(models=(tiny_target,)))
-    runners = [FlyspecRunner(parse_method(name), tiny_target, None, settings) for name in ("ngram-cache+exact",) * 2]
-    caches = [runner.decoder.drafter.cache for runner in runners]
+    settings = BackendSettings(SamplingConfig(), resources=Resources(models=(tiny_target,)))
+    backends = [FlyspecBackend(parse_method(name), tiny_target, None, settings) for name in ("ngram-cache+exact",) * 2]
+    caches = [backend.decoder.drafter.cache for backend in backends]
     assert caches[0] is not caches[1]
     assert all(cache is not settings.resources.ngram_cache(tiny_target.name, None, None) for cache in caches)

@@ -40,7 +40,7 @@ def make_drafter(name: str, draft: LoadedModel):
         return NgramDrafter()
     if name == "draft-model":
         return DraftModelDrafter(draft)
-    return multilevel_drafter(draft, num_ngram_tokens=3)
+    return multilevel_drafter(draft, num_proposal_tokens=3)
 
 
 def plain_tokens(target: LoadedModel, prompt: str | list[int], config: DecodeConfig) -> list[int]:
@@ -76,7 +76,7 @@ def test_lossless_across_model_seeds_and_a_perfect_draft(tokenizer, seed: int) -
     config = DecodeConfig(max_new_tokens=30, ignore_eos=True)
     expected = plain_tokens(target, PROMPTS[seed - 1], config)
     for label, draft in drafts.items():
-        for drafter in (DraftModelDrafter(draft), multilevel_drafter(draft, num_ngram_tokens=2)):
+        for drafter in (DraftModelDrafter(draft), multilevel_drafter(draft, num_proposal_tokens=2)):
             result = SpeculativeDecoder(
                 target, drafter, make_verifier("exact"), config, SpeculationConfig(num_draft_tokens=4)
             ).generate(PROMPTS[seed - 1], use_chat=False)
@@ -205,13 +205,13 @@ def test_kv_cache_invariant_is_checked_every_step(tiny_target: LoadedModel) -> N
     original = decoder.target.check_invariant
 
     def spy() -> None:
-        seen.append((decoder.target.runner.cached_length, decoder.target.num_committed))
+        seen.append((decoder.target.cached_model.cached_length, decoder.target.num_committed))
         original()
 
     decoder.target.check_invariant = spy  # type: ignore[method-assign]
     decoder.generate(PROMPTS[0], use_chat=False)
     assert len(seen) >= 2 and all(cached == committed - 1 for cached, committed in seen)
-    decoder.target.runner.crop_to(decoder.target.runner.cached_length - 1)  # break it on purpose
+    decoder.target.cached_model.crop_to(decoder.target.cached_model.cached_length - 1)  # break it on purpose
     with pytest.raises(RuntimeError, match="invariant"):
         original()
 
@@ -220,7 +220,7 @@ def test_multilevel_draft_equals_plain_draft_model_draft(tiny_target: LoadedMode
     """Multi-level drafting is an acceleration: greedy, it proposes exactly the draft model's tokens."""
     context = tiny_target.encode_prompt(PROMPTS[2] + " " + PROMPTS[2], use_chat=False)
     greedy = SamplingConfig()
-    plain, multi = DraftModelDrafter(tiny_draft), multilevel_drafter(tiny_draft, num_ngram_tokens=4)
+    plain, multi = DraftModelDrafter(tiny_draft), multilevel_drafter(tiny_draft, num_proposal_tokens=4)
     for drafter in (plain, multi):
         drafter.reset(context)
     plain_draft = plain.propose(context, 10, greedy, None)
@@ -277,7 +277,7 @@ def test_draft_shapes(tiny_target: LoadedModel, tiny_draft: LoadedModel) -> None
     chosen = draft.draft_probs.gather(-1, draft.tokens.unsqueeze(-1))
     assert (chosen > 0).all()
     drafter.rollback(len(context) + 2)
-    assert drafter.runner.cached_length == len(context) + 1
+    assert drafter.cached_model.cached_length == len(context) + 1
     assert dataclasses.is_dataclass(draft)
 
 

@@ -14,9 +14,8 @@ import torch
 from conftest import CORPUS, make_tiny_model
 from flyspec.cli import main
 from flyspec.config import ConfigError
-from flyspec.eval.data import EvalDataError, LoadReport, data_path, load_custom
-from flyspec.eval.methods import parse_method, parse_methods
-from flyspec.eval.runner import EvalConfig, EvalRunner, load_all_items, read_records
+from flyspec.eval.data import LoadReport, data_path, load_custom
+from flyspec.eval.evaluation import EvalConfig, Evaluation, load_all_items
 from flyspec.eval.sandbox import SandboxLimits, run_program
 from flyspec.eval.scoring import (
     chrf,
@@ -29,6 +28,8 @@ from flyspec.eval.scoring import (
 )
 from flyspec.eval.stats import bootstrap_ratio_ci, retention
 from flyspec.eval.tasks import builtin_tasks, custom_task, resolve_tasks
+from flyspec.harness.data import DataError, read_records
+from flyspec.harness.methods import parse_method, parse_methods
 from flyspec.models import LoadedModel
 
 LIMITS = SandboxLimits(timeout_s=5.0, cpu_s=1, memory_bytes=512 << 20)
@@ -183,7 +184,7 @@ def test_retention_below_floor_has_no_ratio() -> None:
 def test_malformed_line_names_file_and_line(tmp_path: Path) -> None:
     path = tmp_path / "mine.jsonl"
     path.write_text('{"prompt": "a", "reference": "b"}\n{"prompt": "broken"\n{"prompt": "c"}\n')
-    with pytest.raises(EvalDataError, match=r"mine\.jsonl:2: invalid JSON"):
+    with pytest.raises(DataError, match=r"mine\.jsonl:2: invalid JSON"):
         load_custom(path, None, False, LoadReport())
     report = LoadReport()
     items = load_custom(path, None, True, report)
@@ -306,11 +307,11 @@ def test_interrupted_run_keeps_partial_records_and_resumes(tiny_target: LoadedMo
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        EvalRunner(config, tiny_target, items).run(interrupt_after_four)
+        Evaluation(config, tiny_target, items).run(interrupt_after_four)
     partial = read_records(tmp_path / "records.jsonl")
     assert [(r["task"], r["method"]) for r in partial] == [("gsm8k", m) for m in ("plain", "exact", "fly", "plain")]
     resumed = EvalConfig(**{**config.__dict__, "resume": True})
-    EvalRunner(resumed, tiny_target, items).run()
+    Evaluation(resumed, tiny_target, items).run()
     records = read_records(tmp_path / "records.jsonl")
     assert len(records) == 2 * 2 * 3
     assert len({(r["task"], r["method"], r["item_id"]) for r in records}) == len(records)  # nothing twice
@@ -319,16 +320,16 @@ def test_interrupted_run_keeps_partial_records_and_resumes(tiny_target: LoadedMo
 def test_cli_interrupt_writes_partial_reports_and_report_only_rebuilds(
     long_context_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    original = EvalRunner._write
+    original = Evaluation._write
     writes = []
 
-    def write_then_interrupt(self: EvalRunner, *args: object) -> None:
+    def write_then_interrupt(self: Evaluation, *args: object) -> None:
         original(self, *args)
         writes.append(args)
         if len(writes) == 3:
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(EvalRunner, "_write", write_then_interrupt)
+    monkeypatch.setattr(Evaluation, "_write", write_then_interrupt)
     argv = ["eval", "--target", str(long_context_model_dir), "--dtype", "float32", "--out", str(tmp_path)]
     argv += ["--tasks", "gsm8k", "--limit", "2", "--methods", "exact,fly", "--max-new-tokens", "4", "--no-cache"]
     assert main([*argv, "--no-similarity"]) == 130
@@ -354,29 +355,35 @@ def test_speedup_interval() -> None:
 
 
 def test_vllm_methods_parse_with_the_guards_of_fly() -> None:
-    guarded, bare = parse_methods("vllm-fly,vllm-fly+bare")
-    assert (guarded.engine, guarded.verifier, guarded.guard, guarded.lossless) == ("vllm", "fly", None, False)
-    assert (bare.engine, bare.guard) == ("vllm", "bare")
+    from flyspec.eval.vllm import PEERS
+
+    guarded, bare = parse_methods("vllm-ngram+fly,vllm-ngram+fly+bare", PEERS)
+    assert (guarded.engine, guarded.verifier, guarded.modifier, guarded.lossless) == ("vllm", "fly", None, False)
+    assert (bare.engine, bare.modifier) == ("vllm", "bare")
     assert guarded.guard_config("text") == parse_method("fly").guard_config("text")
-    with pytest.raises(ConfigError, match="vllm-fly"):
-        parse_method("vllm-exact")
+    # the old eval spellings still work, under the one name bench and eval share
+    assert [m.name for m in parse_methods("vllm-fly,vllm-fly+bare", PEERS)] == ["vllm-ngram+fly", "vllm-ngram+fly+bare"]
+    with pytest.raises(ConfigError, match="vllm-ngram\\+fly"):
+        parse_method("vllm-exact", PEERS)
+    with pytest.raises(ConfigError, match="unknown method 'hf-lookup'"):  # a peer eval does not run
+        parse_method("hf-lookup", PEERS)
 
 
 def test_vllm_method_without_the_venv_is_a_config_error(tiny_target: LoadedModel, tmp_path: Path) -> None:
     from flyspec.eval.vllm import start_engine
 
-    with pytest.raises(ConfigError, match="vllm-fly: no vLLM venv at"):
-        start_engine("vllm-fly", tiny_target, 15, str(tmp_path / "none"))
+    with pytest.raises(ConfigError, match="vllm-ngram\\+fly: no vLLM venv at"):
+        start_engine(parse_method("vllm-ngram+fly"), tiny_target, 15, str(tmp_path / "none"))
 
 
 def test_vllm_outputs_are_cut_where_flyspec_cuts_them(tiny_target: LoadedModel) -> None:
-    from flyspec.bench.runners import TurnOutput
+    from flyspec.bench.backends import TurnOutput
     from flyspec.config import DecodeConfig
     from flyspec.eval.vllm import VllmDecoder
 
     text_ids = tiny_target.tokenizer.encode(" the cat sat. the dog ran.", add_special_tokens=False)
 
-    class Engine:  # what VllmRunner.generate returns: vLLM's tokens up to EOS or the limit, counters
+    class Engine:  # what VllmBackend.generate returns: vLLM's tokens up to EOS or the limit, counters
         def generate(self, prompt_ids: list[int], max_new_tokens: int, seed: int) -> TurnOutput:
             ids = text_ids[:max_new_tokens]
             return TurnOutput(ids, "", 0.5, num_target_forwards=3, num_proposed=9, num_accepted=4, num_loose_accepts=1)

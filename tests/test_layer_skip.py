@@ -86,12 +86,12 @@ def pruned_copy(loaded: LoadedModel, skip_layers: tuple[int, ...]) -> LoadedMode
 
 def incremental_logits(loaded: LoadedModel) -> list[torch.Tensor]:
     """Logits from a prefill and from scoring steps each followed by a crop (as the target runs them)."""
-    runner = CachedModel(loaded)
-    outputs = [runner.forward(IDS[:20])]  # [20, vocab]
+    cached_model = CachedModel(loaded)
+    outputs = [cached_model.forward(IDS[:20])]  # [20, vocab]
     for start in (20, 24, 28):
-        outputs.append(runner.forward(IDS[start : start + 6]))  # [6, vocab]
-        runner.crop_to(start + 4)  # drop two "rejected" positions
-    outputs.append(runner.forward(IDS[32:48]))  # [16, vocab]
+        outputs.append(cached_model.forward(IDS[start : start + 6]))  # [6, vocab]
+        cached_model.crop_to(start + 4)  # drop two "rejected" positions
+    outputs.append(cached_model.forward(IDS[32:48]))  # [16, vocab]
     return outputs
 
 
@@ -132,13 +132,13 @@ def test_skip_view_equals_the_model_with_those_layers_removed(tokenizer, kind: s
 def test_drafter_cache_rolls_back_across_several_forwards(tokenizer, kind: str) -> None:
     """As a drafter's rollback does after one forward per draft token: far past the sliding window."""
     target = make_model(kind, tokenizer)
-    runner = CachedModel(skip_view(target, (2,)), full_history=True)
-    runner.forward(IDS[:20])
+    cached_model = CachedModel(skip_view(target, (2,)), full_history=True)
+    cached_model.forward(IDS[:20])
     for position in range(20, 36):
-        runner.forward([IDS[position]])
-        runner.crop_to(position + 1)  # DraftModelDrafter crops after every forward
-    runner.crop_to(22)
-    logits = runner.forward(IDS[22:40])  # [18, vocab]
+        cached_model.forward([IDS[position]])
+        cached_model.crop_to(position + 1)  # DraftModelDrafter crops after every forward
+    cached_model.crop_to(22)
+    logits = cached_model.forward(IDS[22:40])  # [18, vocab]
     expected = CachedModel(pruned_copy(target, (2,))).forward(IDS[:40])[22:]
     torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
 

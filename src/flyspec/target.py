@@ -20,20 +20,20 @@ class Target:
     """The target model: prefill, score drafts, roll back. Holds the per-request cache."""
 
     def __init__(self, loaded: LoadedModel) -> None:
-        self.runner = CachedModel(loaded)
+        self.cached_model = CachedModel(loaded)
         self.num_committed = 0
 
     @property
     def device(self) -> torch.device:
-        return self.runner.device
+        return self.cached_model.device
 
     def start(self, prompt_ids: list[int]) -> None:
         """Prefill everything but the last prompt token (which the first step scores)."""
         if not prompt_ids:
             raise ConfigError("the prompt encodes to no tokens; give some text")
-        self.runner.reset()
+        self.cached_model.reset()
         if len(prompt_ids) > 1:
-            self.runner.forward(prompt_ids[:-1], logits_to_keep=1)
+            self.cached_model.forward(prompt_ids[:-1], logits_to_keep=1)
         self.num_committed = len(prompt_ids)
         self.check_invariant()
 
@@ -44,16 +44,16 @@ class Target:
         without a round trip through the host.
         """
         last = torch.full((1,), last_token, dtype=torch.long, device=self.device)
-        return self.runner.forward(torch.cat([last, draft_tokens]))  # [k + 1, vocab]
+        return self.cached_model.forward(torch.cat([last, draft_tokens]))  # [k + 1, vocab]
 
     def rollback(self, num_committed: int) -> None:
         """Keep the cache of the committed tokens only (all but the last)."""
-        self.runner.crop_to(num_committed - 1)
+        self.cached_model.crop_to(num_committed - 1)
         self.num_committed = num_committed
         self.check_invariant()
 
     def check_invariant(self) -> None:
-        cached = self.runner.cached_length
+        cached = self.cached_model.cached_length
         if cached != self.num_committed - 1:
             raise RuntimeError(
                 f"KV cache invariant broken: {cached} cached positions for {self.num_committed} committed tokens "

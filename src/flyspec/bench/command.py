@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
 from pathlib import Path
 from typing import Any
 
@@ -39,12 +36,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     run_group = parser.add_argument_group("run")
     run_group.add_argument(
         "--methods",
-        help="comma-separated: baseline, <ngram|ngram-cache|draft|multilevel|layer-skip|stack>+<verifier>[+bare] "
-        "(+bare: a lossy verifier without the trust guards), hf-plain, hf-lookup, hf-assisted, "
-        "llamacpp-plain, llamacpp-lookup, vllm-plain, vllm-ngram, vllm-ngram+fly, vllm-ngram+fly+bare "
-        "(default: baseline, ngram+{exact,fly,fly+bare,margin,typical}, hf-plain, "
-        "hf-lookup; "
-        "with --draft-model also draft+exact, draft+fly, multilevel+fly, hf-assisted)",
+        help="comma-separated: plain, [<ngram|ngram-cache|draft|multilevel|layer-skip|stack>+]<verifier>"
+        "[+bare|+guard|+digits|+names|+identifiers] (no drafter: --speculative-config's, default ngram; +bare: a "
+        "lossy verifier without the trust guards, +guard/+digits/...: which tokens they protect), hf-plain, "
+        "hf-lookup, hf-assisted, llamacpp-plain, llamacpp-lookup, vllm-plain, vllm-ngram, vllm-ngram+fly, "
+        "vllm-ngram+fly+bare (default: plain, ngram+{exact,fly,fly+bare,margin,typical}, hf-plain, hf-lookup; "
+        "with --draft-model also draft+exact, draft+fly, multilevel+fly, hf-assisted; `baseline` is the old name "
+        "of plain)",
     )
     run_group.add_argument("--repeats", type=int, default=1, help="runs per prompt and method; medians reported")
     run_group.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the warm-up generations")
@@ -81,13 +79,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     require_extra("bench", "flyspec bench")
     # Heavy imports only when benchmarking (keeps `flyspec generate` quick to start).
+    from flyspec.bench.backends import BackendSettings, conversation_ids
     from flyspec.bench.data import load_prompts
-    from flyspec.bench.harness import BenchSettings, VllmSettings, forward_times, make_runners, run_bench
     from flyspec.bench.live import LiveView
-    from flyspec.bench.methods import parse_methods
-    from flyspec.bench.runners import RunSettings, conversation_ids
+    from flyspec.bench.loop import BenchSettings, VllmSettings, bench_methods, forward_times, make_backends, run_bench
     from flyspec.cli_options import speculation_config
     from flyspec.config import ConfigError, SamplingConfig
+    from flyspec.harness.data import JsonlWriter
     from flyspec.models import set_threads
     from flyspec.resources import Resources
 
@@ -95,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
     max_new_tokens = args.max_new_tokens or (QUICK_MAX_NEW_TOKENS if args.quick else DEFAULT_MAX_NEW_TOKENS)
     if args.repeats < 1 or max_new_tokens < 1 or args.hf_lookup_tokens < 1:
         raise ConfigError("--repeats, --max-new-tokens and --hf-lookup-tokens must be >= 1")
-    methods = parse_methods(args.methods, has_draft_model=args.draft_model is not None)
+    methods = bench_methods(args.methods, has_draft_model=args.draft_model is not None)
     categories = tuple(c.strip() for c in (args.categories or "").split(",") if c.strip())
     prompts = load_prompts(args.dataset, categories=categories, limit=limit, skip_bad_lines=args.skip_bad_lines)
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
@@ -107,10 +105,10 @@ def run(args: argparse.Namespace) -> int:
     resources = Resources(args.dtype, device=args.device)
     target = resources.model(args.target)
     draft = resources.model(args.draft_model) if args.draft_model else None
-    settings = RunSettings(sampling, speculation, args.use_chat, args.hf_lookup_tokens, resources)
+    settings = BackendSettings(sampling, speculation, args.use_chat, args.hf_lookup_tokens, resources)
     skipped: dict[str, str] = {}
     vllm = VllmSettings(args.vllm_venv, args.vllm_eager)
-    runners = make_runners(methods, target, draft, settings, vllm, skipped)
+    backends = make_backends(methods, target, draft, settings, vllm, skipped)
 
     k = speculation.num_draft_tokens
     context = conversation_ids(target, prompts[0].turns[:1], [], args.use_chat)
@@ -119,47 +117,46 @@ def run(args: argparse.Namespace) -> int:
     meta = _meta(args, target, prompts, max_new_tokens, k, limit)
     meta.update(forward_context=len(context), forward_times_ms={str(size): 1000 * t for size, t in times.items()})
     meta["skipped_peers"] = skipped
-    startup = {name: getattr(runner, "startup_s", None) for name, runner in runners.items()}
+    startup = {name: getattr(backend, "startup_s", None) for name, backend in backends.items()}
     meta["vllm_startup_s"] = {name: seconds for name, seconds in startup.items() if seconds is not None}
     meta["vllm_eager"] = args.vllm_eager
 
     records_path = out_dir / "records.jsonl"
     bench = BenchSettings(max_new_tokens, args.repeats, args.warmup, args.seed)
-    with records_path.open("w", encoding="utf-8") as sink, LiveView(len(prompts), k) as view:
+    with JsonlWriter(records_path, append=False) as sink, LiveView(len(prompts), k) as view:
 
         def on_record(record: dict) -> None:
-            sink.write(json.dumps(record, ensure_ascii=False) + "\n")
-            sink.flush()
+            sink.write(record)
             view.add(record)
 
         failures: dict[str, str] = {}
         meta["failed_peers"] = failures
         try:
-            run_bench(prompts, runners, target, bench, args.use_chat, on_record, view.prompt_done, failures)
-            meta["vllm_batched"] = _run_batched(runners, target, prompts, max_new_tokens, args.use_chat)
+            run_bench(prompts, backends, target, bench, args.use_chat, on_record, view.prompt_done, failures)
+            meta["vllm_batched"] = _run_batched(backends, target, prompts, max_new_tokens, args.use_chat)
         except BaseException:
             meta["interrupted"] = True  # write what was measured, then re-raise
             raise
         finally:
-            _close_peers(runners)
+            _close_peers(backends)
             _write_outputs(out_dir, meta, view.records, times, k, args.plots, view.console)
     return 0
 
 
-def _run_batched(runners: dict, target: Any, prompts: list, max_new_tokens: int, use_chat: bool | None) -> dict:
+def _run_batched(backends: dict, target: Any, prompts: list, max_new_tokens: int, use_chat: bool | None) -> dict:
     """The batched vLLM figure: every prompt's first turn submitted at once (vllm-plain, vllm-ngram+fly)."""
-    if not any(name.startswith("vllm-") for name in runners):
+    if not any(name.startswith("vllm-") for name in backends):
         return {}
-    from flyspec.bench.runners import conversation_ids
+    from flyspec.bench.backends import conversation_ids
     from flyspec.bench.vllm import run_batched
 
     first_turns = [conversation_ids(target, prompt.turns[:1], [], use_chat) for prompt in prompts]
-    return run_batched(runners, first_turns, max_new_tokens)
+    return run_batched(backends, first_turns, max_new_tokens)
 
 
-def _close_peers(runners: dict) -> None:
-    for runner in runners.values():
-        close = getattr(runner, "close", None)
+def _close_peers(backends: dict) -> None:
+    for backend in backends.values():
+        close = getattr(backend, "close", None)
         if close is not None:
             close()
 
@@ -197,22 +194,10 @@ def _write_outputs(
 def _meta(
     args: argparse.Namespace, target: Any, prompts: list, max_new_tokens: int, k: int, limit: int | None
 ) -> dict[str, Any]:
-    import torch
-    import transformers
+    from flyspec.harness.meta import run_metadata
 
-    from flyspec import __version__
-    from flyspec.models import cpu_name, device_name
-
-    gpu = f"{device_name(target.device)}; " if target.device.type == "cuda" else ""
     return {
-        "date": datetime.date.today().isoformat(),
-        "command": getattr(args, "command_line", None),
-        "machine": f"{gpu}{cpu_name()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, "
-        f"{platform.system()}; torch {torch.__version__}, transformers {transformers.__version__}, "
-        f"flyspec {__version__}",
-        "target": target.name,
-        "dtype": str(target.dtype).removeprefix("torch."),
-        "device": str(target.device),
+        **run_metadata(target, getattr(args, "command_line", None)),
         "draft_model": args.draft_model,
         "dataset": args.dataset or "Spec-Bench (vendored)",
         "categories": list(dict.fromkeys(prompt.category for prompt in prompts)),

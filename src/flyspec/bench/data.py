@@ -11,14 +11,12 @@ earlier answers (as Spec-Bench runs MT-bench).
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from flyspec.config import ConfigError
+from flyspec.harness.data import DataError, bad_line, read_jsonl, spec_bench_path
 
 logger = logging.getLogger(__name__)
 
@@ -27,10 +25,6 @@ SPEC_BENCH_CATEGORIES = ("mt_bench", "translation", "summarization", "qa", "math
 _MT_BENCH_SUBCATEGORIES = frozenset(
     ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 )
-
-
-class DatasetError(ConfigError):
-    """A benchmark dataset that cannot be read (the message names the file and line)."""
 
 
 @dataclass(frozen=True)
@@ -42,11 +36,6 @@ class BenchPrompt:
     turns: tuple[str, ...]
 
 
-def spec_bench_path() -> Path:
-    """The vendored Spec-Bench ``question.jsonl``."""
-    return Path(str(resources.files("flyspec.bench") / "data" / "spec_bench" / "question.jsonl"))
-
-
 def load_prompts(
     path: str | Path | None = None,
     *,
@@ -56,21 +45,19 @@ def load_prompts(
 ) -> list[BenchPrompt]:
     """Read prompts, keep the asked categories (all if empty), the first ``limit`` per category.
 
-    A malformed line raises :class:`DatasetError` naming the file and line, or with
-    ``skip_bad_lines`` is logged as a warning and skipped (the count is logged too).
+    A malformed line raises :class:`~flyspec.harness.data.DataError` naming the file and line, or
+    with ``skip_bad_lines`` is logged as a warning and skipped (the count is logged too).
     """
     if limit is not None and limit < 1:
-        raise DatasetError(f"--limit must be >= 1 (got {limit})")
+        raise DataError(f"--limit must be >= 1 (got {limit})")
     file = Path(path) if path is not None else spec_bench_path()
-    if not file.is_file():
-        raise DatasetError(f"dataset file {str(file)!r} does not exist; give a JSONL file of prompts")
     prompts, skipped = _read(file, skip_bad_lines)
     if skipped:
         logger.warning("%s: skipped %d malformed line(s)", file, skipped)
     present = list(dict.fromkeys(prompt.category for prompt in prompts))
     unknown = [category for category in categories if category not in present]
     if unknown:
-        raise DatasetError(
+        raise DataError(
             f"unknown categor{'y' if len(unknown) == 1 else 'ies'} {', '.join(unknown)} in {file.name}; "
             f"it has: {', '.join(present)}"
         )
@@ -84,32 +71,25 @@ def load_prompts(
         counts[prompt.category] = counts.get(prompt.category, 0) + 1
         chosen.append(prompt)
     if not chosen:
-        raise DatasetError(f"{file} has no prompts to run")
+        raise DataError(f"{file} has no prompts to run")
     return chosen
 
 
 def _read(file: Path, skip_bad_lines: bool) -> tuple[list[BenchPrompt], int]:
     prompts: list[BenchPrompt] = []
-    skipped = 0
+    skipped: list[str] = []
     seen: set[str] = set()
-    with file.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            try:
-                prompt = parse_record(json.loads(line), default_id=str(number))
-                if prompt.id in seen:
-                    raise ValueError(f"duplicate id {prompt.id!r}")
-            except (json.JSONDecodeError, ValueError, TypeError) as error:
-                message = f"{file}:{number}: {error}"
-                if not skip_bad_lines:
-                    raise DatasetError(f"{message} (fix the line, or pass --skip-bad-lines to skip it)") from None
-                logger.warning("skipping malformed line %s", message)
-                skipped += 1
-                continue
-            seen.add(prompt.id)
-            prompts.append(prompt)
-    return prompts, skipped
+    for number, record in read_jsonl(file, skip_bad_lines=skip_bad_lines, on_skip=skipped.append):
+        try:
+            prompt = parse_record(record, default_id=str(number))
+            if prompt.id in seen:
+                raise ValueError(f"duplicate id {prompt.id!r}")
+        except (ValueError, TypeError) as error:
+            bad_line(f"{file}:{number}: {error}", skip_bad_lines, skipped.append)
+            continue
+        seen.add(prompt.id)
+        prompts.append(prompt)
+    return prompts, len(skipped)
 
 
 def parse_record(record: Any, default_id: str) -> BenchPrompt:

@@ -12,18 +12,18 @@ import time
 
 import torch
 
-from flyspec.bench.methods import Method
-from flyspec.bench.runners import RunSettings, TurnOutput
+from flyspec.bench.backends import BackendSettings, TurnOutput
 from flyspec.config import ConfigError
+from flyspec.harness.methods import Method
 from flyspec.models import LoadedModel, find_gguf
 
 N_CTX = 4096
 
 
-class LlamaCppRunner:
+class LlamaCppBackend:
     """``llamacpp-plain`` or ``llamacpp-lookup`` (``LlamaPromptLookupDecoding``)."""
 
-    def __init__(self, method: Method, target: LoadedModel, settings: RunSettings) -> None:
+    def __init__(self, method: Method, target: LoadedModel, settings: BackendSettings) -> None:
         try:
             from llama_cpp import Llama  # optional dependency
             from llama_cpp.llama_speculative import LlamaPromptLookupDecoding

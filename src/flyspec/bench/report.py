@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from flyspec.bench.summary import OVERALL
+from flyspec.harness.methods import PLAIN
 
 LOSSY_NOTE = "lossy: output may differ from plain decoding"
 
@@ -94,19 +95,19 @@ def markdown_report(meta: dict[str, Any], summary: dict[str, Any]) -> str:
         f"# flyspec bench — {meta['date']}",
         "",
         f"- Command: `{meta['command']}`",
-        f"- Machine: {meta['machine']}",
+        f"- Machine: {meta['machine']}; {meta.get('versions', '')}",
         f"- Target: {meta['target']} ({meta['dtype']}); draft model: {meta['draft_model'] or 'none'}",
         f"- Prompts: {meta['num_prompts']} from {meta['dataset']} ({', '.join(meta['categories'])}); "
         f"max_new_tokens {meta['max_new_tokens']}, k = {k}, temperature {meta['temperature']}, "
         f"repeats {meta['repeats']}, warm-up {'yes' if meta['warmup'] else 'no'}; methods interleaved per prompt",
         f"- Target forward after {meta.get('forward_context', '?')} cached tokens: t(1) = "
         f"{_fmt(times.get('1'), '{:.1f}')} ms, t(k+1 = {k + 1}) = {_fmt(times.get(str(k + 1)), '{:.1f}')} ms",
-        f"- Speedup = method tokens/s ÷ baseline (flyspec plain decoding) tokens/s over the same prompts; "
+        f"- Speedup = method tokens/s ÷ {PLAIN} (flyspec plain decoding, the baseline) tokens/s over the same prompts; "
         f"lossy methods ({LOSSY_NOTE}) are marked lossless = no; their quality is measured by `flyspec eval`.",
         "- τ-limit = τ × t(1)/t(k+1) (every step one full (k+1)-token forward); cost limit = the same with "
         "each step charged the forward of its actual size t(1 + drafts proposed); in-run limit = the speedup if "
         "drafting and engine work were free (tokens per second of prefill + target-forward time, measured inside "
-        "the run, relative to the baseline's). Per-step times split the wall time into target verification "
+        "the run, relative to plain decoding's). Per-step times split the wall time into target verification "
         "forwards, drafting, and the engine's own work (other = overhead).",
         "",
         "## Overall",
@@ -129,7 +130,7 @@ def write_plots(directory: Path, summary: dict[str, Any]) -> list[Path]:
     import matplotlib.pyplot as plt
 
     overall = summary[OVERALL]
-    methods = [method for method in overall if method != "baseline"]
+    methods = [method for method in overall if method != PLAIN]
     categories = [name for name in summary if name != OVERALL]
     paths = [
         directory / name for name in ("speedup_by_category.png", "tau_by_method.png", "acceptance_by_position.png")

@@ -24,7 +24,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from flyspec.bench.methods import BASELINE, PEER_PLAIN, VLLM_PEERS
+from flyspec.harness.methods import PEER_PLAIN, PLAIN, VLLM_PEERS
 
 Record = dict[str, Any]
 OVERALL = "overall"
@@ -51,8 +51,8 @@ def _summarize_group(records: list[Record], forward_times: dict[int, float] | No
         figures[method] = _figures(mine, rates, method, forward_times, k)
     compute_rates = {method: _compute_rate([r for r in records if r["method"] == method]) for method in methods}
     for method, entry in figures.items():
-        rate, base = compute_rates[method], compute_rates.get(BASELINE)
-        bound = rate / base if rate and base and method != BASELINE else None
+        rate, base = compute_rates[method], compute_rates.get(PLAIN)
+        bound = rate / base if rate and base and method != PLAIN else None
         entry["in_run_limit"] = bound
         entry["fraction_of_in_run_limit"] = entry["speedup"] / bound if bound and entry["speedup"] else None
     return figures
@@ -88,17 +88,17 @@ def _figures(
     mine: list[Record], rates: dict[str, dict[int, float]], method: str, forward_times: dict[int, float] | None, k: int
 ) -> dict[str, Any]:
     first = [record for record in mine if record["repeat"] == 0]
-    speedups = _speedups(rates, method, BASELINE) if BASELINE in rates else []
+    speedups = _speedups(rates, method, PLAIN) if PLAIN in rates else []
     tokens = sum(record["num_new_tokens"] for record in mine)
     forwards = _total(mine, "num_target_forwards")
     tau = tokens / forwards if forwards else None
     limit = None
     own_engine = method not in VLLM_PEERS  # the forward times are flyspec's; vLLM's kernels cost differently
     times = forward_times or {}
-    if tau is not None and 1 in times and k + 1 in times and method != BASELINE and own_engine:
+    if tau is not None and 1 in times and k + 1 in times and method != PLAIN and own_engine:
         limit = tau * times[1] / times[k + 1]
     speedup = statistics.median(speedups) if speedups else None
-    cost_limit = _cost_limit(mine, tokens, forwards, forward_times) if method != BASELINE and own_engine else None
+    cost_limit = _cost_limit(mine, tokens, forwards, forward_times) if method != PLAIN and own_engine else None
     figures: dict[str, Any] = {
         "lossless": first[0]["lossless"] if first else None,
         "num_prompts": len(first),

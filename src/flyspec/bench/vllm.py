@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from flyspec.bench.methods import Method
-from flyspec.bench.runners import RunSettings, TurnOutput
+from flyspec.bench.backends import BackendSettings, TurnOutput
+from flyspec.harness.methods import Method
 from flyspec.models import LoadedModel, find_gguf
 
 VENV_VARIABLE = "FLYSPEC_VLLM_VENV"
@@ -51,10 +51,10 @@ def unavailable_reason(python: Path, target: LoadedModel) -> str | None:
     return None
 
 
-class VllmRunner:
+class VllmBackend:
     """One vLLM engine in a worker subprocess; ``generate`` at batch 1, ``generate_batch`` for all at once."""
 
-    def __init__(self, method: Method, target: LoadedModel, settings: RunSettings, python: Path, eager: bool):
+    def __init__(self, method: Method, target: LoadedModel, settings: BackendSettings, python: Path, eager: bool):
         if not settings.sampling.greedy:
             raise ValueError(f"{method.name}: the vLLM worker decodes greedily only; use --temperature 0")
         self.method = method
@@ -124,15 +124,15 @@ class VllmRunner:
         self.log.close()
 
 
-def run_batched(runners: dict[str, Any], prompt_ids: list[list[int]], max_new_tokens: int) -> dict[str, dict]:
+def run_batched(backends: dict[str, Any], prompt_ids: list[list[int]], max_new_tokens: int) -> dict[str, dict]:
     """All prompts at once for the :data:`BATCHED_METHODS` present: tokens/s, τ and loose accepts."""
     figures: dict[str, dict] = {}
     for name in BATCHED_METHODS:
-        runner = runners.get(name)
-        if not isinstance(runner, VllmRunner) or not prompt_ids:
+        backend = backends.get(name)
+        if not isinstance(backend, VllmBackend) or not prompt_ids:
             continue
-        runner.generate_batch(prompt_ids[:1], 8)  # warm-up
-        outputs = runner.generate_batch(prompt_ids, max_new_tokens)
+        backend.generate_batch(prompt_ids[:1], 8)  # warm-up
+        outputs = backend.generate_batch(prompt_ids, max_new_tokens)
         tokens = sum(len(output.token_ids) for output in outputs)
         first = outputs[0]
         figures[name] = {
@@ -146,7 +146,7 @@ def run_batched(runners: dict[str, Any], prompt_ids: list[list[int]], max_new_to
     return figures
 
 
-def close_all(runners: dict[str, Any]) -> None:
-    for runner in runners.values():
-        if isinstance(runner, VllmRunner):
-            runner.close()
+def close_all(backends: dict[str, Any]) -> None:
+    for backend in backends.values():
+        if isinstance(backend, VllmBackend):
+            backend.close()

@@ -29,7 +29,7 @@ import torch
 
 from flyspec.acceptance import draft_probs_or_one_hot, num_leading_true, rejection_accept_mask, rejection_next_token
 from flyspec.cached_model import CachedModel
-from flyspec.config import ConfigError, NgramConfig, SamplingConfig
+from flyspec.config import DEFAULT_NUM_PROPOSAL_TOKENS, ConfigError, NgramConfig, SamplingConfig
 from flyspec.drafters.base import Drafter
 from flyspec.drafters.ngram import NgramDrafter
 from flyspec.models import LoadedModel
@@ -75,15 +75,15 @@ def first_unsure(logits: torch.Tensor, threshold: float) -> int | None:
 class DraftModelDrafter:
     """A separate draft model with its own cache; a ``proposer`` below it makes it multi-level."""
 
-    draft: LoadedModel
+    draft_model: LoadedModel
     proposer: Drafter | None = None
-    num_proposal_tokens: int = 6
+    num_proposal_tokens: int = DEFAULT_NUM_PROPOSAL_TOKENS
     confidence_threshold: float = 0.0
     name: str = "draft-model"
 
     def __post_init__(self) -> None:
-        self.runner = CachedModel(self.draft, full_history=True)  # rollbacks span several draft forwards
-        self.device = self.runner.device  # its proposals, drafts and draft probabilities live here
+        self.cached_model = CachedModel(self.draft_model, full_history=True)  # rollbacks span several draft forwards
+        self.device = self.cached_model.device  # its proposals, drafts and draft probabilities live here
         self._reset_counters()
 
     def _reset_counters(self) -> None:
@@ -93,7 +93,7 @@ class DraftModelDrafter:
         self.num_confidence_stops = 0
 
     def reset(self, prompt_ids: list[int]) -> None:
-        self.runner.reset()
+        self.cached_model.reset()
         self._reset_counters()
         if self.proposer is not None:
             self.proposer.reset(prompt_ids)
@@ -107,7 +107,7 @@ class DraftModelDrafter:
     ) -> Draft:
         if not sampling.greedy and generator is not None and generator.device != self.device:
             raise ConfigError(
-                f"draft model {self.draft.name!r} is on {self.device} but the random generator on "
+                f"draft model {self.draft_model.name!r} is on {self.device} but the random generator on "
                 f"{generator.device}: at temperature > 0 a draft model must be on the target's device"
             )
         sequence = list(token_ids)
@@ -115,9 +115,9 @@ class DraftModelDrafter:
         probs: list[torch.Tensor] = []
         while len(drafted) < num_draft_tokens:
             proposal = self._proposal(sequence, num_draft_tokens - len(drafted) - 1, sampling, generator)
-            pending = sequence[self.runner.cached_length :]  # >= 1 token: the cache lags by one
+            pending = sequence[self.cached_model.cached_length :]  # >= 1 token: the cache lags by one
             inputs = torch.cat([torch.tensor(pending, dtype=torch.long, device=self.device), proposal.tokens])
-            logits = self.runner.forward(inputs, logits_to_keep=proposal.num_tokens + 1)
+            logits = self.cached_model.forward(inputs, logits_to_keep=proposal.num_tokens + 1)
             self.num_forwards += 1
             new_tokens, new_probs = check_proposal(proposal, logits, sampling, generator)
             self.num_proposal_tokens_kept += len(new_tokens) - 1
@@ -125,7 +125,7 @@ class DraftModelDrafter:
             keep = len(new_tokens) if unsure_at is None else unsure_at + 1
             new_tokens = new_tokens[:keep]
             # proposal tokens beyond the kept prefix are not part of the sequence: drop their cache
-            self.runner.crop_to(len(sequence) + len(new_tokens) - 1)
+            self.cached_model.crop_to(len(sequence) + len(new_tokens) - 1)
             sequence += new_tokens
             drafted += new_tokens
             if new_probs is not None:
@@ -152,7 +152,7 @@ class DraftModelDrafter:
 
     def rollback(self, num_committed: int) -> None:
         """Keep the cache of the committed tokens (accepted draft tokens are still valid)."""
-        self.runner.crop_to(min(self.runner.cached_length, num_committed - 1))
+        self.cached_model.crop_to(min(self.cached_model.cached_length, num_committed - 1))
         if self.proposer is not None:
             self.proposer.rollback(num_committed)
 
@@ -172,13 +172,16 @@ class DraftModelDrafter:
 
 
 def multilevel_drafter(
-    draft: LoadedModel, num_ngram_tokens: int = 6, ngram: NgramConfig | None = None, confidence_threshold: float = 0.0
+    draft_model: LoadedModel,
+    num_proposal_tokens: int = DEFAULT_NUM_PROPOSAL_TOKENS,
+    ngram: NgramConfig | None = None,
+    confidence_threshold: float = 0.0,
 ) -> DraftModelDrafter:
     """FLy's multi-level drafter: n-gram → draft model (defaults from the FLy reference config)."""
     return DraftModelDrafter(
-        draft,
-        proposer=NgramDrafter(ngram or NgramConfig(), device=draft.device),
-        num_proposal_tokens=num_ngram_tokens,
+        draft_model,
+        proposer=NgramDrafter(ngram or NgramConfig(), device=draft_model.device),
+        num_proposal_tokens=num_proposal_tokens,
         confidence_threshold=confidence_threshold,
         name="multilevel",
     )

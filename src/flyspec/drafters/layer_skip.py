@@ -43,7 +43,13 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from flyspec.config import DEFAULT_NUM_DRAFT_TOKENS, ConfigError, LayerSkipConfig, SamplingConfig
+from flyspec.config import (
+    DEFAULT_NUM_DRAFT_TOKENS,
+    DEFAULT_NUM_PROPOSAL_TOKENS,
+    ConfigError,
+    LayerSkipConfig,
+    SamplingConfig,
+)
 from flyspec.drafters.base import Drafter
 from flyspec.drafters.draft_model import DraftModelDrafter
 from flyspec.models import LoadedModel
@@ -326,7 +332,7 @@ class LayerSkipDrafter:
         target: LoadedModel,
         config: LayerSkipConfig | None = None,
         proposer: Drafter | None = None,
-        num_proposal_tokens: int = 6,
+        num_proposal_tokens: int = DEFAULT_NUM_PROPOSAL_TOKENS,
         confidence_threshold: float = 0.0,
         calibration_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS,
         calibrations: Calibrations | None = None,

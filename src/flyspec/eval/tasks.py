@@ -42,6 +42,7 @@ from flyspec.eval.data import EvalItem, LoadReport
 from flyspec.eval.sandbox import SandboxLimits, run_program
 from flyspec.eval.scoring import METRICS, contains_answer, humaneval_program, value_match
 from flyspec.eval.synthetic import NUM_ITEMS, SYNTHETIC_TASKS, SyntheticTask, make_items
+from flyspec.harness.data import spec_bench_path
 
 PROMPT_FORMAT = 1
 HUMANEVAL_INSTRUCTION = (
@@ -103,7 +104,7 @@ def _no_score(item: EvalItem, output: str) -> Score:
 
 def _spec_bench(category: str, needs_reference: bool) -> Loader:
     def load(limit: int | None, skip: bool, report: LoadReport) -> list[EvalItem]:
-        path = data.spec_bench_path()
+        path = spec_bench_path()
         return data.load_spec_bench(path, category, limit, skip, report, needs_reference=needs_reference)
 
     return load

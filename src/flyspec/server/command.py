@@ -30,6 +30,18 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 API_KEY_ENV = "FLYSPEC_API_KEY"
 _LIMITS = ServerLimits()
+# the flags that set a ServerLimits field (its default is the field's), and what each means
+LIMIT_FLAGS = (
+    ("--default-max-tokens", "default_max_tokens", "max_tokens when a request gives none"),
+    ("--max-tokens-cap", "max_tokens_cap", "largest max_tokens a request may ask for; above is a 400"),
+    ("--max-queue", "max_queue", "requests that may wait besides the one generating; more get 429"),
+    ("--max-body-bytes", "max_body_bytes", "largest request body; larger get 413"),
+    ("--max-prompt-tokens", "max_prompt_tokens", "longest prompt, in tokens; longer get 400"),
+    ("--request-timeout", "request_timeout_s", "a request's deadline, queueing included"),
+    ("--body-timeout", "body_timeout_s", "time to send a request body; then 408"),
+    ("--keep-alive-timeout", "keep_alive_timeout_s", "idle keep-alive connections close"),
+    ("--shutdown-timeout", "shutdown_timeout_s", "after SIGTERM, time the running generation gets"),
+)
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 
@@ -47,50 +59,21 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     server.add_argument("--host", default=DEFAULT_HOST, help=f"address to bind (default {DEFAULT_HOST}: this machine)")
     server.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"TCP port (default {DEFAULT_PORT})")
     server.add_argument("--served-model-name", help="the `model` name clients use (default: the --target value)")
-    server.add_argument(
-        "--default-max-tokens",
-        type=int,
-        default=_LIMITS.default_max_tokens,
-        help=f"max_tokens when a request gives none (default {_LIMITS.default_max_tokens})",
-    )
-    server.add_argument(
-        "--max-tokens-cap",
-        type=int,
-        default=_LIMITS.max_tokens_cap,
-        help=f"largest max_tokens a request may ask for; above is a 400 (default {_LIMITS.max_tokens_cap})",
-    )
-    server.add_argument(
-        "--max-queue",
-        type=int,
-        default=_LIMITS.max_queue,
-        help=f"requests that may wait besides the one generating; more get 429 (default {_LIMITS.max_queue})",
-    )
-    server.add_argument(
-        "--max-body-bytes",
-        type=int,
-        default=_LIMITS.max_body_bytes,
-        help=f"largest request body; larger get 413 (default {_LIMITS.max_body_bytes})",
-    )
-    server.add_argument(
-        "--max-prompt-tokens",
-        type=int,
-        default=_LIMITS.max_prompt_tokens,
-        help=f"longest prompt, in tokens; longer get 400 (default {_LIMITS.max_prompt_tokens})",
-    )
-    _add_seconds(server, "--request-timeout", _LIMITS.request_timeout_s, "a request's deadline, queueing included")
-    _add_seconds(server, "--body-timeout", _LIMITS.body_timeout_s, "time to send a request body; then 408")
-    _add_seconds(server, "--keep-alive-timeout", _LIMITS.keep_alive_timeout_s, "idle keep-alive connections close")
-    _add_seconds(
-        server, "--shutdown-timeout", _LIMITS.shutdown_timeout_s, "after SIGTERM, time the running generation gets"
-    )
+    for flag, field, meaning in LIMIT_FLAGS:
+        default = getattr(_LIMITS, field)
+        seconds = isinstance(default, float)
+        server.add_argument(
+            flag,
+            dest=field,
+            type=type(default),
+            default=default,
+            metavar="SECONDS" if seconds else None,
+            help=f"{meaning} (default {default:g})" if seconds else f"{meaning} (default {default})",
+        )
     add_security_options(parser)
     server.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="server log level (default info)")
     server.add_argument("-v", "--verbose", action="store_true", help="also log model loading (transformers)")
     parser.set_defaults(handler=run)
-
-
-def _add_seconds(group: argparse._ArgumentGroup, flag: str, default: float, meaning: str) -> None:
-    group.add_argument(flag, type=float, default=default, metavar="SECONDS", help=f"{meaning} (default {default:g})")
 
 
 def add_security_options(parser: argparse.ArgumentParser) -> None:
@@ -183,17 +166,7 @@ def settings_from_args(args: argparse.Namespace) -> tuple[SpeculationConfig, Ser
     """Validated server settings; raises :class:`ConfigError` with a message naming the option."""
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port must be in [0, 65535] (got {args.port})")
-    limits = ServerLimits(
-        default_max_tokens=args.default_max_tokens,
-        max_tokens_cap=args.max_tokens_cap,
-        max_prompt_tokens=args.max_prompt_tokens,
-        max_queue=args.max_queue,
-        max_body_bytes=args.max_body_bytes,
-        request_timeout_s=args.request_timeout,
-        body_timeout_s=args.body_timeout,
-        keep_alive_timeout_s=args.keep_alive_timeout,
-        shutdown_timeout_s=args.shutdown_timeout,
-    )
+    limits = ServerLimits(**{field: getattr(args, field) for _, field, _ in LIMIT_FLAGS})
     return speculation_config(args), limits
 
 

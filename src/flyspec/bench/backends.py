@@ -1,6 +1,6 @@
-"""One runner per benchmark method: generate for a (possibly multi-turn) prompt, return what it measured.
+"""One backend per benchmark method: generate for a (possibly multi-turn) prompt, return what it measured.
 
-Every runner gets the same prompt token ids (encoded once by flyspec, chat template applied),
+Every backend gets the same prompt token ids (encoded once by flyspec, chat template applied),
 so methods differ only in how they decode. A multi-turn prompt is run as a chat: each turn
 sees the method's own earlier answers (Spec-Bench's MT-bench protocol).
 """
@@ -19,10 +19,10 @@ from transformers import GenerationConfig
 from flyspec.api import build_decoder
 from flyspec.baseline import PlainDecoder
 from flyspec.bench.data import BenchPrompt
-from flyspec.bench.methods import Method
-from flyspec.config import DecodeConfig, GuardConfig, SamplingConfig, SpeculationConfig
+from flyspec.config import DecodeConfig, SamplingConfig, SpeculationConfig
 from flyspec.drafters.cross_tokenizer import tokenizers_match
 from flyspec.generation import Decoder
+from flyspec.harness.methods import Method
 from flyspec.models import LoadedModel
 from flyspec.resources import Resources
 from flyspec.sampling import make_generator
@@ -51,15 +51,15 @@ class TurnOutput:
 Generate = Callable[[list[int], int, int], TurnOutput]  # (prompt ids, max new tokens, seed) → output
 
 
-class Runner(Protocol):
+class Backend(Protocol):
     method: Method
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, seed: int) -> TurnOutput: ...
 
 
 @dataclass(frozen=True)
-class RunSettings:
-    """What every runner shares: sampling, the speculation settings (each method sets its drafter and
+class BackendSettings:
+    """What every backend shares: sampling, the speculation settings (each method sets its drafter and
     verifier) and the loaded models, calibrations and caches (``resources``)."""
 
     sampling: SamplingConfig
@@ -69,22 +69,24 @@ class RunSettings:
     resources: Resources = field(default_factory=Resources)
 
 
-class FlyspecRunner:
-    """``baseline`` (flyspec's plain decoding) or a speculative ``drafter+verifier``."""
+class FlyspecBackend:
+    """``plain`` (flyspec's plain decoding) or a speculative ``[drafter+]verifier[+modifier]``."""
 
-    def __init__(self, method: Method, target: LoadedModel, draft: LoadedModel | None, settings: RunSettings):
+    def __init__(self, method: Method, target: LoadedModel, draft: LoadedModel | None, settings: BackendSettings):
         self.method = method
         self.sampling = settings.sampling
         self.decoder: Decoder
-        if method.drafter is None:
+        if method.verifier is None:
             self.decoder = PlainDecoder(target, DecodeConfig(sampling=settings.sampling))
         else:
-            assert method.verifier is not None
-            spec = dataclasses.replace(settings.speculation, drafter=method.drafter, verifier=method.verifier)
+            spec = dataclasses.replace(
+                settings.speculation,
+                drafter=method.drafter or settings.speculation.drafter,
+                verifier=method.verifier,
+                guard=method.guard_config() if method.modifier else settings.speculation.guard,
+            )
             if draft is not None and spec.draft_model is None:
                 spec = dataclasses.replace(spec, draft_model=draft.name)
-            if method.bare:
-                spec = dataclasses.replace(spec, guard=GuardConfig.bare())
             # n-gram caches of its own: shared with the other methods they would hold this very prompt's
             # answer (they run it first), and the method would be measured on repeated requests
             resources = settings.resources.isolated()
@@ -97,7 +99,7 @@ class FlyspecRunner:
         config = dataclasses.replace(self.decoder.config, max_new_tokens=max_new_tokens, sampling=self.sampling)
         result = self.decoder.generate(prompt_ids, config=config, generator=make_generator(seed, self.decoder.device))
         stats = result.stats
-        speculative = self.method.drafter is not None
+        speculative = self.method.verifier is not None
         return TurnOutput(
             token_ids=result.token_ids,
             text=result.text,
@@ -116,10 +118,10 @@ class FlyspecRunner:
         )
 
 
-class HFGenerateRunner:
+class HFGenerateBackend:
     """transformers ``generate()``: plain, prompt lookup, or assisted by a draft model."""
 
-    def __init__(self, method: Method, target: LoadedModel, draft: LoadedModel | None, settings: RunSettings):
+    def __init__(self, method: Method, target: LoadedModel, draft: LoadedModel | None, settings: BackendSettings):
         self.method = method
         self.target = target
         self.sampling = settings.sampling
@@ -185,7 +187,7 @@ class PromptOutput:
 
 
 def run_prompt(
-    runner: Runner, target: LoadedModel, prompt: BenchPrompt, max_new_tokens: int, seed: int, use_chat: bool | None
+    backend: Backend, target: LoadedModel, prompt: BenchPrompt, max_new_tokens: int, seed: int, use_chat: bool | None
 ) -> PromptOutput:
     """Run every turn of ``prompt``; later turns see this method's own earlier answers."""
     answers: list[str] = []
@@ -194,7 +196,7 @@ def run_prompt(
     for index in range(len(prompt.turns)):
         prompt_ids = conversation_ids(target, prompt.turns[: index + 1], answers, use_chat)
         num_prompt_tokens += len(prompt_ids)
-        output = runner.generate(prompt_ids, max_new_tokens, seed + index)
+        output = backend.generate(prompt_ids, max_new_tokens, seed + index)
         turns.append(output)
         answers.append(output.text)
     return PromptOutput(turns, num_prompt_tokens)

@@ -24,9 +24,10 @@ from flyspec.baseline import PlainDecoder
 from flyspec.config import ConfigError, DecodeConfig, SpeculationConfig
 from flyspec.eval import fidelity, trust
 from flyspec.eval.data import EvalItem, LoadReport
-from flyspec.eval.methods import BASELINE, Method
 from flyspec.eval.tasks import PROMPT_FORMAT, Task, load_items
 from flyspec.generation import Decoder
+from flyspec.harness.data import JsonlWriter, read_records
+from flyspec.harness.methods import PLAIN, Method
 from flyspec.models import LoadedModel
 from flyspec.resources import Resources
 from flyspec.result import GenerationResult
@@ -61,36 +62,8 @@ def load_all_items(config: EvalConfig, report: LoadReport) -> dict[str, list[Eva
     return {task.name: load_items(task, config.limit, config.skip_bad_lines, report) for task in config.tasks}
 
 
-def read_records(path: Path) -> list[dict[str, Any]]:
-    """Records of a (possibly interrupted) run; a torn last line is ignored."""
-    if not path.is_file():
-        return []
-    records = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            records.append(json.loads(line))
-        except ValueError:
-            logger.warning("ignoring an incomplete line in %s", path)
-    return records
-
-
 def _record_key(task: str, method: str, item_id: str) -> str:
     return f"{task}\t{method}\t{item_id}"
-
-
-class JsonlWriter:
-    """Appends one JSON object per line and flushes each, so nothing measured is lost."""
-
-    def __init__(self, path: Path, *, append: bool) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.handle = path.open("a" if append else "w", encoding="utf-8")
-
-    def write(self, record: dict[str, Any]) -> None:
-        self.handle.write(json.dumps(record, ensure_ascii=False) + "\n")
-        self.handle.flush()
-
-    def close(self) -> None:
-        self.handle.close()
 
 
 class BaselineCache:
@@ -154,8 +127,8 @@ class ItemRun:
     plain: Output
 
 
-class EvalRunner:
-    """Runs the configured tasks × (plain + methods) on one loaded target model."""
+class Evaluation:
+    """One evaluation run: the configured tasks × (plain + methods) on one loaded target model."""
 
     def __init__(
         self,
@@ -178,6 +151,7 @@ class EvalRunner:
         self.writer = JsonlWriter(records_path, append=config.resume)
         self.skipped: list[str] = []  # items that could not run (and why)
         self.engines: dict[str, Any] = {}  # vllm-* method → its vLLM worker, started once for every task
+        self.similarity_model = fidelity.SimilarityModel()
 
     @property
     def total_outputs(self) -> int:
@@ -199,13 +173,17 @@ class EvalRunner:
     def _decoders(self, task: Task) -> dict[str, Decoder]:
         max_new_tokens = self._max_new_tokens(task)
         plain_config = DecodeConfig(max_new_tokens=max_new_tokens, stop_strings=task.stop)
-        decoders: dict[str, Decoder] = {BASELINE: PlainDecoder(self.loaded, plain_config)}
+        decoders: dict[str, Decoder] = {PLAIN: PlainDecoder(self.loaded, plain_config)}
         for method in self.config.methods:
             if method.engine == "vllm":
                 decoders[method.name] = self._vllm_decoder(method, plain_config)
                 continue
+            assert method.verifier is not None, "plain decoding is not in config.methods"
             spec = dataclasses.replace(
-                self.config.speculation, verifier=method.verifier, guard=method.guard_config(task.kind)
+                self.config.speculation,
+                drafter=method.drafter or self.config.speculation.drafter,
+                verifier=method.verifier,
+                guard=method.guard_config(task.kind),
             )
             decode = DecodeConfig(max_new_tokens=max_new_tokens, stop_strings=task.stop)
             decoders[method.name] = build_decoder(self.loaded, spec, decode, resources=self.resources[method.name])
@@ -218,7 +196,7 @@ class EvalRunner:
 
         if method.name not in self.engines:
             k = self.config.speculation.num_draft_tokens
-            self.engines[method.name] = start_engine(method.name, self.loaded, k, self.config.vllm_venv)
+            self.engines[method.name] = start_engine(method, self.loaded, k, self.config.vllm_venv)
         return VllmDecoder(self.engines[method.name], self.loaded, config)
 
     def _run_task(self, task: Task, progress: Progress) -> None:
@@ -227,7 +205,7 @@ class EvalRunner:
             prompt = task.prompt(item)
             try:
                 prompt_ids = self.loaded.encode_prompt(prompt, self.config.use_chat)
-                plain = self._plain_output(task, item, decoders[BASELINE], prompt_ids)
+                plain = self._plain_output(task, item, decoders[PLAIN], prompt_ids)
             except ConfigError as error:  # e.g. a prompt longer than the model's context window
                 logger.warning("skipping %s %s: %s", task.name, item.id, error)
                 self.skipped.append(f"{task.name} {item.id}: {error}")
@@ -254,17 +232,17 @@ class EvalRunner:
 
     def _write(self, run: ItemRun, method: Method | None, output: Output) -> None:
         """Score one output, compare it with plain decoding's, and append its record."""
-        name = method.name if method else BASELINE
+        name = method.name if method else PLAIN
         key = _record_key(run.task.name, name, run.item.id)
         if key in self.done:
             return
         score = run.task.score(run.item, output.text)
-        record = {
+        record: dict[str, Any] = {
             "task": run.task.name,
             "task_kind": run.task.kind,
             "item_id": run.item.id,
             "method": name,
-            "verifier": method.verifier if method else BASELINE,
+            "verifier": method.verifier if method else PLAIN,
             "protect": list(method.protect(run.task.kind)) if method else [],
             "lossless": method.lossless if method else True,
             "scores": score.values,
@@ -288,7 +266,7 @@ class EvalRunner:
         identical = output.token_ids == plain.token_ids
         similarity = None
         if self.config.similarity or identical:
-            similarity = fidelity.semantic_similarity(output.text, plain.text)
+            similarity = self.similarity_model.similarity(output.text, plain.text)
         return {
             "identical": identical,
             "similarity": similarity,
@@ -317,7 +295,7 @@ class EvalRunner:
 
 def iter_pairs(records: list[dict[str, Any]]) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
     """``(plain record, method record)`` for every method output whose item also has a plain record."""
-    plain = {(r["task"], r["item_id"]): r for r in records if r["method"] == BASELINE}
+    plain = {(r["task"], r["item_id"]): r for r in records if r["method"] == PLAIN}
     for record in records:
-        if record["method"] != BASELINE and (record["task"], record["item_id"]) in plain:
+        if record["method"] != PLAIN and (record["task"], record["item_id"]) in plain:
             yield plain[(record["task"], record["item_id"])], record

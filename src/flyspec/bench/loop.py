@@ -1,4 +1,4 @@
-"""The benchmark loop: warm up, then every method on every prompt, interleaved per prompt.
+"""The benchmark loop: the methods to run, warm up, then every method on every prompt, interleaved.
 
 Interleaving (prompt by prompt, with the method order rotated each time) makes machine drift
 and thermal effects hit every method alike, instead of favouring whichever ran first.
@@ -15,16 +15,43 @@ from typing import Any
 
 import torch
 
+from flyspec.bench.backends import Backend, BackendSettings, FlyspecBackend, HFGenerateBackend, PromptOutput, run_prompt
 from flyspec.bench.data import BenchPrompt
-from flyspec.bench.methods import BASELINE, Method
-from flyspec.bench.runners import FlyspecRunner, HFGenerateRunner, PromptOutput, Runner, RunSettings, run_prompt
 from flyspec.cached_model import CachedModel
+from flyspec.config import ConfigError
+from flyspec.harness.methods import PEERS, PLAIN, Method, parse_methods
 from flyspec.models import LoadedModel
 
 logger = logging.getLogger(__name__)
 
 WARMUP_TOKENS = 8
 Record = dict[str, Any]
+DEFAULT_METHODS = (
+    PLAIN,
+    "ngram+exact",
+    "ngram+fly",
+    "ngram+fly+bare",
+    "ngram+margin",
+    "ngram+typical",
+    "hf-plain",
+    "hf-lookup",
+)
+DEFAULT_DRAFT_METHODS = ("draft+exact", "draft+fly", "multilevel+fly", "hf-assisted")
+
+
+def bench_methods(text: str | None, *, has_draft_model: bool) -> list[Method]:
+    """``--methods`` (default: ours and the HF peers; the draft-model methods with a draft model).
+
+    ``plain`` is always run (first), since every speedup is relative to it.
+    """
+    if text is None:
+        text = ",".join(DEFAULT_METHODS + (DEFAULT_DRAFT_METHODS if has_draft_model else ()))
+    methods = parse_methods(text, PEERS)
+    methods = [Method(PLAIN)] + [method for method in methods if not method.is_plain]
+    missing_draft = [method.name for method in methods if method.needs_draft_model and not has_draft_model]
+    if missing_draft:
+        raise ConfigError(f"{', '.join(missing_draft)} need(s) a draft model: pass --draft-model")
+    return methods
 
 
 @dataclass(frozen=True)
@@ -41,49 +68,49 @@ class VllmSettings:
     eager: bool = False  # vLLM's enforce_eager: starts ~3x faster, runs ~15 % slower
 
 
-def make_runners(
+def make_backends(
     methods: list[Method],
     target: LoadedModel,
     draft: LoadedModel | None,
-    settings: RunSettings,
+    settings: BackendSettings,
     vllm: VllmSettings | None = None,
     skipped: dict[str, str] | None = None,
-) -> dict[str, Runner]:
-    """One runner per method (``ConfigError`` if a method cannot run here).
+) -> dict[str, Backend]:
+    """One backend per method (``ConfigError`` if a method cannot run here).
 
     vLLM methods without their venv are left out, with a one-line reason in ``skipped``.
     """
-    runners: dict[str, Runner] = {}
+    backends: dict[str, Backend] = {}
     vllm = vllm or VllmSettings()
     for method in methods:
-        if method.name.startswith("vllm-"):
+        if method.engine == "vllm":
             from flyspec.bench import vllm as vllm_peer
 
             python = vllm_peer.venv_python(vllm.venv)
             reason = vllm_peer.unavailable_reason(python, target)
             try:
                 if reason is None:
-                    runners[method.name] = vllm_peer.VllmRunner(method, target, settings, python, vllm.eager)
+                    backends[method.name] = vllm_peer.VllmBackend(method, target, settings, python, vllm.eager)
             except RuntimeError as error:  # a peer's engine that does not start must not lose the run
                 reason = f"start-up failed: {error}"
             if reason is not None:
                 logger.warning("skipping %s: %s", method.name, reason)
                 if skipped is not None:
                     skipped[method.name] = reason
-        elif method.name.startswith("hf-"):
-            runners[method.name] = HFGenerateRunner(method, target, draft, settings)
-        elif method.name.startswith("llamacpp-"):
-            from flyspec.bench.llamacpp import LlamaCppRunner  # optional dependency
+        elif method.engine == "hf":
+            backends[method.name] = HFGenerateBackend(method, target, draft, settings)
+        elif method.engine == "llamacpp":
+            from flyspec.bench.llamacpp import LlamaCppBackend  # optional dependency
 
-            runners[method.name] = LlamaCppRunner(method, target, settings)
+            backends[method.name] = LlamaCppBackend(method, target, settings)
         else:
-            runners[method.name] = FlyspecRunner(method, target, draft, settings)
-    return runners
+            backends[method.name] = FlyspecBackend(method, target, draft, settings)
+    return backends
 
 
 def run_bench(
     prompts: list[BenchPrompt],
-    runners: dict[str, Runner],
+    backends: dict[str, Backend],
     target: LoadedModel,
     settings: BenchSettings,
     use_chat: bool | None,
@@ -98,59 +125,40 @@ def run_bench(
     of flyspec's own methods is a bug and propagates.
     """
     failures = {} if failures is None else failures
-    names = list(runners)
+    names = list(backends)
+
+    def run_or_drop(name: str, prompt: BenchPrompt, max_new_tokens: int, seed: int) -> PromptOutput | None:
+        backend = backends[name]
+        if not backend.method.peer:
+            return run_prompt(backend, target, prompt, max_new_tokens, seed, use_chat)
+        try:
+            return run_prompt(backend, target, prompt, max_new_tokens, seed, use_chat)
+        except Exception as error:  # a peer's failure must not lose the run
+            message = f"{type(error).__name__}: {error}"
+            logger.warning("peer %s failed on prompt %s and is dropped from the run: %s", name, prompt.id, message)
+            failures[name] = f"prompt {prompt.id}: {message}"
+            names.remove(name)
+            return None
+
     if settings.warmup:
         warmup = BenchPrompt("warmup", "warmup", ("Hello! Say something short.",))
         for name in list(names):
-            _run_or_drop(names, failures, runners[name], target, warmup, WARMUP_TOKENS, settings.seed, use_chat)
+            run_or_drop(name, warmup, WARMUP_TOKENS, settings.seed)
     records: list[Record] = []
     for index, prompt in enumerate(prompts):
         for repeat in range(settings.repeats):
             shift = (index * settings.repeats + repeat) % len(names)
             outputs = {}
             for name in names[shift:] + names[:shift]:
-                output = _run_or_drop(
-                    names,
-                    failures,
-                    runners[name],
-                    target,
-                    prompt,
-                    settings.max_new_tokens,
-                    settings.seed + index,
-                    use_chat,
-                )
+                output = run_or_drop(name, prompt, settings.max_new_tokens, settings.seed + index)
                 if output is not None:
                     outputs[name] = output
             for name in [name for name in names if name in outputs]:
-                record = make_record(prompt, runners[name].method, repeat, outputs[name], outputs[BASELINE])
+                record = make_record(prompt, backends[name].method, repeat, outputs[name], outputs[PLAIN])
                 records.append(record)
                 on_record(record)
         on_prompt_done()
     return records
-
-
-def _run_or_drop(
-    names: list[str],
-    failures: dict[str, str],
-    runner: Runner,
-    target: LoadedModel,
-    prompt: BenchPrompt,
-    max_new_tokens: int,
-    seed: int,
-    use_chat: bool | None,
-) -> PromptOutput | None:
-    if not runner.method.peer:
-        return run_prompt(runner, target, prompt, max_new_tokens, seed, use_chat)
-    try:
-        return run_prompt(runner, target, prompt, max_new_tokens, seed, use_chat)
-    except Exception as error:  # a peer's failure must not lose the run
-        message = f"{type(error).__name__}: {error}"
-        logger.warning(
-            "peer %s failed on prompt %s and is dropped from the run: %s", runner.method.name, prompt.id, message
-        )
-        failures[runner.method.name] = f"prompt {prompt.id}: {message}"
-        names.remove(runner.method.name)
-        return None
 
 
 def make_record(
@@ -214,18 +222,18 @@ def forward_times(
     The τ-limit of a method is τ × t(1) / t(k+1): its speedup if every step cost one
     (k+1)-token forward and nothing else (no drafting, no engine overhead).
     """
-    runner = CachedModel(target)
-    runner.forward(context, logits_to_keep=1)
+    cached_model = CachedModel(target)
+    cached_model.forward(context, logits_to_keep=1)
     times: dict[int, float] = {}
     probe = (context * (1 + max(sizes) // max(len(context), 1)))[: max(sizes)]
     for size in sizes:
         samples = []
         for _ in range(repeats + 1):  # the first is a warm-up
             started = time.perf_counter()
-            runner.forward(probe[:size])
-            if runner.device.type == "cuda":
-                torch.cuda.synchronize(runner.device)  # the forward's kernels, not only their launch
+            cached_model.forward(probe[:size])
+            if cached_model.device.type == "cuda":
+                torch.cuda.synchronize(cached_model.device)  # the forward's kernels, not only their launch
             samples.append(time.perf_counter() - started)
-            runner.crop_to(len(context))
+            cached_model.crop_to(len(context))
         times[size] = statistics.median(samples[1:])
     return times

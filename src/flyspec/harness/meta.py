@@ -1,0 +1,31 @@
+"""What every harness run records about itself, so a result can be traced to how it was made."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+from typing import Any
+
+from flyspec.models import LoadedModel, cpu_name, device_name
+
+
+def run_metadata(target: LoadedModel, command: str | None) -> dict[str, Any]:
+    """Command line, UTC date and time, machine (the GPU first when the target runs on one), library
+    versions, target model, dtype and device."""
+    import torch
+    import transformers
+
+    from flyspec import __version__
+
+    gpu = f"{device_name(target.device)}; " if target.device.type == "cuda" else ""
+    return {
+        "command": command,
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": f"{gpu}{cpu_name()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, "
+        f"{platform.system()}",
+        "versions": f"flyspec {__version__}, torch {torch.__version__}, transformers {transformers.__version__}",
+        "target": target.name,
+        "dtype": str(target.dtype).removeprefix("torch."),
+        "device": str(target.device),
+    }
