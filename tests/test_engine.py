@@ -202,16 +202,16 @@ def test_sampling_is_reproducible_with_a_seeded_generator(tiny_target: LoadedMod
 def test_kv_cache_invariant_is_checked_every_step(tiny_target: LoadedModel) -> None:
     decoder = SpeculativeDecoder(tiny_target, NgramDrafter(), make_verifier("exact"), DecodeConfig(max_new_tokens=5))
     seen = []
-    original = decoder.target.check_invariant
+    original = decoder.scorer.check_invariant
 
     def spy() -> None:
-        seen.append((decoder.target.cached_model.cached_length, decoder.target.num_committed))
+        seen.append((decoder.scorer.cached_model.cached_length, decoder.scorer.num_committed))
         original()
 
-    decoder.target.check_invariant = spy  # type: ignore[method-assign]
+    decoder.scorer.check_invariant = spy  # type: ignore[method-assign]
     decoder.generate(PROMPTS[0], use_chat=False)
     assert len(seen) >= 2 and all(cached == committed - 1 for cached, committed in seen)
-    decoder.target.cached_model.crop_to(decoder.target.cached_model.cached_length - 1)  # break it on purpose
+    decoder.scorer.cached_model.crop_to(decoder.scorer.cached_model.cached_length - 1)  # break it on purpose
     with pytest.raises(RuntimeError, match="invariant"):
         original()
 

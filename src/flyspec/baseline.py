@@ -25,7 +25,7 @@ class PlainDecoder(Decoder):
         no_draft = torch.empty(0, dtype=torch.long, device=self.device)
         while not generation.finished:
             with generation.stats.timing("target", self.device):
-                logits = self.target.score(token_ids[-1], no_draft)  # [1, vocab]
+                logits = self.scorer.score(token_ids[-1], no_draft)  # [1, vocab]
             committed = generation.commit([int(choose_tokens(logits[0], sampling, generator))])
-            self.target.rollback(len(token_ids))
+            self.scorer.rollback(len(token_ids))
             yield committed, ()

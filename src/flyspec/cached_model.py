@@ -27,17 +27,16 @@ class CachedModel:
     (memory then grows with the sequence, not the window). The target crops once per forward.
     """
 
-    def __init__(self, loaded: LoadedModel, full_history: bool = False) -> None:
-        self.loaded = loaded
+    def __init__(self, model: LoadedModel, full_history: bool = False) -> None:
         self.full_history = full_history
-        self.model = loaded.model
+        self.model = model.model
         self.device = next(self.model.parameters()).device
         self.cache = self._new_cache()
         model_layers = DynamicCache(config=self.model.config).layers  # the layer kinds the model's config asks for
         uncroppable = {type(layer).__name__ for layer in model_layers if type(layer) not in _CROPPABLE_LAYERS}
         if uncroppable:
             raise ConfigError(
-                f"model {loaded.name!r} uses KV cache layers that cannot be rolled back "
+                f"model {model.name!r} uses KV cache layers that cannot be rolled back "
                 f"({', '.join(sorted(uncroppable))}); speculative decoding needs a croppable cache"
             )
 

@@ -170,7 +170,7 @@ def _generate(args: argparse.Namespace) -> int:
     baseline = None
     device = decoder.device
     if args.compare:
-        plain = PlainDecoder(decoder.loaded, decode)
+        plain = PlainDecoder(decoder.target, decode)
         plain.generate(args.prompt, use_chat=args.use_chat, config=DecodeConfig(max_new_tokens=4))  # warm-up
         baseline = plain.generate(args.prompt, generator=make_generator(args.seed, device), use_chat=args.use_chat)
     stream = decoder.stream(args.prompt, generator=make_generator(args.seed, device), use_chat=args.use_chat)
@@ -179,7 +179,7 @@ def _generate(args: argparse.Namespace) -> int:
             print(piece, end="", flush=True)
     result = stream.result
     assert result is not None
-    record = _record(args, spec, decoder.loaded, result, baseline)
+    record = _record(args, spec, decoder.target, result, baseline)
     if args.json:
         print(json.dumps(record, ensure_ascii=False))
     else:

@@ -64,7 +64,7 @@ class SpeculativeDecoder(Decoder):
         self.drafter.reset(generation.prompt_ids)
         self._prefill(generation)
         token_ids = generation.token_ids  # grows in place as tokens are committed
-        context = VerifyContext(token_ids, len(generation.prompt_ids), self.loaded.vocabulary)
+        context = VerifyContext(token_ids, len(generation.prompt_ids), self.target.vocabulary)
         try:
             while not generation.finished:
                 # draft: up to k tokens after the committed ones
@@ -76,12 +76,12 @@ class SpeculativeDecoder(Decoder):
                         draft = self.drafter.propose(token_ids, budget, sampling, generator).to(device)
                 # score: [last committed token] + draft in one target forward
                 with stats.timing("target", device):
-                    target_logits = self.target.score(token_ids[-1], draft.tokens)  # [k + 1, vocab]
+                    target_logits = self.scorer.score(token_ids[-1], draft.tokens)  # [k + 1, vocab]
                 # verify: accepted prefix + one recovered or bonus token
                 verdict = self.verifier.verify(draft, target_logits, sampling, generator, context)
                 # commit up to the first stop condition, then roll both caches back to what was committed
                 committed = generation.commit(verdict.tokens, verdict, draft.num_tokens, requested)
-                self.target.rollback(len(token_ids))
+                self.scorer.rollback(len(token_ids))
                 self.drafter.rollback(len(token_ids))
                 yield committed, verdict.loose_positions
         finally:  # also when the stream is closed early: the committed tokens are still worth remembering

@@ -91,14 +91,14 @@ class Decoder:
     """Shared front end: prompt encoding, stopping, statistics and streaming around ``_steps``."""
 
     def __init__(self, target: LoadedModel, config: DecodeConfig | None = None) -> None:
-        self.loaded = target
-        self.target = Target(target)
+        self.target = target
+        self.scorer = Target(target)  # the target model's KV cache for this decoder's generations
         self.config = config or DecodeConfig()
 
     @property
     def device(self) -> torch.device:
         """The target's device: drafts, probabilities and random numbers of every step live here."""
-        return self.target.device
+        return self.scorer.device
 
     def generate(self, prompt: Prompt, **options) -> GenerationResult:
         """Generate and return the result. Options as for :meth:`stream`."""
@@ -124,8 +124,8 @@ class Decoder:
                 f"the random generator is on {generator.device} but the target on {self.device}; "
                 "make it with flyspec.make_generator(seed, decoder.device)"
             )
-        prompt_ids = encode(self.loaded, prompt, use_chat)
-        stopper = make_stopper(self.loaded, config, len(prompt_ids))
+        prompt_ids = encode(self.target, prompt, use_chat)
+        stopper = make_stopper(self.target, config, len(prompt_ids))
         generation = Generation(prompt_ids, config, generator, stopper, self.new_draft_length())
         return GenerationStream(self._steps(generation), generation.stopper, generation.stats, prompt_ids)
 
@@ -139,7 +139,7 @@ class Decoder:
     def _prefill(self, generation: Generation) -> None:
         """Start the target on the prompt (the first step scores its last token)."""
         with generation.stats.timing("prefill", self.device):
-            self.target.start(generation.prompt_ids)
+            self.scorer.start(generation.prompt_ids)
 
     def _steps(self, generation: Generation) -> Iterator[Step]:
         raise NotImplementedError

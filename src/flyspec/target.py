@@ -19,8 +19,8 @@ from flyspec.models import LoadedModel
 class Target:
     """The target model: prefill, score drafts, roll back. Holds the per-request cache."""
 
-    def __init__(self, loaded: LoadedModel) -> None:
-        self.cached_model = CachedModel(loaded)
+    def __init__(self, target: LoadedModel) -> None:
+        self.cached_model = CachedModel(target)
         self.num_committed = 0
 
     @property

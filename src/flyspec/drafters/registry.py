@@ -55,8 +55,8 @@ def drafter_levels(spec: SpeculationConfig) -> tuple[str, ...]:
 def make_drafter(spec: SpeculationConfig, target: LoadedModel, resources: Resources) -> Drafter:
     """Build ``spec``'s drafter for ``target``; models, n-gram caches and calibrations come from ``resources``."""
     levels = drafter_levels(spec)
-    loaded = [level if level in (*NGRAM_LEVELS, LAYER_SKIP) else resources.model(level) for level in levels]
-    drafter = _StackBuilder(target, spec, resources).build(loaded)
+    resolved_levels = [level if level in (*NGRAM_LEVELS, LAYER_SKIP) else resources.model(level) for level in levels]
+    drafter = _StackBuilder(target, spec, resources).build(resolved_levels)
     drafter.name = spec.drafter
     return drafter
 

@@ -115,11 +115,11 @@ def _build_config(args: argparse.Namespace) -> Any:
     )
 
 
-def _meta(args: argparse.Namespace, config: Any, loaded: Any, skipped: list[str]) -> dict[str, Any]:
+def _meta(args: argparse.Namespace, config: Any, target: Any, skipped: list[str]) -> dict[str, Any]:
     from flyspec.harness.meta import run_metadata
 
     return {
-        **run_metadata(loaded, getattr(args, "command_line", None)),
+        **run_metadata(target, getattr(args, "command_line", None)),
         "drafter": config.speculation.drafter,
         "speculative_config": config.speculation.to_dict(),
         "methods": ", ".join(method.name for method in config.methods),
@@ -181,9 +181,9 @@ def _evaluate(args: argparse.Namespace, config: Any, console: Any) -> int:
     items = load_all_items(config, report)
     set_threads(args.threads)
     resources = Resources(args.dtype, device=args.device)
-    loaded = resources.model(args.target)
-    _write_meta(config, _meta(args, config, loaded, report.skipped))
-    evaluation = Evaluation(config, loaded, items, resources)
+    target = resources.model(args.target)
+    _write_meta(config, _meta(args, config, target, report.skipped))
+    evaluation = Evaluation(config, target, items, resources)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     interrupted = False
     with Progress(*columns, console=console, transient=False) as progress:
@@ -193,7 +193,7 @@ def _evaluate(args: argparse.Namespace, config: Any, console: Any) -> int:
         except KeyboardInterrupt:
             interrupted = True
     if evaluation.skipped:
-        _write_meta(config, _meta(args, config, loaded, report.skipped + evaluation.skipped))
+        _write_meta(config, _meta(args, config, target, report.skipped + evaluation.skipped))
     path = _report(config.out_dir, args.floor, args.resamples)
     if interrupted:
         console.print(f"interrupted: partial results kept in {config.out_dir} (rerun with --resume to continue)")

@@ -75,10 +75,10 @@ class BaselineCache:
         self.writer = JsonlWriter(self.path, append=True) if self.path else None
 
     @staticmethod
-    def key(loaded: LoadedModel, task: Task, item_id: str, prompt_ids: list[int], max_new_tokens: int) -> str:
-        fields = [loaded.name, str(loaded.dtype), task.name, item_id, max_new_tokens, task.stop, PROMPT_FORMAT]
-        if loaded.device.type != "cpu":  # a GPU rounds differently; CPU keys stay as they were
-            fields.append(loaded.device.type)
+    def key(target: LoadedModel, task: Task, item_id: str, prompt_ids: list[int], max_new_tokens: int) -> str:
+        fields = [target.name, str(target.dtype), task.name, item_id, max_new_tokens, task.stop, PROMPT_FORMAT]
+        if target.device.type != "cpu":  # a GPU rounds differently; CPU keys stay as they were
+            fields.append(target.device.type)
         return hashlib.sha256(json.dumps([*fields, prompt_ids]).encode()).hexdigest()
 
     def get(self, key: str) -> dict[str, Any] | None:
@@ -128,19 +128,19 @@ class ItemRun:
 
 
 class Evaluation:
-    """One evaluation run: the configured tasks × (plain + methods) on one loaded target model."""
+    """One evaluation run: the configured tasks × (plain + methods) on one target model."""
 
     def __init__(
         self,
         config: EvalConfig,
-        loaded: LoadedModel,
+        target: LoadedModel,
         items: dict[str, list[EvalItem]],
         resources: Resources | None = None,
     ) -> None:
         self.config = config
-        self.loaded = loaded
+        self.target = target
         self.items = items
-        shared = resources or Resources(models=(loaded,))
+        shared = resources or Resources(models=(target,))
         # each method drafts from n-gram caches of its own (one method's outputs must not feed another's)
         self.resources = {method.name: shared.isolated() for method in config.methods}
         self.cache = BaselineCache(config.cache_dir)
@@ -173,7 +173,7 @@ class Evaluation:
     def _decoders(self, task: Task) -> dict[str, Decoder]:
         max_new_tokens = self._max_new_tokens(task)
         plain_config = DecodeConfig(max_new_tokens=max_new_tokens, stop_strings=task.stop)
-        decoders: dict[str, Decoder] = {PLAIN: PlainDecoder(self.loaded, plain_config)}
+        decoders: dict[str, Decoder] = {PLAIN: PlainDecoder(self.target, plain_config)}
         for method in self.config.methods:
             if method.engine == "vllm":
                 decoders[method.name] = self._vllm_decoder(method, plain_config)
@@ -186,7 +186,7 @@ class Evaluation:
                 guard=method.guard_config(task.kind),
             )
             decode = DecodeConfig(max_new_tokens=max_new_tokens, stop_strings=task.stop)
-            decoders[method.name] = build_decoder(self.loaded, spec, decode, resources=self.resources[method.name])
+            decoders[method.name] = build_decoder(self.target, spec, decode, resources=self.resources[method.name])
         for decoder in decoders.values():  # warm-up: the first call pays one-off costs
             decoder.generate("Hello", config=DecodeConfig(max_new_tokens=2), use_chat=self.config.use_chat)
         return decoders
@@ -196,15 +196,15 @@ class Evaluation:
 
         if method.name not in self.engines:
             k = self.config.speculation.num_draft_tokens
-            self.engines[method.name] = start_engine(method, self.loaded, k, self.config.vllm_venv)
-        return VllmDecoder(self.engines[method.name], self.loaded, config)
+            self.engines[method.name] = start_engine(method, self.target, k, self.config.vllm_venv)
+        return VllmDecoder(self.engines[method.name], self.target, config)
 
     def _run_task(self, task: Task, progress: Progress) -> None:
         decoders = self._decoders(task)
         for item in self.items[task.name]:
             prompt = task.prompt(item)
             try:
-                prompt_ids = self.loaded.encode_prompt(prompt, self.config.use_chat)
+                prompt_ids = self.target.encode_prompt(prompt, self.config.use_chat)
                 plain = self._plain_output(task, item, decoders[PLAIN], prompt_ids)
             except ConfigError as error:  # e.g. a prompt longer than the model's context window
                 logger.warning("skipping %s %s: %s", task.name, item.id, error)
@@ -217,16 +217,16 @@ class Evaluation:
             progress(f"{task.name} {item.id} plain")
             for method in self.config.methods:
                 if _record_key(task.name, method.name, item.id) not in self.done:
-                    result = decoders[method.name].generate(prompt_ids, generator=make_generator(0, self.loaded.device))
+                    result = decoders[method.name].generate(prompt_ids, generator=make_generator(0, self.target.device))
                     self._write(run, method, Output.of(result))
                 progress(f"{task.name} {item.id} {method.name}")
 
     def _plain_output(self, task: Task, item: EvalItem, decoder: Decoder, prompt_ids: list[int]) -> Output:
-        key = BaselineCache.key(self.loaded, task, item.id, prompt_ids, self._max_new_tokens(task))
+        key = BaselineCache.key(self.target, task, item.id, prompt_ids, self._max_new_tokens(task))
         entry = self.cache.get(key)
         if entry is not None:
             return Output(**{**entry["output"], "cached": True})
-        output = Output.of(decoder.generate(prompt_ids, generator=make_generator(0, self.loaded.device)))
+        output = Output.of(decoder.generate(prompt_ids, generator=make_generator(0, self.target.device)))
         self.cache.put(key, {"task": task.name, "item_id": item.id, "output": output.__dict__})
         return output
 
@@ -258,7 +258,7 @@ class Evaluation:
         if "category" in run.item.extra:  # the adversarial set's
             record["category"] = run.item.extra["category"]
         if method is not None and output.token_ids != run.plain.token_ids:
-            record["segments"] = fidelity.highlight_segments(self.loaded, output.token_ids, output.loose_token_indices)
+            record["segments"] = fidelity.highlight_segments(self.target, output.token_ids, output.loose_token_indices)
         self.writer.write(record)
         self.done.add(key)
 
@@ -272,7 +272,7 @@ class Evaluation:
             "similarity": similarity,
             "token_agreement": fidelity.token_agreement(output.token_ids, plain.token_ids),
             "common_prefix": fidelity.common_prefix(output.token_ids, plain.token_ids),
-            "log_likelihood": fidelity.mean_log_likelihood(self.loaded, prompt_ids, output.token_ids),
+            "log_likelihood": fidelity.mean_log_likelihood(self.target, prompt_ids, output.token_ids),
         }
 
     def _trust(self, output: Output, run: ItemRun) -> dict[str, Any]:
@@ -289,7 +289,7 @@ class Evaluation:
             "meaning_changed": change.changed,
             "meaning_diff": change.to_dict(),
             "loop": loop is not None,
-            "loop_text": self.loaded.decode(list(loop)) if loop else None,
+            "loop_text": self.target.decode(list(loop)) if loop else None,
         }
 
 

@@ -45,14 +45,14 @@ def common_prefix(method_ids: list[int], plain_ids: list[int]) -> int:
 
 
 @torch.no_grad()
-def mean_log_likelihood(loaded: LoadedModel, prompt_ids: list[int], output_ids: list[int]) -> float | None:
+def mean_log_likelihood(target: LoadedModel, prompt_ids: list[int], output_ids: list[int]) -> float | None:
     """Mean ``log p_target(output[i] | prompt, output[:i])`` in nats; None for an empty output."""
     if not output_ids:
         return None
-    input_ids = torch.tensor([prompt_ids + output_ids], dtype=torch.long, device=loaded.device)  # [1, n]
-    logits = loaded.model(input_ids=input_ids).logits[0, len(prompt_ids) - 1 : -1]  # [len(output), vocab]
+    input_ids = torch.tensor([prompt_ids + output_ids], dtype=torch.long, device=target.device)  # [1, n]
+    logits = target.model(input_ids=input_ids).logits[0, len(prompt_ids) - 1 : -1]  # [len(output), vocab]
     log_probs = torch.log_softmax(logits.float(), dim=-1)
-    targets = torch.tensor(output_ids, dtype=torch.long, device=loaded.device).unsqueeze(-1)  # [len(output), 1]
+    targets = torch.tensor(output_ids, dtype=torch.long, device=target.device).unsqueeze(-1)  # [len(output), 1]
     return float(log_probs.gather(-1, targets).mean())
 
 
@@ -83,7 +83,7 @@ class SimilarityModel:
         return float((embeddings[0] * embeddings[1]).sum().clamp(-1.0, 1.0))
 
 
-def highlight_segments(loaded: LoadedModel, token_ids: list[int], loose_indices: list[int]) -> list[tuple[str, bool]]:
+def highlight_segments(target: LoadedModel, token_ids: list[int], loose_indices: list[int]) -> list[tuple[str, bool]]:
     """The output as ``(text piece, loosely accepted?)`` runs, for the side-by-side report.
 
     Pieces are decoded incrementally (``decode(ids[:i+1]) - decode(ids[:i])``) so that multi-byte
@@ -93,7 +93,7 @@ def highlight_segments(loaded: LoadedModel, token_ids: list[int], loose_indices:
     segments: list[tuple[str, bool]] = []
     previous = ""
     for index in range(len(token_ids)):
-        text = loaded.decode(token_ids[: index + 1])
+        text = target.decode(token_ids[: index + 1])
         piece, previous = text[len(previous) :], text
         flag = index in loose
         if segments and segments[-1][1] == flag:

@@ -22,22 +22,22 @@ from flyspec.stopping import Stopper
 PEERS = ("vllm-ngram+fly", "vllm-ngram+fly+bare")  # the peers eval runs (``harness.methods`` grammar)
 
 
-def start_engine(method: Method, loaded: LoadedModel, num_draft_tokens: int, venv: str | None) -> VllmBackend:
+def start_engine(method: Method, target: LoadedModel, num_draft_tokens: int, venv: str | None) -> VllmBackend:
     """The worker for eval ``method`` (``ConfigError`` with the reason when it cannot run)."""
     python = venv_python(venv)
-    reason = unavailable_reason(python, loaded)
+    reason = unavailable_reason(python, target)
     if reason is not None:
         raise ConfigError(f"{method.name}: {reason}")
     settings = BackendSettings(SamplingConfig(), SpeculationConfig(num_draft_tokens=num_draft_tokens))
-    return VllmBackend(method, loaded, settings, python, eager=True)  # eval measures outputs, not speed
+    return VllmBackend(method, target, settings, python, eager=True)  # eval measures outputs, not speed
 
 
 class VllmDecoder:
     """The part of :class:`flyspec.decoding.Decoder` that eval calls, answered by a vLLM worker."""
 
-    def __init__(self, engine: VllmBackend, loaded: LoadedModel, config: DecodeConfig) -> None:
+    def __init__(self, engine: VllmBackend, target: LoadedModel, config: DecodeConfig) -> None:
         self.engine = engine
-        self.loaded = loaded
+        self.target = target
         self.config = config
 
     def generate(
@@ -48,10 +48,10 @@ class VllmDecoder:
         generator: object = None,  # greedy: no randomness
     ) -> GenerationResult:
         config = config or self.config
-        prompt_ids = self.loaded.encode_prompt(prompt, use_chat) if isinstance(prompt, str) else list(prompt)
+        prompt_ids = self.target.encode_prompt(prompt, use_chat) if isinstance(prompt, str) else list(prompt)
         output = self.engine.generate(prompt_ids, config.max_new_tokens, 0)
         stopper = Stopper(
-            self.loaded.tokenizer, self.loaded.eos_token_ids, config.max_new_tokens, tuple(config.stop_strings)
+            self.target.tokenizer, self.target.eos_token_ids, config.max_new_tokens, tuple(config.stop_strings)
         )
         token_ids = stopper.commit(output.token_ids)
         stats = DecodeStats(
