@@ -47,7 +47,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFa
 from flyspec.api import build_decoder
 from flyspec.baseline import PlainDecoder
 from flyspec.bench.data import load_prompts
-from flyspec.bench.harness import forward_times
+from flyspec.bench.loop import forward_times
 from flyspec.config import ConfigError, DecodeConfig, SpeculationConfig
 from flyspec.models import LoadedModel, cpu_name, device_name, resolve_device, resolve_dtype
 from flyspec.resources import Resources
