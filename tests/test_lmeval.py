@@ -22,6 +22,7 @@ from flyspec.models import LoadedModel  # noqa: E402
 
 TASK_DIR = Path(__file__).resolve().parent.parent / "examples" / "lm_eval"
 TASK = "flyspec_arithmetic"
+UNTIL = ["\n", ".", "Question:", "Answer:", "\n\n", "Q:"]
 
 
 @pytest.fixture(scope="module")
@@ -113,3 +114,30 @@ def test_command_line_runs_the_task(tiny_model_dir: Path, tmp_path: Path) -> Non
     assert results["config"]["model"] == "flyspec"
     (samples_file,) = tmp_path.rglob(f"samples_{TASK}_*.jsonl")
     assert len(samples_file.read_text().splitlines()) == 5
+
+
+def test_local_completions_against_flyspec_serve(
+    tiny_target: LoadedModel, tiny_model_dir: Path, task_manager: TaskManager
+) -> None:
+    """lm-eval's own ``local-completions`` model (token-id prompts, its stop words + EOS, seed) on ``flyspec serve``."""
+    from flyspec.config import SpeculationConfig
+    from flyspec.server.app import create_app
+    from server_helpers import RunningServer
+
+    app = create_app(tiny_target, SpeculationConfig(num_draft_tokens=4), served_model_name="tiny")
+    with RunningServer(app) as server:
+        model_args = {
+            "model": "tiny",
+            "base_url": f"{server.url}/v1/completions",
+            "tokenizer": str(tiny_model_dir),
+            "tokenizer_backend": "huggingface",
+            "max_retries": 1,
+        }
+        # more stop strings than OpenAI's 4, and a vLLM extra at its no-op value, as tasks send them
+        served, _ = _responses(
+            "local-completions", task_manager, model_args=model_args, gen_kwargs={"until": UNTIL, "min_p": 0.0}
+        )
+    local_lm = FlyspecLM(target=tiny_target, verifier="exact", num_draft_tokens=4)
+    local, _ = _responses(local_lm, task_manager, gen_kwargs={"until": UNTIL})
+    assert len(served) == 5
+    assert served == local  # the same lossless generation, over HTTP

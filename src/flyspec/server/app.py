@@ -106,7 +106,7 @@ def create_app(
             allow_origins=list(security.cors_origins),
             allow_methods=["GET", "POST"],
             allow_headers=["authorization", "content-type"],
-            expose_headers=["x-request-id", "x-flyspec-verifier", "x-flyspec-lossless"],
+            expose_headers=["x-request-id", "x-flyspec-verifier", "x-flyspec-lossless", "x-flyspec-ignored-fields"],
         )
     if security.allowed_hosts is not None:
         app.add_middleware(HostCheckMiddleware, allowed_hosts=security.allowed_hosts)
@@ -168,7 +168,10 @@ class Generations:
         schema = ChatCompletionRequest if kind == "chat" else CompletionRequest
         body = parse_request(await request.body(), schema)
         speculation = self.planner.check(body)  # 4xx before a place in the queue is taken
-        builder = ResponseBuilder(kind, self.served_model, describe(speculation), body.include_usage)
+        described = describe(speculation)
+        if body.ignored_fields:
+            described["ignored_fields"] = body.ignored_fields
+        builder = ResponseBuilder(kind, self.served_model, described, body.include_usage)
         job = Job(body.seed, label=builder.request_id)
         self._admit(lambda: self.engine.reserve(job))  # counts against the queue while it is tokenized
         disconnected = asyncio.create_task(_wait_for_disconnect(request.receive))
