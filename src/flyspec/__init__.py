@@ -5,6 +5,10 @@ Quick start::
     import flyspec
     result = flyspec.generate("Explain KV caches.", verifier="fly")   # lossy: opt-in
     text, tau = result.text, result.stats.mean_acceptance_length
+
+    # a model you loaded with transformers
+    result = flyspec.generate("Explain KV caches.", flyspec.from_transformers(model, tokenizer))
+    output_ids = model.generate(input_ids, custom_generate=flyspec.custom_generate)
 """
 
 from flyspec.api import build_decoder, generate, generate_plain
@@ -35,6 +39,7 @@ from flyspec.drafters import (
     make_drafter,
     multilevel_drafter,
 )
+from flyspec.hf_generate import custom_generate, from_transformers
 from flyspec.models import DEFAULT_MODEL, LoadedModel, ModelLoadError, load_model
 from flyspec.resources import Resources
 from flyspec.result import GenerationResult
@@ -93,6 +98,8 @@ __all__ = [
     "Verdict",
     "Verifier",
     "build_decoder",
+    "custom_generate",
+    "from_transformers",
     "generate",
     "generate_plain",
     "load_model",
