@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -98,10 +99,24 @@ def test_a_corrupt_file_is_a_clear_start_up_error(
     with pytest.raises(SystemExit) as exit_info:
         main(["serve", "--target", str(tmp_path / "no-such-model"), "--ngram-cache-file", str(path)])
     err = capsys.readouterr().err
-    assert exit_info.value.code == 2 and "--ngram-cache-file" in err and "not found" not in err and "Traceback" not in err
+    assert exit_info.value.code == 2 and "--ngram-cache-file" in err
+    assert "not found" not in err and "Traceback" not in err
     assert path.read_text() == content  # left as it was
 
 
 def test_a_missing_directory_is_a_start_up_error(tiny_target: LoadedModel, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="does not exist"):
         make_app(tiny_target, tmp_path / "missing" / "caches.json")
+
+
+def test_caches_are_also_saved_while_serving(tiny_target: LoadedModel, tmp_path: Path) -> None:
+    path = tmp_path / "caches.json"
+    security = ServerSecurity(api_keys=KEYS)
+    spec = SpeculationConfig(drafter="ngram-cache", num_draft_tokens=4)
+    app = create_app(tiny_target, spec, security=security, ngram_cache_file=path, ngram_cache_save_interval_s=0.1)
+    with TestClient(app, base_url="http://127.0.0.1") as client:
+        ask(client, KEYS[0])
+        deadline = time.monotonic() + 10
+        while not path.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert tenant_of(KEYS[0]) in json.loads(path.read_text())["tenants"]  # before shutdown
