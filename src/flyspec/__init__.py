@@ -6,6 +6,10 @@ Quick start::
     result = flyspec.generate("Explain KV caches.", verifier="fly")   # lossy: opt-in
     text, tau = result.text, result.stats.mean_acceptance_length
 
+    # a model you loaded with transformers
+    result = flyspec.generate("Explain KV caches.", flyspec.from_transformers(model, tokenizer))
+    output_ids = model.generate(input_ids, custom_generate=flyspec.custom_generate)
+
 The public names are imported on first use (PEP 562), so ``import flyspec`` and ``flyspec --version``
 do not import torch or transformers.
 """
@@ -47,6 +51,7 @@ if TYPE_CHECKING:  # the same names for type checkers and IDEs; at run time __ge
         make_drafter,
         multilevel_drafter,
     )
+    from flyspec.hf_generate import custom_generate, from_transformers
     from flyspec.models import DEFAULT_MODEL, LoadedModel, ModelLoadError, load_model
     from flyspec.resources import Resources
     from flyspec.result import GenerationResult
@@ -77,6 +82,7 @@ _SOURCES = {
         "CrossTokenizerDrafter", "Drafter", "DraftModelDrafter", "LayerSkipDrafter", "NgramCache", "NgramCacheDrafter",
         "NgramDrafter", "make_drafter", "multilevel_drafter",
     ),
+    "flyspec.hf_generate": ("custom_generate", "from_transformers"),
     "flyspec.models": ("DEFAULT_MODEL", "LoadedModel", "ModelLoadError", "load_model"),
     "flyspec.resources": ("Resources",),
     "flyspec.result": ("GenerationResult",),
@@ -147,6 +153,8 @@ __all__ = [
     "Verdict",
     "Verifier",
     "build_decoder",
+    "custom_generate",
+    "from_transformers",
     "generate",
     "generate_plain",
     "load_model",

@@ -67,6 +67,11 @@ class Resources:
         with self._lock:
             return list(self._ngram_caches.values())
 
+    def ngram_caches_by_vocabulary(self) -> dict[str, NgramCache]:
+        """Each n-gram cache under the name of the model whose token ids it holds (for saving them)."""
+        with self._lock:
+            return dict(self._ngram_caches)
+
     def isolated(self) -> Resources:
         """The same models and calibrations, with n-gram caches of its own."""
         view = Resources(self.dtype, device=self.device)

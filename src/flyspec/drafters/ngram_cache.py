@@ -159,17 +159,25 @@ class NgramCache:
             self._table.clear()
             self._reset_counters()
 
+    def entries(self) -> list[list[Any]]:
+        """The table as JSON-ready ``[[n-gram ids], next id]`` pairs, least recently used first."""
+        with self._lock:
+            return [[list(key), following] for key, following in self._table.items()]
+
+    def add_entries(self, entries: Sequence[tuple[tuple[int, ...], int]]) -> int:
+        """Store checked ``(n-gram, next id)`` pairs, oldest first (see :func:`parse_entries`); return how many.
+
+        N-grams of orders this cache does not store are skipped; more than ``max_entries`` keep the most recent.
+        """
+        kept = [(key, following) for key, following in entries if self.min_order <= len(key) <= self.max_order]
+        with self._lock:
+            for key, following in kept:
+                self._store(key, following)
+        return len(kept)
+
     def save(self, path: str | Path) -> None:
         """Write the table as JSON, least recently used first, so that ``load`` restores the recency order."""
-        with self._lock:
-            entries = [[list(key), following] for key, following in self._table.items()]
-        document = {"format": FILE_FORMAT, "version": FILE_VERSION, "entries": entries}
-        path = Path(path)
-        # write beside the target, then rename: a crash never leaves a half-written cache file
-        descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        with os.fdopen(descriptor, "w", encoding="utf-8") as file:
-            json.dump(document, file, separators=(",", ":"))
-        os.replace(temporary, path)
+        write_json_atomically({"format": FILE_FORMAT, "version": FILE_VERSION, "entries": self.entries()}, path)
 
     def load(self, path: str | Path) -> int:
         """Add the n-grams of a file written by ``save`` (oldest first); return how many were added.
@@ -177,44 +185,57 @@ class NgramCache:
         The file is parsed as JSON and checked, nothing in it is executed. N-grams of orders this
         cache does not store are skipped; a file larger than ``max_entries`` keeps its most recent ones.
         """
-        try:
-            document = json.loads(Path(path).read_text(encoding="utf-8"))
-        except (OSError, ValueError) as error:
-            raise ConfigError(f"cannot read the n-gram cache file {str(path)!r}: {error}") from error
-        entries = [
-            (key, following)
-            for key, following in _parse_entries(document, path)
-            if self.min_order <= len(key) <= self.max_order
-        ]
-        with self._lock:
-            for key, following in entries:
-                self._store(key, following)
-        return len(entries)
+        document = read_json(path, "n-gram cache file")
+        problem = (
+            f"{str(path)!r} is not a flyspec n-gram cache file (version {FILE_VERSION}); delete it or save it again"
+        )
+        if not (
+            isinstance(document, dict)
+            and document.get("format") == FILE_FORMAT
+            and document.get("version") == FILE_VERSION
+        ):
+            raise ConfigError(problem)
+        return self.add_entries(parse_entries(document.get("entries"), problem))
+
+
+def write_json_atomically(document: Any, path: str | Path) -> None:
+    """Write ``document`` beside ``path``, then rename: a crash never leaves a half-written file."""
+    path = Path(path)
+    descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(descriptor, "w", encoding="utf-8") as file:
+            json.dump(document, file, separators=(",", ":"))
+        os.replace(temporary, path)
+    finally:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+
+
+def read_json(path: str | Path, what: str) -> Any:
+    """A JSON file's content (parsed, never executed); ConfigError naming ``what`` if unreadable."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"cannot read the {what} {str(path)!r}: {error}") from error
 
 
 def _is_token(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def _parse_entries(document: object, path: str | Path) -> list[tuple[tuple[int, ...], int]]:
-    """The ``[[n-gram ids], next id]`` pairs of a saved cache; ConfigError if the file is anything else."""
-    problem = f"{str(path)!r} is not a flyspec n-gram cache file (version {FILE_VERSION}); delete it or save it again"
-    if not (
-        isinstance(document, dict)
-        and document.get("format") == FILE_FORMAT
-        and document.get("version") == FILE_VERSION
-        and isinstance(document.get("entries"), list)
-    ):
+def parse_entries(entries: object, problem: str) -> list[tuple[tuple[int, ...], int]]:
+    """The ``[[n-gram ids], next id]`` pairs of a saved cache, checked; ConfigError(``problem``) if malformed."""
+    if not isinstance(entries, list):
         raise ConfigError(problem)
-    entries = []
-    for entry in document["entries"]:
+    parsed = []
+    for entry in entries:
         if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], list) and entry[0]):
             raise ConfigError(f"{problem} (bad entry {entry!r})")
         key, following = entry
         if not (all(_is_token(token) for token in key) and _is_token(following)):
             raise ConfigError(f"{problem} (bad entry {entry!r})")
-        entries.append((tuple(key), following))
-    return entries
+        parsed.append((tuple(key), following))
+    return parsed
 
 
 @dataclass

@@ -11,9 +11,11 @@ generating, cancels its job; so does the request's deadline (``request_timeout_s
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -24,6 +26,7 @@ from flyspec import __version__
 from flyspec.config import ConfigError, SpeculationConfig
 from flyspec.models import LoadedModel
 from flyspec.result import GenerationResult
+from flyspec.server.caches import check_cache_file
 from flyspec.server.engine import Engine, EngineHooks, Event, Job, QueueFullError, ShuttingDownError
 from flyspec.server.errors import APIError, from_config_error, install_error_handlers, internal_error
 from flyspec.server.lifecycle import Lifecycle
@@ -40,7 +43,9 @@ from flyspec.server.schemas import ChatCompletionRequest, CompletionRequest
 from flyspec.server.security import CORS, AuthMiddleware, HostCheckMiddleware, request_tenant
 from flyspec.server.settings import ServerLimits, ServerSecurity, describe
 
+logger = logging.getLogger(__name__)
 GENERATION_ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
+DEFAULT_CACHE_SAVE_INTERVAL_S = 300.0
 OTHER_ENDPOINTS = ("/v1/models", "/health", "/metrics")
 STREAM_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}  # no proxy may cache or buffer events
 T = TypeVar("T")
@@ -63,8 +68,14 @@ def create_app(
     draft_model: LoadedModel | None = None,
     served_model_name: str | None = None,
     hooks: EngineHooks | None = None,
+    ngram_cache_file: str | Path | None = None,
+    ngram_cache_save_interval_s: float = DEFAULT_CACHE_SAVE_INTERVAL_S,
 ) -> FastAPI:
-    """An app serving ``target`` (loaded once, shared by every request) under ``served_model_name``."""
+    """An app serving ``target`` (loaded once, shared by every request) under ``served_model_name``.
+
+    ``ngram_cache_file``: the tenants' n-gram caches are restored from it (if it exists) now, saved
+    to it every ``ngram_cache_save_interval_s`` seconds (0: only at shutdown) and at shutdown.
+    """
     limits = limits or ServerLimits()
     security = security or ServerSecurity()
     served = served_model_name or target.name
@@ -80,13 +91,26 @@ def create_app(
         model_names=tuple(dict.fromkeys((served, target.name))),
     )
     generations = Generations(planner, engine, metrics, served, limits.request_timeout_s)
+    if ngram_cache_file is not None:
+        saved = check_cache_file(ngram_cache_file)
+        restored = planner.caches.restore(saved, planner.defaults.ngram_cache, planner.defaults.ngram)
+        logger.info(
+            "n-gram caches: %d n-grams of %d tenant(s) restored from %s", restored, len(saved), ngram_cache_file
+        )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine.start()
+        saving = None
+        if ngram_cache_file is not None and ngram_cache_save_interval_s > 0:
+            saving = asyncio.create_task(_save_periodically(planner, ngram_cache_file, ngram_cache_save_interval_s))
         yield
+        if saving is not None:
+            saving.cancel()
         lifecycle.finish()
         planner.close()
+        if ngram_cache_file is not None:
+            _save_caches(planner, ngram_cache_file)
 
     app = FastAPI(title="flyspec", version=__version__, lifespan=lifespan)
     app.state.engine, app.state.metrics, app.state.planner = engine, metrics, planner
@@ -106,7 +130,7 @@ def create_app(
             allow_origins=list(security.cors_origins),
             allow_methods=["GET", "POST"],
             allow_headers=["authorization", "content-type"],
-            expose_headers=["x-request-id", "x-flyspec-verifier", "x-flyspec-lossless"],
+            expose_headers=["x-request-id", "x-flyspec-verifier", "x-flyspec-lossless", "x-flyspec-ignored-fields"],
         )
     if security.allowed_hosts is not None:
         app.add_middleware(HostCheckMiddleware, allowed_hosts=security.allowed_hosts)
@@ -170,7 +194,10 @@ class Generations:
             parse_request(raw, ChatCompletionRequest) if kind == "chat" else parse_request(raw, CompletionRequest)
         )
         speculation = self.planner.check(body)  # 4xx before a place in the queue is taken
-        builder = ResponseBuilder(kind, self.served_model, describe(speculation), body.include_usage)
+        described = describe(speculation)
+        if body.ignored_fields:
+            described["ignored_fields"] = body.ignored_fields
+        builder = ResponseBuilder(kind, self.served_model, described, body.include_usage)
         job = Job(body.seed, label=builder.request_id)
         self._admit(lambda: self.engine.reserve(job))  # counts against the queue while it is tokenized
         disconnected = asyncio.create_task(_wait_for_disconnect(request.receive))
@@ -266,6 +293,21 @@ class Generations:
         if isinstance(error, DeadlineExceededError):
             return _deadline_error(self.timeout_s)
         return internal_error()  # the engine logged the exception; the client gets no details
+
+
+def _save_caches(planner: Planner, path: str | Path) -> None:
+    try:
+        planner.caches.save(path)
+    except OSError as error:  # a full disk must not take the server down; the next save may work
+        logger.error("could not save the n-gram caches to %s: %s", path, error)
+
+
+async def _save_periodically(planner: Planner, path: str | Path, interval_s: float) -> None:
+    """Save the caches every ``interval_s`` (off the event loop), so a crash loses at most that much."""
+    loop = asyncio.get_running_loop()
+    while True:
+        await asyncio.sleep(interval_s)
+        await loop.run_in_executor(None, _save_caches, planner, path)
 
 
 def _deadline_error(timeout_s: float) -> APIError:

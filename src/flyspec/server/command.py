@@ -70,6 +70,20 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
             metavar="SECONDS" if seconds else None,
             help=f"{meaning} (default {default:g})" if seconds else f"{meaning} (default {default})",
         )
+    server.add_argument(
+        "--ngram-cache-file",
+        metavar="PATH",
+        help="keep the n-gram caches (ngram-cache drafter) across restarts in this JSON file: read at start-up "
+        "if it exists, written at shutdown and every --ngram-cache-save-interval; each tenant's n-grams go "
+        "back to that tenant only",
+    )
+    server.add_argument(
+        "--ngram-cache-save-interval",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="with --ngram-cache-file: save this often too; 0 only at shutdown (default 300)",
+    )
     add_security_options(parser)
     server.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="server log level (default info)")
     server.add_argument("-v", "--verbose", action="store_true", help="also log model loading (transformers)")
@@ -175,6 +189,12 @@ def run(args: argparse.Namespace) -> int:
     require_extra("serve", "flyspec serve")
     defaults, limits = settings_from_args(args)
     security = security_from_args(args)
+    if args.ngram_cache_save_interval < 0:
+        raise ConfigError(f"--ngram-cache-save-interval must be >= 0 (got {args.ngram_cache_save_interval:g})")
+    if args.ngram_cache_file:
+        from flyspec.server.caches import check_cache_file
+
+        check_cache_file(args.ngram_cache_file)  # a corrupt file fails now, before the model loads
     from flyspec.api import build_decoder, checked_verifier  # heavy imports only when serving
     from flyspec.models import load_model
     from flyspec.server.app import create_app
@@ -185,7 +205,16 @@ def run(args: argparse.Namespace) -> int:
     target = load_model(args.target, dtype=args.dtype, threads=args.threads, device=args.device)
     draft = load_model(args.draft_model, dtype=args.dtype, device=target.device) if args.draft_model else None
     # bad defaults fail now, not per request (and stack models and layer-skip calibration load once)
-    app = create_app(target, defaults, limits, security, draft_model=draft, served_model_name=args.served_model_name)
+    app = create_app(
+        target,
+        defaults,
+        limits,
+        security,
+        draft_model=draft,
+        served_model_name=args.served_model_name,
+        ngram_cache_file=args.ngram_cache_file,
+        ngram_cache_save_interval_s=args.ngram_cache_save_interval,
+    )
     planner = app.state.planner
     build_decoder(target, planner.defaults, resources=planner.caches.resources)
     described = ", ".join(f"{name}={value}" for name, value in describe(defaults).items())

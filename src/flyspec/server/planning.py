@@ -19,6 +19,7 @@ import asyncio
 import copy
 import dataclasses
 import functools
+import logging
 import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -44,30 +45,44 @@ from flyspec.server.errors import (
 from flyspec.server.schemas import (
     IGNORED_FIELDS,
     UNSUPPORTED_FIELDS,
+    VLLM_EXTRAS,
     ChatCompletionRequest,
     CompletionRequest,
     SpeculativeOptions,
 )
 from flyspec.server.settings import ServerLimits, ServerSecurity, changed_fields, for_request, is_lossless
 
+logger = logging.getLogger(__name__)
 RequestT = TypeVar("RequestT", CompletionRequest, ChatCompletionRequest)
 GenerationRequest = CompletionRequest | ChatCompletionRequest
 
 
 def parse_request(raw: bytes, schema: type[RequestT]) -> RequestT:
-    """Validate a body against ``schema``; unsupported standard fields are a 400 naming the field."""
+    """Validate a body against ``schema``; unsupported standard fields are a 400 naming the field.
+
+    vLLM's extras with values that change nothing are dropped, logged and listed in the result's
+    ``ignored_fields`` (the response reports them); with any other value they are a 400 too.
+    """
     data = parse_json_object(raw)
-    for name, unused_values in UNSUPPORTED_FIELDS.items():
-        if name in data:
-            value = data.pop(name)
-            if not _is_unused(value, unused_values):
-                raise bad_request(_unsupported_message(name, value), param=name, code="unsupported_parameter")
+    ignored = []
+    for table in (UNSUPPORTED_FIELDS, VLLM_EXTRAS):
+        for name, unused_values in table.items():
+            if name in data:
+                value = data.pop(name)
+                if not _is_unused(value, unused_values):
+                    raise bad_request(_unsupported_message(name, value), param=name, code="unsupported_parameter")
+                if table is VLLM_EXTRAS:
+                    ignored.append(name)
     for name in IGNORED_FIELDS:
         data.pop(name, None)
     try:
-        return schema.model_validate(data)
+        request = schema.model_validate(data)
     except ValidationError as error:
         raise from_validation_error(error) from error
+    if ignored:
+        logger.warning("request fields %s ignored: their values change nothing here", ", ".join(ignored))
+        request._ignored_fields = ignored
+    return request
 
 
 def _is_unused(value: Any, unused_values: tuple[Any, ...]) -> bool:
@@ -80,6 +95,10 @@ def _unsupported_message(name: str, value: Any) -> str:
         return (
             f"{name}={shorten(value)} is not supported: flyspec returns one choice per request; send separate requests"
         )
+    if name in VLLM_EXTRAS:
+        noop = " or ".join(repr(unused) for unused in VLLM_EXTRAS[name] if unused is not None)
+        suffix = f" or send {noop}, which changes nothing" if noop else ""
+        return f"{name} is not supported by flyspec serve (got {shorten(value)}); leave it out{suffix}"
     return f"{name} is not supported by flyspec serve (got {shorten(value)}); leave it out"
 
 

@@ -3,7 +3,8 @@
 Additions (extra fields, which OpenAI clients keep and ignore): ``usage`` carries
 ``num_target_forwards``, ``mean_acceptance_length``, ``num_loose_accepts`` and the drafter's own
 counters for this request (``drafter``) beside the standard token counts, and a top-level
-``flyspec`` object says which drafter and verifier ran and whether that verifier is lossless.
+``flyspec`` object says which drafter and verifier ran, whether that verifier is lossless, and
+(``ignored_fields``) which of the request's vLLM extras were accepted because they change nothing.
 Nothing in a response describes other requests: a drafter's process-wide statistics (the n-gram
 cache's ``cache`` totals, a layer-skip calibration made on an earlier request's prompt) are left
 out; the cache totals are in ``/metrics``.
@@ -114,11 +115,14 @@ class ResponseBuilder:
         return [*chunks, DONE]
 
     def headers(self) -> dict[str, str]:
-        return {
+        headers = {
             "x-request-id": self.request_id,
             "x-flyspec-verifier": str(self.flyspec["verifier"]),
             "x-flyspec-lossless": "true" if self.flyspec["lossless"] else "false",
         }
+        if self.flyspec.get("ignored_fields"):  # request fields accepted because their values change nothing
+            headers["x-flyspec-ignored-fields"] = ", ".join(self.flyspec["ignored_fields"])
+        return headers
 
     def _envelope(self, obj: str) -> dict[str, Any]:
         return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model}

@@ -4,7 +4,11 @@ Validation is strict (no string-to-number coercion) and unknown fields are rejec
 OpenAI API does. Standard fields that flyspec cannot honour are listed in
 :data:`UNSUPPORTED_FIELDS`: sending them with a non-default value is a 400 naming the field,
 never a silent ignore. Harmless bookkeeping fields (``user``, ``metadata``, ``store``,
-``service_tier``, ``parallel_tool_calls``) are accepted and ignored. Numbers must be finite
+``service_tier``, ``parallel_tool_calls``) are accepted and ignored. vLLM's sampling extras
+(:data:`VLLM_EXTRAS`, which clients such as lm-eval's ``local-completions`` send) are accepted
+when their value changes nothing (``min_p: 0``, ``repetition_penalty: 1``) and listed in the
+response's ``flyspec.ignored_fields`` and ``x-flyspec-ignored-fields`` header; any other value is a
+400 naming the field. ``top_k: -1`` is vLLM's "off", as 0. Numbers must be finite
 (NaN and Infinity are refused everywhere; :func:`flyspec.server.errors.parse_json_object` refuses
 them before validation too). A temperature below :data:`GREEDY_BELOW` is greedy, as in vLLM.
 """
@@ -13,14 +17,16 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
 from flyspec.config import PROTECT_CLASSES
 from flyspec.drafters.registry import DRAFTERS
 from flyspec.verifiers.registry import VERIFIERS
 
 MAX_DRAFT_TOKENS = 64
-MAX_STOP_STRINGS = 4  # as the OpenAI API
+# OpenAI allows 4; vLLM any number, and lm-eval's tasks send more (their stop words plus EOS). Each
+# committed step checks every stop string, so a cap keeps a request from making that step slow.
+MAX_STOP_STRINGS = 64
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed accepts
 # vLLM's _SAMPLING_EPS: below it, logits / temperature overflows float32 (inf - inf = NaN) long
 # before the distribution differs from the greedy one, so such a temperature means greedy.
@@ -52,6 +58,30 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "web_search_options": (None,),
 }
 IGNORED_FIELDS = ("user", "metadata", "store", "service_tier", "parallel_tool_calls")
+# vLLM's sampling parameters beyond OpenAI's → the values that change nothing (vLLM's defaults, or
+# what flyspec does anyway: special tokens are skipped, a stop string is left out of the text).
+VLLM_EXTRAS: dict[str, tuple[Any, ...]] = {
+    "min_p": (None, 0),
+    "repetition_penalty": (None, 1),
+    "length_penalty": (None, 1),
+    "use_beam_search": (None, False),
+    "min_tokens": (None, 0),
+    "ignore_eos": (None, False),
+    "stop_token_ids": (None, []),
+    "bad_words": (None, []),
+    "include_stop_str_in_output": (None, False),
+    "skip_special_tokens": (None, True),
+    "spaces_between_special_tokens": (None, True),
+    "truncate_prompt_tokens": (None,),
+    "prompt_logprobs": (None,),
+    "allowed_token_ids": (None,),
+    "return_tokens_as_token_ids": (None, False),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "structured_outputs": (None,),
+}
 
 PositiveTokens = Annotated[int, Field(ge=1)]
 
@@ -88,17 +118,23 @@ class _GenerationRequest(_Strict):
     max_tokens: PositiveTokens | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] = 1.0  # the OpenAI default
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
-    top_k: Annotated[int, Field(ge=0)] = 0  # extension (as vLLM): 0 = off
+    top_k: Annotated[int, Field(ge=-1)] = 0  # extension (as vLLM): 0 or -1 = off
     seed: Annotated[int, Field(ge=SEED_RANGE[0], le=SEED_RANGE[1])] | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     speculative: SpeculativeOptions | None = None
+    _ignored_fields: list[str] = PrivateAttr(default_factory=list)  # VLLM_EXTRAS sent with values that change nothing
 
     @field_validator("temperature")
     @classmethod
     def _tiny_temperature_is_greedy(cls, temperature: float) -> float:
         return 0.0 if temperature < GREEDY_BELOW else temperature
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k_off(cls, top_k: int) -> int:
+        return max(top_k, 0)  # vLLM's -1 and flyspec's 0 both mean no top-k filter
 
     @field_validator("top_p")
     @classmethod
@@ -124,19 +160,30 @@ class _GenerationRequest(_Strict):
         return self.max_tokens
 
     @property
+    def ignored_fields(self) -> list[str]:
+        return list(self._ignored_fields)
+
+    @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
 
-class CompletionRequest(_GenerationRequest):
-    """``POST /v1/completions``: raw text (no chat template), or one prompt as token ids."""
+TokenIds = list[Annotated[int, Field(ge=0)]]
 
-    prompt: str | list[Annotated[int, Field(ge=0)]] | list[str]
+
+class CompletionRequest(_GenerationRequest):
+    """``POST /v1/completions``: raw text (no chat template), or one prompt as token ids.
+
+    As in the OpenAI API a prompt may be a list of prompts (strings, or token-id lists as lm-eval's
+    ``local-completions`` sends); flyspec answers one per request, so such a list must hold one.
+    """
+
+    prompt: str | TokenIds | list[str] | list[TokenIds]
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, prompt: str | list[int] | list[str]) -> str | list[int]:
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+    def _one_prompt(cls, prompt: str | list[int] | list[str] | list[list[int]]) -> str | list[int]:
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
             if len(prompt) != 1:
                 raise ValueError(f"one prompt per request is supported (got {len(prompt)}); send them separately")
             prompt = prompt[0]
