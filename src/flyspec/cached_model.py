@@ -30,6 +30,7 @@ class CachedModel:
     def __init__(self, model: LoadedModel, full_history: bool = False) -> None:
         self.full_history = full_history
         self.model = model.model
+        self.step_forward = model.step_forward or model.model  # compiled (models.compile_steps) or eager
         self.device = next(self.model.parameters()).device
         self.cache = self._new_cache()
         model_layers = DynamicCache(config=self.model.config).layers  # the layer kinds the model's config asks for
@@ -65,7 +66,8 @@ class CachedModel:
             inputs = token_ids.unsqueeze(0)  # [1, n]
         else:
             inputs = torch.tensor([token_ids], dtype=torch.long, device=self.device)
-        output = self.model(input_ids=inputs, past_key_values=self.cache, use_cache=True, logits_to_keep=logits_to_keep)
+        forward = self.step_forward if logits_to_keep == 0 else self.model  # prefill stays eager
+        output = forward(input_ids=inputs, past_key_values=self.cache, use_cache=True, logits_to_keep=logits_to_keep)
         return output.logits[0].float()
 
     def crop_to(self, length: int) -> None:

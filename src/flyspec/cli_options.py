@@ -19,7 +19,7 @@ _DEFAULT = SpeculationConfig()
 
 
 def add_model_options(parser: argparse.ArgumentParser, *, chat: bool = True) -> None:
-    """--target, --draft-model, --device, --dtype, --threads and (optionally) --chat/--no-chat."""
+    """--target, --draft-model, --device, --dtype, --threads, --compile and (optionally) --chat/--no-chat."""
     models = parser.add_argument_group("models")
     models.add_argument(
         "--target",
@@ -46,6 +46,13 @@ def add_model_options(parser: argparse.ArgumentParser, *, chat: bool = True) -> 
         "bfloat16 where it has native bf16, else float32",
     )
     models.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    models.add_argument(
+        "--compile",
+        action="store_true",
+        help="compile the models' cached-step forward with torch.compile (the first steps take minutes; "
+        "then each forward is cheaper, e.g. ~1.5x on an AVX512-BF16 CPU in bf16: BENCHMARKS.md); "
+        "plain decoding uses it too",
+    )
     if chat:
         group = models.add_mutually_exclusive_group()
         group.add_argument(

@@ -21,6 +21,8 @@ import os
 import platform
 import shutil
 import tempfile
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,11 +52,16 @@ class ModelLoadError(ConfigError):
 
 @dataclass
 class LoadedModel:
-    """A causal LM, its tokenizer, and the name it was loaded under."""
+    """A causal LM, its tokenizer, and the name it was loaded under.
+
+    ``step_forward``: the model's forward compiled for the cached steps (:func:`compile_steps`);
+    None runs them eagerly.
+    """
 
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
     name: str
+    step_forward: Callable[..., Any] | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -180,8 +187,12 @@ def load_model(
     dtype: str | torch.dtype = DEFAULT_DTYPE,
     threads: int | None = None,
     device: str | torch.device = DEFAULT_DEVICE,
+    compile: bool = False,
 ) -> LoadedModel:
-    """Load a causal LM and its tokenizer from any supported source (see module docstring), onto ``device``."""
+    """Load a causal LM and its tokenizer from any supported source (see module docstring), onto ``device``.
+
+    ``compile``: run the cached steps through :func:`compile_steps`.
+    """
     set_threads(threads)
     torch_device = resolve_device(device)  # an unavailable GPU fails before anything is read
     torch_dtype = resolve_dtype(dtype, torch_device)
@@ -195,7 +206,24 @@ def load_model(
             f"a .gguf file, one of {', '.join(PACKAGED_MODELS)}, or a hub id with network access"
         ) from error
     model.to(torch_device).eval()  # type: ignore[arg-type]  # transformers wraps `.to`; its stub is wrong
-    return LoadedModel(model=model, tokenizer=tokenizer, name=name_or_path)
+    loaded = LoadedModel(model=model, tokenizer=tokenizer, name=name_or_path)
+    return compile_steps(loaded) if compile else loaded
+
+
+def compile_steps(loaded: LoadedModel) -> LoadedModel:
+    """``loaded`` with its cached-step forward compiled by ``torch.compile`` (inductor).
+
+    ``dynamic=True``: one graph for every number of scored tokens and cache length, so a draft of
+    any length reuses it. ``freezing``: the weights become constants, which lets inductor prepack
+    them for oneDNN on the CPU — that, not fewer Python calls, is most of the gain there (BENCHMARKS.md,
+    "A compiled forward"). The first steps compile (minutes on 2 cores); prefill stays eager.
+    Plain decoding uses the same compiled forward, so speedups stay like for like. The weights
+    must not change afterwards. Any causal LM that ``torch.compile`` can trace works; one it
+    cannot falls back to eager per graph break (``torch._dynamo`` decides; outputs are the same
+    up to floating-point rounding).
+    """
+    forward = torch.compile(loaded.model.forward, dynamic=True, options={"freezing": True})
+    return dataclasses.replace(loaded, step_forward=forward)
 
 
 def _resolve_to_hf_source(name_or_path: str) -> str:

@@ -23,7 +23,7 @@ ModelRef = str | LoadedModel
 
 
 class Resources:
-    """Models by name (loaded once, in ``dtype`` on ``device``), n-gram caches by vocabulary, calibrations.
+    """Models by name (loaded once, in ``dtype`` on ``device``, compiled if asked), n-gram caches by vocabulary, calibrations.
 
     ``models``: already loaded models, found by their ``name`` (tests, or a caller that loaded them).
     :meth:`isolated` gives a view that shares the models and calibrations but has its own n-gram
@@ -35,9 +35,11 @@ class Resources:
         dtype: str | torch.dtype = DEFAULT_DTYPE,
         models: Iterable[LoadedModel] = (),
         device: str | torch.device = DEFAULT_DEVICE,
+        compile: bool = False,
     ) -> None:
         self.dtype = dtype
         self.device = device  # every model named here loads onto it: draft models sit beside the target
+        self.compile = compile  # every model named here compiles its cached steps (models.compile_steps)
         self._models: dict[str, LoadedModel] = {model.name: model for model in models}
         self._ngram_caches: dict[str, NgramCache] = {}
         self.calibrations = Calibrations()
@@ -49,7 +51,7 @@ class Resources:
             if isinstance(model, LoadedModel):
                 return self._models.setdefault(model.name, model)
             if model not in self._models:
-                self._models[model] = load_model(model, dtype=self.dtype, device=self.device)
+                self._models[model] = load_model(model, dtype=self.dtype, device=self.device, compile=self.compile)
             return self._models[model]
 
     def ngram_cache(self, vocabulary: str, config: NgramCacheConfig, ngram: NgramConfig) -> NgramCache:

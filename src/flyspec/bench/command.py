@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
 
     set_threads(args.threads)
     # this run's models, calibrations (and each method's own caches)
-    resources = Resources(args.dtype, device=args.device)
+    resources = Resources(args.dtype, device=args.device, compile=args.compile)
     target = resources.model(args.target)
     draft = resources.model(args.draft_model) if args.draft_model else None
     settings = BackendSettings(sampling, speculation, args.use_chat, args.hf_lookup_tokens, resources)
@@ -205,6 +205,7 @@ def _meta(
         "num_prompts": len(prompts),
         "max_new_tokens": max_new_tokens,
         "num_draft_tokens": k,
+        "compile": args.compile,
         "temperature": args.temperature,
         "repeats": args.repeats,
         "warmup": args.warmup,

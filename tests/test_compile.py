@@ -1,0 +1,67 @@
+"""The compiled step forward (``--compile``, ``models.compile_steps``): same tokens, same KV invariant.
+
+One tiny model is compiled once for the module (compiling takes tens of seconds on 2 cores).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_tiny_model
+from test_reference import naive_greedy
+
+from flyspec.api import build_decoder
+from flyspec.baseline import PlainDecoder
+from flyspec.cached_model import CachedModel
+from flyspec.config import DecodeConfig, SpeculationConfig
+from flyspec.models import LoadedModel, compile_steps
+from flyspec.resources import Resources
+
+PROMPT = [5, 9, 12, 7, 5, 9, 12, 7, 5, 9]  # repeats, so n-gram drafts have something to copy
+
+
+@pytest.fixture(scope="module")
+def models(tokenizer) -> tuple[LoadedModel, LoadedModel]:
+    eager = make_tiny_model(tokenizer, seed=11, name="compile-me")
+    return eager, compile_steps(eager)
+
+
+def test_compile_steps_wraps_the_forward_and_keeps_the_model(models) -> None:
+    eager, compiled = models
+    assert eager.step_forward is None
+    assert compiled.step_forward is not None
+    assert compiled.model is eager.model  # the weights are shared, not copied
+
+
+def test_compiled_steps_score_like_eager_ones(models) -> None:
+    eager, compiled = models
+    rows = []
+    for loaded in models:
+        cached = CachedModel(loaded)
+        cached.forward(PROMPT[:-1], logits_to_keep=1)  # prefill: eager in both
+        first = cached.forward(PROMPT[-1:])  # one token
+        second = cached.forward([3, 4, 5, 6, 7])  # a draft's worth, another shape: the same dynamic graph
+        cached.crop_to(len(PROMPT) + 1)  # roll back as a verifier would
+        third = cached.forward([8, 9])
+        rows.append(torch.cat([first, second, third]))
+        assert cached.cached_length == len(PROMPT) + 3
+    torch.testing.assert_close(rows[0], rows[1], atol=1e-4, rtol=1e-4)  # float32: rounding only
+    assert torch.equal(rows[0].argmax(-1), rows[1].argmax(-1))
+
+
+def test_compiled_greedy_decoding_matches_the_independent_reference(models) -> None:
+    eager, compiled = models
+    expected = naive_greedy(eager.model, PROMPT, 24)
+    decode = DecodeConfig(max_new_tokens=24, ignore_eos=True)
+    resources = Resources(models=(compiled,))
+    plain = PlainDecoder(compiled, decode).generate(PROMPT)
+    spec = SpeculationConfig(drafter="ngram", verifier="exact", num_draft_tokens=6)
+    speculative = build_decoder(compiled, spec, decode, resources=resources).generate(PROMPT)
+    assert plain.token_ids == expected
+    assert speculative.token_ids == expected
+    assert speculative.stats.num_target_forwards < plain.stats.num_target_forwards  # drafts were kept
+
+
+def test_compile_reaches_the_models_resources_load() -> None:
+    assert Resources(compile=True).compile is True
+    assert Resources().compile is False
