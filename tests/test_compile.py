@@ -7,15 +7,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_tiny_model
-from test_reference import naive_greedy
 
+from conftest import make_tiny_model
 from flyspec.api import build_decoder
 from flyspec.baseline import PlainDecoder
 from flyspec.cached_model import CachedModel
 from flyspec.config import DecodeConfig, SpeculationConfig
 from flyspec.models import LoadedModel, compile_steps
 from flyspec.resources import Resources
+from test_reference import naive_greedy
 
 PROMPT = [5, 9, 12, 7, 5, 9, 12, 7, 5, 9]  # repeats, so n-gram drafts have something to copy
 

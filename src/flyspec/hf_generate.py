@@ -113,7 +113,8 @@ def custom_generate(
         stop_strings=_stop_strings(generation_config),
         sampling=_sampling(generation_config),
     )
-    target = _CallTarget(model, tokenizer, model.name_or_path or type(model).__name__, _eos_ids(generation_config))
+    name = model.name_or_path or type(model).__name__
+    target = _CallTarget(model, tokenizer, name, call_eos_token_ids=_eos_ids(generation_config))
     decoder = build_decoder(target, speculation or SpeculationConfig(), decode, resources=resources)
     seed = None if decode.sampling.greedy else int(torch.randint(0, 2**62, ()))  # follows torch.manual_seed
     result = decoder.generate(prompt_ids, generator=None if seed is None else make_generator(seed, input_ids.device))

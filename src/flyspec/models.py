@@ -13,6 +13,7 @@ its config names the architecture and a tied embedding is stored under the embed
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import importlib.util
@@ -21,7 +22,6 @@ import os
 import platform
 import shutil
 import tempfile
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path

@@ -23,7 +23,7 @@ ModelRef = str | LoadedModel
 
 
 class Resources:
-    """Models by name (loaded once, in ``dtype`` on ``device``, compiled if asked), n-gram caches by vocabulary, calibrations.
+    """Models by name (loaded once, in ``dtype`` on ``device``, compiled if asked), n-gram caches, calibrations.
 
     ``models``: already loaded models, found by their ``name`` (tests, or a caller that loaded them).
     :meth:`isolated` gives a view that shares the models and calibrations but has its own n-gram
