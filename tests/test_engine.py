@@ -25,7 +25,7 @@ from flyspec import (
     make_verifier,
     multilevel_drafter,
 )
-from flyspec.config import SpeculationConfig
+from flyspec.config import ConfigError, SpeculationConfig
 from flyspec.drafters.draft_model import check_proposal
 from flyspec.drafters.ngram import ngram_lookup
 from flyspec.models import LoadedModel
@@ -263,6 +263,38 @@ def test_ngram_lookup_respects_min_ngram_and_budget() -> None:
     assert ngram_lookup([1, 2, 6, 3, 1, 2, 4, 3], 3, max_ngram=4, min_ngram=2) == []
     assert ngram_lookup([1, 2, 3, 9, 1, 2, 3], 0, max_ngram=4, min_ngram=1) == []
     assert ngram_lookup([1, 2, 3, 9, 8, 7, 1, 2, 3], 2, max_ngram=4, min_ngram=1) == [9, 8]
+
+
+@pytest.mark.parametrize(
+    ("match", "extend", "expected"),
+    [
+        ("recent", True, [5, 7, 1, 2, 5, 7]),  # the latest "1 2", copied on past the end
+        ("recent", False, [5, 7, 1, 2]),  # ... stopping at the end of the context
+        ("earliest", True, [3, 1, 2, 4, 1, 2]),  # transformers' prompt lookup: the first "1 2"
+        ("frequent", True, [3, 9, 1, 2, 5, 7]),  # "3" follows "1 2" twice; then the tie goes to the recent one
+    ],
+)
+def test_ngram_match_variants(match: str, extend: bool, expected: list[int]) -> None:
+    context = [1, 2, 3, 1, 2, 4, 1, 2, 3, 9, 1, 2, 5, 7, 1, 2]
+    assert ngram_lookup(context, 6, max_ngram=2, min_ngram=1, match=match, extend=extend) == expected
+
+
+def test_ngram_frequent_follows_the_majority_then_copies_on() -> None:
+    # "a b" is followed by "c d" three times and by "x" once (most recently): the majority wins
+    context = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 9, 1, 2]
+    assert ngram_lookup(context, 4, max_ngram=2, min_ngram=1, match="frequent") == [3, 4, 1, 2]
+    assert ngram_lookup(context, 4, max_ngram=2, min_ngram=1, match="recent") == [9, 1, 2, 9]
+
+
+def test_ngram_match_option_reaches_the_drafter_through_the_config() -> None:
+    spec = SpeculationConfig.from_dict({"ngram": {"match": "earliest", "extend": False}})
+    assert (spec.ngram.match, spec.ngram.extend) == ("earliest", False)
+    drafter = NgramDrafter(spec.ngram)
+    drafter.reset([1, 2, 3, 1, 2, 4, 1, 2])
+    draft = drafter.propose([1, 2, 3, 1, 2, 4, 1, 2], 5, SamplingConfig(), None)
+    assert draft.tokens.tolist() == [3, 1, 2, 4, 1]
+    with pytest.raises(ConfigError, match="match must be one of recent, earliest, frequent"):
+        SpeculationConfig.from_dict({"ngram": {"match": "best"}})
 
 
 def test_draft_shapes(tiny_target: LoadedModel, tiny_draft: LoadedModel) -> None:

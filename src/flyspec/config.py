@@ -20,6 +20,7 @@ from flyspec.config_mapping import require as _require
 # target's top-3 probabilities.
 DEFAULT_NUM_DRAFT_TOKENS = 15
 DEFAULT_MAX_NEW_TOKENS = 128
+NGRAM_MATCHES = ("recent", "earliest", "frequent")  # NgramConfig.match
 DEFAULT_NUM_PROPOSAL_TOKENS = 6  # tokens a stack level checks per forward (FLy's multi-level drafter)
 GREEDY_BELOW = 1e-5  # temperatures below this are greedy (SamplingConfig)
 # Where models run and in which dtype (``--device``, ``--dtype``, ``device=``/``dtype=`` of the API). ``auto``
@@ -56,12 +57,22 @@ class SamplingConfig:
 
 @dataclass(frozen=True)
 class NgramConfig:
-    """Prompt lookup: match the last ``max_ngram`` .. ``min_ngram`` tokens earlier in the context."""
+    """Prompt lookup: match the last ``max_ngram`` .. ``min_ngram`` tokens earlier in the context.
+
+    ``match``: which earlier occurrence to copy from — ``recent`` (the latest), ``earliest``
+    (transformers' prompt lookup, the FLy reference) or ``frequent`` (the continuation most
+    occurrences share); ``extend``: past the end of the context, copy on periodically.
+    """
 
     max_ngram: int = 4
     min_ngram: int = 1
+    match: str = "recent"
+    extend: bool = True
 
     def __post_init__(self) -> None:
+        _require(
+            self.match in NGRAM_MATCHES, f"match must be one of {', '.join(NGRAM_MATCHES)} (got {self.match!r})"
+        )
         _require(self.min_ngram >= 1, f"min_ngram must be >= 1 (got {self.min_ngram})")
         _require(
             self.max_ngram >= self.min_ngram,

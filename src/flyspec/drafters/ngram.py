@@ -6,6 +6,11 @@ draft (recent context predicts repetition better; transformers' prompt lookup an
 reference take the earliest). When that continuation reaches the end of the context it is
 extended periodically, as an LZ77 copy that overlaps its own output would: after
 ``... a b c a b`` the draft is ``c a b c a ...``. No model, no state.
+
+``NgramConfig.match`` and ``extend`` select the variants the draft ablation compares
+(BENCHMARKS.md): ``earliest`` (transformers' and the FLy reference's choice), ``frequent``
+(when several earlier occurrences match, follow the continuation most of them share, token by
+token, ties to the most recent — the evidence a suffix tree would give), and no periodic extension.
 """
 
 from __future__ import annotations
@@ -20,9 +25,18 @@ from flyspec.config import NgramConfig, SamplingConfig
 from flyspec.types import OUTPUT_COPY, PROMPT_COPY, Draft
 
 
-def ngram_match(token_ids: list[int], max_tokens: int, max_ngram: int, min_ngram: int) -> list[int]:
+def ngram_match(
+    token_ids: list[int],
+    max_tokens: int,
+    max_ngram: int,
+    min_ngram: int,
+    match: str = "recent",
+    extend: bool = True,
+) -> list[int]:
     """Where the draft is copied from: context indices of the continuation (≤ ``max_tokens``) of an
-    earlier match of the longest matching suffix; empty when nothing matches."""
+    earlier match of the longest matching suffix; empty when nothing matches. ``match``: which
+    earlier occurrence (``recent``, ``earliest``, ``frequent``); ``extend``: copy on periodically
+    past the end of the context."""
     if max_tokens <= 0:
         return []
     context = np.asarray(token_ids, dtype=np.int64)
@@ -32,15 +46,46 @@ def ngram_match(token_ids: list[int], max_tokens: int, max_ngram: int, min_ngram
         windows = np.lib.stride_tricks.sliding_window_view(context[:-1], n)  # [length - n, n]
         starts = np.flatnonzero((windows == context[-n:]).all(axis=1))
         if starts.size:
-            begin = int(starts[-1]) + n
-            period = length - begin  # the continuation runs into the suffix: copy it on, LZ77-style
-            return [begin + step % period for step in range(max_tokens)]
+            if match == "frequent":
+                return _majority_path(context, starts + n, max_tokens, extend)
+            begin = int(starts[0] if match == "earliest" else starts[-1]) + n
+            return _copy(begin, length, max_tokens, extend)
     return []
 
 
-def ngram_lookup(token_ids: list[int], max_tokens: int, max_ngram: int, min_ngram: int) -> list[int]:
+def _copy(begin: int, length: int, max_tokens: int, extend: bool) -> list[int]:
+    """Indices ``begin, begin + 1, ...``; past the end, periodically (LZ77) or not at all."""
+    if not extend:
+        return list(range(begin, min(length, begin + max_tokens)))
+    period = length - begin  # the continuation runs into the suffix: copy it on, LZ77-style
+    return [begin + step % period for step in range(max_tokens)]
+
+
+def _majority_path(context: np.ndarray, begins: np.ndarray, max_tokens: int, extend: bool) -> list[int]:
+    """Copy from the match whose continuation most matches share: token by token, keep the matches
+    that agree with the most frequent next token (ties: the most recent match's token) while more
+    than one is left; then copy from the most recent of them as ``_copy`` does."""
+    length = context.shape[0]
+    step = 0
+    while step < max_tokens:
+        alive = begins[begins + step < length]
+        if alive.size <= 1:
+            break
+        tokens = context[alive + step]
+        values, counts = np.unique(tokens, return_counts=True)
+        chosen = tokens[np.isin(tokens, values[counts == counts.max()])][-1]
+        begins = alive[tokens == chosen]
+        step += 1
+    alive = begins[begins + step < length]
+    return _copy(int((alive if alive.size else begins)[-1]), length, max_tokens, extend)
+
+
+def ngram_lookup(
+    token_ids: list[int], max_tokens: int, max_ngram: int, min_ngram: int, match: str = "recent", extend: bool = True
+) -> list[int]:
     """Continuation (≤ ``max_tokens`` tokens) of an earlier match of the longest matching suffix."""
-    return [token_ids[index] for index in ngram_match(token_ids, max_tokens, max_ngram, min_ngram)]
+    indices = ngram_match(token_ids, max_tokens, max_ngram, min_ngram, match, extend)
+    return [token_ids[index] for index in indices]
 
 
 def copy_sources(indices: list[int], prompt_length: int) -> tuple[str, ...]:
@@ -68,7 +113,10 @@ class NgramDrafter:
         sampling: SamplingConfig,
         generator: torch.Generator | None,
     ) -> Draft:
-        indices = ngram_match(token_ids, num_draft_tokens, self.config.max_ngram, self.config.min_ngram)
+        config = self.config
+        indices = ngram_match(
+            token_ids, num_draft_tokens, config.max_ngram, config.min_ngram, config.match, config.extend
+        )
         tokens = [token_ids[index] for index in indices]
         draft_tokens = torch.tensor(tokens, dtype=torch.long, device=self.device)  # [k], one host-to-device copy
         return Draft(draft_tokens, sources=copy_sources(indices, self.prompt_length))

@@ -306,7 +306,8 @@ class NgramCacheDrafter:
         self.counters.cache_hits += match is not None
         # the context needs a match at least as long as the cache's to win
         shortest = self.ngram.min_ngram if match is None else match[0]
-        indices = ngram_match(token_ids, num_tokens, self.ngram.max_ngram, shortest)
+        ngram = self.ngram
+        indices = ngram_match(token_ids, num_tokens, ngram.max_ngram, shortest, ngram.match, ngram.extend)
         if indices:
             return "context", [token_ids[i] for i in indices], copy_sources(indices, self._prompt_length)
         if match is None:
