@@ -62,6 +62,18 @@ def test_compiled_greedy_decoding_matches_the_independent_reference(models) -> N
     assert speculative.stats.num_target_forwards < plain.stats.num_target_forwards  # drafts were kept
 
 
+def test_compiling_happens_at_load_not_during_generation(models) -> None:
+    from torch._dynamo.utils import counters
+
+    _, compiled = models
+    before = sum(counters["stats"].values()), dict(counters["frames"])
+    cached = CachedModel(compiled)
+    cached.forward(list(range(3, 40)), logits_to_keep=1)  # a longer prefill than the warm-up's
+    for size in (1, 16, 7, 1, 2):  # every draft length after the warm-up: no new graph
+        cached.forward(list(range(size)))
+    assert (sum(counters["stats"].values()), dict(counters["frames"])) == before
+
+
 def test_compile_reaches_the_models_resources_load() -> None:
     assert Resources(compile=True).compile is True
     assert Resources().compile is False

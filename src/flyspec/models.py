@@ -216,14 +216,29 @@ def compile_steps(loaded: LoadedModel) -> LoadedModel:
     ``dynamic=True``: one graph for every number of scored tokens and cache length, so a draft of
     any length reuses it. ``freezing``: the weights become constants, which lets inductor prepack
     them for oneDNN on the CPU — that, not fewer Python calls, is most of the gain there (BENCHMARKS.md,
-    "A compiled forward"). The first steps compile (minutes on 2 cores); prefill stays eager.
+    "A compiled forward"). It compiles here, before returning (minutes on 2 cores), so that no
+    generation stalls on a compile; prefill stays eager.
     Plain decoding uses the same compiled forward, so speedups stay like for like. The weights
     must not change afterwards. Any causal LM that ``torch.compile`` can trace works; one it
     cannot falls back to eager per graph break (``torch._dynamo`` decides; outputs are the same
     up to floating-point rounding).
     """
     forward = torch.compile(loaded.model.forward, dynamic=True, options={"freezing": True})
+    _warm_up(loaded.model, forward)
     return dataclasses.replace(loaded, step_forward=forward)
+
+
+@torch.inference_mode()
+def _warm_up(model: PreTrainedModel, forward: Callable[..., Any]) -> None:
+    """Compile now, not in the middle of a generation: one step of 1 token (torch specialises sizes
+    0 and 1, so it has its own graph) and steps of 2 and 3 tokens (the dynamic graph every draft
+    length uses), each after a prefill like ``CachedModel``'s."""
+    device = next(model.parameters()).device
+    for prefill, step in ((3, 1), (4, 2), (5, 3)):
+        cache = transformers.DynamicCache(config=model.config)
+        ids = torch.zeros((1, prefill + step), dtype=torch.long, device=device)
+        model(input_ids=ids[:, :prefill], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        forward(input_ids=ids[:, prefill:], past_key_values=cache, use_cache=True, logits_to_keep=0)
 
 
 def _resolve_to_hf_source(name_or_path: str) -> str:
