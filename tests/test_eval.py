@@ -395,3 +395,29 @@ def test_vllm_outputs_are_cut_where_flyspec_cuts_them(tiny_target: LoadedModel) 
     assert result.stats.num_loose_accepts == 1 and result.loose_token_indices == []
     short = decoder.generate("Hello", config=DecodeConfig(max_new_tokens=2))
     assert short.finish_reason == "length" and len(short.token_ids) == 2
+
+
+def test_similarity_mean_is_undefined_when_only_some_outputs_were_measured() -> None:
+    # with --no-similarity only identical outputs get a similarity (1.0); a mean over them would read 1.000
+    from flyspec.eval.summary import _method_summary
+
+    def record(identical: bool, similarity: float | None) -> dict:
+        return {
+            "lossless": False,
+            "protect": "digits",
+            "baseline_cached": False,
+            "score_detail": "",
+            "stats": {"num_new_tokens": 10, "wall_time_s": 1.0, "num_target_forwards": 5, "num_loose_accepts": 0},
+            "fidelity": {
+                "identical": identical,
+                "similarity": similarity,
+                "token_agreement": 1.0,
+                "log_likelihood": -1.0,
+            },
+        }
+
+    plain = record(True, 1.0)
+    partly = _method_summary([(plain, record(True, 1.0)), (plain, record(False, None))], [], 0.05, 50)
+    assert partly["fidelity"]["similarity"] is None
+    measured = _method_summary([(plain, record(True, 1.0)), (plain, record(False, 0.5))], [], 0.05, 50)
+    assert measured["fidelity"]["similarity"] == pytest.approx(0.75)

@@ -18,6 +18,12 @@ def _mean(values: list[float | None]) -> float | None:
     return float(np.mean(present)) if present else None
 
 
+def _mean_of_all(values: list[float | None]) -> float | None:
+    """The mean when every value was measured, else None: a mean over only some items would be biased
+    (with ``--no-similarity`` only identical outputs get a similarity, 1.0, so it would read 1.000)."""
+    return None if any(value is None for value in values) else _mean(values)
+
+
 def _speed(records: list[dict[str, Any]]) -> float:
     """Tokens per second over the whole set: total new tokens / total wall time."""
     seconds = sum(r["stats"]["wall_time_s"] for r in records)
@@ -56,7 +62,7 @@ def _method_summary(
         "scores": scores,
         "fidelity": {
             "identical": float(np.mean([m["fidelity"]["identical"] for m in outputs])),
-            "similarity": _mean([m["fidelity"]["similarity"] for m in outputs]),
+            "similarity": _mean_of_all([m["fidelity"]["similarity"] for m in outputs]),
             "token_agreement": _mean([m["fidelity"]["token_agreement"] for m in outputs]),
             "log_likelihood": _mean([m["fidelity"]["log_likelihood"] for m in outputs]),
             "plain_log_likelihood": _mean([p["fidelity"]["log_likelihood"] for p in plains]),
