@@ -281,7 +281,9 @@ def test_end_to_end_three_items_per_task(
     chrf_exact = summary["tasks"]["capitals"]["methods"]["exact"]["scores"]["chrf"]
     assert (chrf_exact["retention"], chrf_exact["low"], chrf_exact["high"]) == (1.0, 1.0, 1.0)
     assert summary["tasks"]["qa"]["metrics"] == []
-    assert "fly+bare vs fly" in (out / "report.md").read_text()
+    report = (out / "report.md").read_text()
+    assert "fly+bare vs fly" in report
+    assert "guarded / unguarded" not in report  # fly+bare is the unguarded side of its row: columns say method / vs
 
     # a second run reuses every cached plain output
     assert main([*argv[:-6], "--tasks", "gsm8k", "--methods", "exact", "--out", str(tmp_path / "again")]) == 0
