@@ -50,7 +50,7 @@ def add_model_options(parser: argparse.ArgumentParser, *, chat: bool = True) -> 
         "--compile",
         action="store_true",
         help="compile the models' cached-step forward with torch.compile at load (takes minutes); measured on "
-        "an AVX512-BF16 CPU in bf16: plain decoding 1.23x faster, speculative decoding ~1.05-1.09x "
+        "an AVX512-BF16 CPU in bf16: plain decoding 1.23x faster, exact and guarded FLy ~1.09-1.10x "
         "(BENCHMARKS.md); plain decoding uses it too",
     )
     if chat:
