@@ -8,11 +8,14 @@ Device-dependent tests run on every device in ``DEVICES``: the CPU always, CUDA 
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 # Before transformers/huggingface_hub are imported: they read these once, at import.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# flyspec's own cache (measured step costs) goes to a fresh directory, never the user's (subprocesses inherit it)
+os.environ["FLYSPEC_CACHE_DIR"] = tempfile.mkdtemp(prefix="flyspec-test-cache-")
 
 import pytest
 import torch

@@ -294,6 +294,17 @@ def test_draft_model_with_another_tokenizer(capsys: pytest.CaptureFixture[str], 
     assert sum(record["requested_draft_lengths"].values()) == record["num_target_forwards"]
 
 
+def test_cost_aware_draft_length_from_the_command_line(capsys: pytest.CaptureFixture[str],
+                                                     tiny_model_dir: Path) -> None:
+    record = run_json(capsys, tiny_model_dir, "--draft-length", "cost", "-k", "6", "--compare")
+    assert record["identical_to_baseline"] is True and record["draft_length"] == "cost"
+    assert record["speculative_config"]["draft_length"]["policy"] == "cost"
+    assert sum(record["requested_draft_lengths"].values()) == record["num_target_forwards"]
+    assert "--draft-length: invalid choice: 'fast'" in usage_error(
+        capsys, ["generate", "x", "--target", str(tiny_model_dir), "--draft-length", "fast"]
+    )
+
+
 def test_new_drafters_from_the_command_line(capsys: pytest.CaptureFixture[str], tiny_model_dir: Path) -> None:
     for options in (["--drafter", "ngram-cache"], ["--drafter", "layer-skip", "--skip-layers", "1"],
                     ["--drafter", "stack", "--stack", f"ngram,{tiny_model_dir}"]):

@@ -53,7 +53,7 @@ def test_fixed_length_never_changes() -> None:
 
 
 def test_adaptive_length_grows_by_two_shrinks_by_one_within_bounds() -> None:
-    length = DraftLength(DraftLengthConfig(adaptive=True, min_tokens=2), num_draft_tokens=8)
+    length = DraftLength(DraftLengthConfig(policy="heuristic", min_tokens=2), num_draft_tokens=8)
     history = []
     for proposed, accepted in ((8, 3), (7, 0), (6, 6), (8, 8), (8, 1), (7, 0), (6, 0), (5, 0), (4, 0), (3, 0), (2, 0)):
         length.observe(proposed, accepted)
@@ -64,11 +64,11 @@ def test_adaptive_length_grows_by_two_shrinks_by_one_within_bounds() -> None:
 
 
 def test_adaptive_floor_keeps_fly_window_judgeable() -> None:
-    length = DraftLength(DraftLengthConfig(adaptive=True, min_tokens=1), num_draft_tokens=15, floor=6)
+    length = DraftLength(DraftLengthConfig(policy="heuristic", min_tokens=1), num_draft_tokens=15, floor=6)
     for _ in range(20):
         length.observe(length.next(), 0)
     assert length.next() == 6
-    capped = DraftLength(DraftLengthConfig(adaptive=True, min_tokens=9), num_draft_tokens=4)
+    capped = DraftLength(DraftLengthConfig(policy="heuristic", min_tokens=9), num_draft_tokens=4)
     capped.observe(4, 0)
     assert capped.next() == 4  # a floor above the maximum is the maximum
 
@@ -78,7 +78,7 @@ def test_adaptive_length_is_lossless_and_reported(
     tiny_target: LoadedModel, tiny_draft: LoadedModel, drafter_name: str
 ) -> None:
     config = DecodeConfig(max_new_tokens=40)
-    spec = SpeculationConfig(num_draft_tokens=8, draft_length=DraftLengthConfig(adaptive=True))
+    spec = SpeculationConfig(num_draft_tokens=8, draft_length=DraftLengthConfig(policy="heuristic"))
     drafter = drafter_of(tiny_target, drafter_name, tiny_draft, draft_model=tiny_draft.name, num_proposal_tokens=3)
     stats = assert_lossless(tiny_target, drafter, config, spec=spec)
     lengths = {length for stat in stats for length in stat.requested_draft_lengths}
@@ -90,7 +90,7 @@ def test_adaptive_length_is_lossless_and_reported(
 
 
 def test_adaptive_length_with_fly_stays_at_or_above_the_window(tiny_target: LoadedModel) -> None:
-    spec = SpeculationConfig(verifier="fly", num_draft_tokens=10, draft_length=DraftLengthConfig(adaptive=True))
+    spec = SpeculationConfig(verifier="fly", num_draft_tokens=10, draft_length=DraftLengthConfig(policy="heuristic"))
     decoder = build_decoder(tiny_target, spec, DecodeConfig(max_new_tokens=40))
     result = decoder.generate(PROMPTS[2], use_chat=False)
     assert min(result.stats.requested_draft_lengths) >= decoder.verifier.config.window_size

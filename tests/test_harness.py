@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from flyspec.config import ConfigError, GuardConfig
+from flyspec.config import ConfigError, GuardConfig, SpeculationConfig
 from flyspec.harness.data import DataError, JsonlWriter, read_jsonl, read_records, spec_bench_path, vendored_path
 from flyspec.harness.meta import run_metadata
 from flyspec.harness.methods import PEERS, PLAIN, Method, parse_method, parse_methods
@@ -43,6 +43,25 @@ def test_modifiers_choose_the_guards() -> None:
     assert guard.protect("code") == ("digits", "identifiers") and guard.protect("text") == ("digits",)
     assert parse_method("margin+names").protect() == ("names",)
     assert parse_method("ngram+exact").protect("code") == ()  # lossless: nothing to protect
+
+
+def test_a_draft_length_suffix_sets_the_policy_of_that_method_only() -> None:
+    cost, fly = parse_method("ngram+fly+bare@cost"), parse_method("fly@heuristic")
+    assert (cost.name, cost.drafter, cost.verifier, cost.modifier, cost.draft_length) == (
+        "ngram+fly+bare@cost", "ngram", "fly", "bare", "cost"
+    )
+    base = SpeculationConfig(num_draft_tokens=9)
+    assert cost.with_draft_length(base).draft_length.policy == "cost"
+    assert fly.with_draft_length(base).draft_length.policy == "heuristic"
+    assert parse_method("ngram+exact").with_draft_length(base) is base
+    bad_names = (
+        ("plain@cost", "plain decoding drafts nothing"),
+        ("ngram+exact@fast", "unknown draft length @fast"),
+        ("@cost", "unknown draft length"),
+    )
+    for bad, message in bad_names:
+        with pytest.raises(ConfigError, match=message):
+            parse_method(bad)
 
 
 def test_plain_and_peers() -> None:

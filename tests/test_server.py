@@ -389,6 +389,18 @@ def test_real_model_chat() -> None:
     assert response.choices[0].message.content == expected.text and expected.text.strip()
 
 
+def test_a_request_may_ask_for_the_cost_aware_draft_length(
+    tiny_target: LoadedModel, server: RunningServer, client: openai.OpenAI
+) -> None:
+    prompt = "Speculative decoding drafts"
+    response = ask(client, prompt, extra_body={"speculative": {"draft_length": "cost"}})
+    assert text_of(response) == reference(tiny_target, prompt).text  # lossless whatever the length
+    described = response.model_extra["flyspec"]
+    assert described["draft_length"] == "cost" and described["adaptive_draft"] is True
+    usage = response.usage.model_dump()
+    assert usage["num_target_forwards"] > 0 and 0 <= usage["mean_requested_draft_length"] <= 15
+
+
 def test_ngram_cache_is_kept_across_requests_of_a_tenant_and_adaptive_length_is_per_request(
     tiny_target: LoadedModel, server: RunningServer, client: openai.OpenAI
 ) -> None:

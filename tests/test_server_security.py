@@ -111,6 +111,8 @@ POLICY_CASES = [
     ("lossless", LOSSLESS, {"verifier": "margin", "margin_ratio": 0.5}, False),
     ("lossless", LOSSLESS, {"verifier": "rejection", "drafter": "ngram-cache", "num_draft_tokens": 3}, True),
     ("lossless", LOSSLESS, {"adaptive_draft": True}, True),
+    ("lossless", LOSSLESS, {"draft_length": "cost"}, True),
+    ("lossless", FLY, {"draft_length": "cost"}, False),  # a lossy output depends on the draft length
     ("lossless", FLY, {}, True),
     ("lossless", FLY, {"verifier": "fly"}, True),  # names the default: changes nothing
     ("lossless", FLY, {"window_size": 2}, False),

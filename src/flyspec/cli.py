@@ -180,7 +180,7 @@ def _generate(args: argparse.Namespace) -> int:
             print(piece, end="", flush=True)
     result = stream.result
     assert result is not None
-    record = _record(args, spec, decoder.target, result, baseline)
+    record = _record(args, spec, decoder.target, result, baseline, decoder.draft_length_policy)
     if args.json:
         print(json.dumps(record, ensure_ascii=False))
     else:
@@ -200,6 +200,7 @@ def _record(
     loaded: Any,
     result: GenerationResult,
     baseline: GenerationResult | None,
+    draft_length: str,
 ) -> dict[str, Any]:
     stats = result.stats
     lossless = spec.verifier in LOSSLESS_VERIFIERS
@@ -214,6 +215,7 @@ def _record(
         "dtype": str(loaded.dtype).removeprefix("torch."),
         "device": str(loaded.device),
         "num_draft_tokens": spec.num_draft_tokens,
+        "draft_length": draft_length,  # the policy that ran (auto decided)
         "speculative_config": spec.to_dict(),
         "temperature": args.temperature,
         "num_prompt_tokens": len(result.prompt_token_ids),
@@ -279,7 +281,7 @@ def _print_summary(record: dict[str, Any]) -> None:
     if len(record["requested_draft_lengths"]) > 1:
         lengths = ", ".join(f"{length}: {count}" for length, count in record["requested_draft_lengths"].items())
         mean = record["mean_requested_draft_length"]
-        lines.append(f"[adaptive draft length] mean {mean:.1f}; steps by length {lengths}")
+        lines.append(f"[{record['draft_length']} draft length] mean {mean:.1f}; steps by length {lengths}")
     if "speedup" in record:
         lines.append(
             f"[plain decoding] {record['baseline_tokens_per_s']:.1f} tok/s → speedup {record['speedup']:.2f}x, "

@@ -11,7 +11,15 @@ import argparse
 import json
 from typing import Any
 
-from flyspec.config import DEFAULT_DEVICE, DEFAULT_DTYPE, PROTECT_CLASSES, ConfigError, SpeculationConfig, check_device
+from flyspec.config import (
+    DEFAULT_DEVICE,
+    DEFAULT_DTYPE,
+    DRAFT_LENGTH_POLICIES,
+    PROTECT_CLASSES,
+    ConfigError,
+    SpeculationConfig,
+    check_device,
+)
 from flyspec.names import DEFAULT_MODEL, DRAFTERS, DTYPE_NAMES, VERIFIERS
 
 # Defaults are SpeculationConfig's (config.py); a flag left out keeps the --speculative-config value.
@@ -151,7 +159,7 @@ def add_speculation_options(parser: argparse.ArgumentParser, *, components: bool
 
 
 def add_drafter_options(parser: argparse.ArgumentParser) -> None:
-    """Options of the newer drafters: stacks, layer skipping, the n-gram cache, adaptive draft length."""
+    """Options of the newer drafters: stacks, layer skipping, the n-gram cache, the draft-length policy."""
     drafting = parser.add_argument_group("drafters")
     drafting.add_argument(
         "--stack",
@@ -170,17 +178,26 @@ def add_drafter_options(parser: argparse.ArgumentParser) -> None:
         f"(default {_DEFAULT.ngram_cache.max_entries})",
     )
     drafting.add_argument(
+        "--draft-length",
+        choices=DRAFT_LENGTH_POLICIES,
+        help="how many tokens to draft each step, -k at most: cost (the length with the most expected tokens per "
+        "second, from the target's forward cost t(n), measured once per machine and cached, and the acceptance so "
+        "far), fixed (always -k), heuristic (+2 after a fully kept draft, -1 after a rejection), or auto (default: "
+        "cost under a lossless verifier, fixed under a lossy one, whose output would otherwise depend on the "
+        "machine's timings)",
+    )
+    drafting.add_argument(
         "--adaptive-draft",
-        action="store_true",
-        default=None,
-        help="adapt the draft length to recent acceptance (+2 after a fully kept draft, -1 after a rejection), "
-        "between --min-draft-tokens and -k",
+        action="store_const",
+        const="heuristic",
+        dest="draft_length",
+        help="same as --draft-length heuristic",
     )
     drafting.add_argument(
         "--min-draft-tokens",
         type=int,
-        help=f"--adaptive-draft: shortest draft (default {_DEFAULT.draft_length.min_tokens}; FLy never goes below "
-        "its window)",
+        help=f"--draft-length heuristic/cost: shortest draft (default {_DEFAULT.draft_length.min_tokens}; FLy never "
+        "goes below its window)",
     )
     drafting.add_argument(
         "--draft-confidence",
@@ -226,7 +243,7 @@ FLAG_NAMES = (
     "min_ngram",
     "ngram_cache_entries",
     "skip_layers",
-    "adaptive_draft",
+    "draft_length",
     "min_draft_tokens",
     "draft_confidence",
 )

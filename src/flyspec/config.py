@@ -70,9 +70,7 @@ class NgramConfig:
     extend: bool = True
 
     def __post_init__(self) -> None:
-        _require(
-            self.match in NGRAM_MATCHES, f"match must be one of {', '.join(NGRAM_MATCHES)} (got {self.match!r})"
-        )
+        _require(self.match in NGRAM_MATCHES, f"match must be one of {', '.join(NGRAM_MATCHES)} (got {self.match!r})")
         _require(self.min_ngram >= 1, f"min_ngram must be >= 1 (got {self.min_ngram})")
         _require(
             self.max_ngram >= self.min_ngram,
@@ -80,27 +78,46 @@ class NgramConfig:
         )
 
 
+DRAFT_LENGTH_POLICIES = ("auto", "fixed", "heuristic", "cost")
+
+
 @dataclass(frozen=True)
 class DraftLengthConfig:
-    """How many tokens to draft each step (see ``draft_length.py``); the defaults draft a fixed ``k``.
+    """How many tokens to draft each step (see ``draft_length.py``); ``num_draft_tokens`` is the most.
 
-    ``adaptive``: grow the draft length by 2 after a step whose every draft token was kept, shrink it
-    by 1 otherwise (transformers' ``num_assistant_tokens_schedule="heuristic"``), between
-    ``min_tokens`` and the decode config's ``num_draft_tokens``. ``confidence_threshold`` (model
-    drafters): stop drafting once the draft model's own top probability falls below it (after
-    keeping that token); 0 never stops early.
+    ``policy``: ``auto`` (the default) is ``cost`` under a lossless verifier, where the length
+    changes only the speed, and ``fixed`` under a lossy one, whose output depends on the length
+    (FLy's window must fit in the draft) and should not depend on the machine's timings.
+    ``fixed`` drafts ``num_draft_tokens`` every step; ``heuristic`` grows the draft length by 2
+    after a step whose every draft token was kept and shrinks it by 1 otherwise (transformers'
+    ``num_assistant_tokens_schedule="heuristic"``); ``cost`` verifies the length that maximises
+    expected committed tokens per second, from the target's measured forward cost t(n)
+    (``step_cost.py``) and the generation's acceptance so far. Both adaptive policies stay within
+    ``min_tokens`` .. ``num_draft_tokens`` (``cost`` may also draft nothing in a step).
+    ``confidence_threshold`` (model drafters): stop drafting once the draft model's own top
+    probability falls below it (after keeping that token); 0 never stops early.
     """
 
-    adaptive: bool = False
+    policy: str = "auto"
     min_tokens: int = 1
     confidence_threshold: float = 0.0
 
     def __post_init__(self) -> None:
+        _require(
+            self.policy in DRAFT_LENGTH_POLICIES,
+            f"draft length policy must be one of {', '.join(DRAFT_LENGTH_POLICIES)} (got {self.policy!r})",
+        )
         _require(self.min_tokens >= 1, f"min draft tokens must be >= 1 (got {self.min_tokens})")
         _require(
             0 <= self.confidence_threshold < 1,
             f"draft confidence threshold must be in [0, 1) (got {self.confidence_threshold}); 0 disables it",
         )
+
+    def resolved(self, lossless: bool) -> str:
+        """The policy that runs under a lossless (or lossy) verifier: ``auto`` decided."""
+        if self.policy != "auto":
+            return self.policy
+        return "cost" if lossless else "fixed"
 
 
 @dataclass(frozen=True)

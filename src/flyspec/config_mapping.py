@@ -40,7 +40,7 @@ FLAT_OPTIONS = {
     "min_ngram": "ngram.min_ngram",
     "ngram_cache_entries": "ngram_cache.max_entries",
     "skip_layers": "layer_skip.skip_layers",
-    "adaptive_draft": "draft_length.adaptive",
+    "draft_length": "draft_length.policy",
     "min_draft_tokens": "draft_length.min_tokens",
     "draft_confidence": "draft_length.confidence_threshold",
 }

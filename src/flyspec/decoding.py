@@ -8,13 +8,15 @@ The front end (prompt encoding, stopping, streaming) and the per-generation stat
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 
 from flyspec.config import ConfigError, DecodeConfig, SpeculationConfig
-from flyspec.draft_length import DraftLength
+from flyspec.draft_length import COPY_DRAFTERS, DraftLength, new_draft_length
 from flyspec.drafters.base import Drafter
 from flyspec.generation import Decoder, Generation
 from flyspec.models import LoadedModel
+from flyspec.step_cost import StepCost
 from flyspec.streaming import Step
 from flyspec.types import Draft, VerifyContext
 from flyspec.verifiers.base import Verifier
@@ -34,7 +36,8 @@ def check_draft_length(verifier: Verifier, speculation: SpeculationConfig) -> No
 class SpeculativeDecoder(Decoder):
     """Drafter + target + verifier. One generation at a time per instance (caches are per instance).
 
-    ``speculation`` gives the draft length (``num_draft_tokens``, ``draft_length``) and describes what runs.
+    ``speculation`` gives the draft length (``num_draft_tokens``, ``draft_length``) and describes what runs;
+    ``step_cost`` is the target's forward cost t(n), which the ``cost`` draft-length policy needs.
     """
 
     def __init__(
@@ -44,19 +47,43 @@ class SpeculativeDecoder(Decoder):
         verifier: Verifier,
         config: DecodeConfig | None = None,
         speculation: SpeculationConfig | None = None,
+        step_cost: StepCost | None = None,
     ) -> None:
         super().__init__(target, config)
         self.drafter = drafter
         self.verifier = verifier
         self.speculation = speculation or SpeculationConfig()
+        self.step_cost = step_cost
         self.validate(self.config)
+
+    @property
+    def draft_length_policy(self) -> str:
+        """The draft-length policy that runs: ``auto`` is ``cost`` under a lossless verifier when the
+        decoder has the target's step cost (``build_decoder`` measures it), else ``fixed``."""
+        policy = self.speculation.draft_length.resolved(self.verifier.lossless)
+        return "fixed" if policy == "cost" and self.step_cost is None and self._auto else policy
+
+    @property
+    def _auto(self) -> bool:
+        return self.speculation.draft_length.policy == "auto"
 
     def validate(self, config: DecodeConfig) -> None:
         check_draft_length(self.verifier, self.speculation)
+        if self.speculation.draft_length.policy == "cost" and self.step_cost is None:
+            raise ConfigError(
+                "the cost-aware draft length needs the target's forward cost: build the decoder with "
+                "flyspec.build_decoder, or pass step_cost=flyspec.step_cost.step_cost(target, k + 1)"
+            )
 
     def new_draft_length(self) -> DraftLength:
         speculation = self.speculation
-        return DraftLength(speculation.draft_length, speculation.num_draft_tokens, self.verifier.min_draft_tokens)
+        return new_draft_length(
+            dataclasses.replace(speculation.draft_length, policy=self.draft_length_policy),
+            speculation.num_draft_tokens,
+            self.verifier.min_draft_tokens,
+            self.step_cost,
+            cheap_drafts=self.drafter.name in COPY_DRAFTERS,
+        )
 
     def _steps(self, generation: Generation) -> Iterator[Step]:
         sampling, generator, stats = generation.config.sampling, generation.generator, generation.stats
@@ -69,11 +96,13 @@ class SpeculativeDecoder(Decoder):
             while not generation.finished:
                 # draft: up to k tokens after the committed ones
                 requested, budget = generation.draft_budget()
-                draft = Draft.empty(device)
+                draft, drafting_started = Draft.empty(device), stats.draft_time_s
                 if budget > 0:
                     with stats.timing("draft", device):
                         # a no-op unless a draft model sits on another device than the target
                         draft = self.drafter.propose(token_ids, budget, sampling, generator).to(device)
+                # the draft-length policy may verify fewer (cost-aware: the most tokens per second)
+                draft, requested = generation.to_verify(draft, stats.draft_time_s - drafting_started, requested)
                 # score: [last committed token] + draft in one target forward
                 with stats.timing("target", device):
                     target_logits = self.scorer.score(token_ids[-1], draft.tokens)  # [k + 1, vocab]

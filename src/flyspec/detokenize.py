@@ -20,6 +20,7 @@ def decode_text(tokenizer: PreTrainedTokenizerBase, ids: Sequence[int], **option
         raise TypeError(f"decoding one id list gave {type(text).__name__}, not str")
     return text
 
+
 REPLACEMENT_CHARACTER = "\ufffd"  # what an incomplete UTF-8 sequence decodes to
 OVERLAP_TOKENS = 4  # ids decoded again with new ones: enough for a character's bytes or a merge
 

@@ -1,34 +1,186 @@
-"""How many tokens to draft at each step: fixed, or adapted to recent acceptance.
+"""How many tokens to draft and verify at each step: fixed, heuristic, or cost-aware.
 
-The adaptive rule is transformers' ``num_assistant_tokens_schedule="heuristic"`` (used by its
+``fixed`` drafts ``num_draft_tokens`` (``-k``) every step.
+
+``heuristic`` is transformers' ``num_assistant_tokens_schedule="heuristic"`` (used by its
 assisted generation): after a step whose every draft token was kept the next draft is 2 tokens
-longer, after any rejection 1 token shorter, always within ``[floor, num_draft_tokens]``. Long
-drafts pay off only while the target keeps agreeing, and a short draft wastes less drafting
-time when it does not. Steps where the drafter proposed nothing carry no evidence and leave the
-length alone. Per-generation state; one instance per generation.
+longer, after any rejection 1 token shorter, always within ``[floor, num_draft_tokens]``.
+
+``cost`` verifies, each step, the draft length ``k`` that maximises expected committed tokens per
+second, ``E[committed | k] / (t(k + 1) + d·k)``: t(n) is the target's forward cost for n tokens,
+measured once per model, dtype and machine (``step_cost.py``), d the drafter's measured time per
+draft token, and ``E[committed | k] = 1 + Σ_{i≤k} Π_{j≤i} p_j`` with ``p_j`` the estimated chance
+that draft token j is kept when every token before it was (:class:`AcceptanceModel`). The
+estimate is per *evidence bucket* — the first draft token's source (prompt copy, output copy,
+cache, model) and the length of the n-gram a copy matched — because a 4-gram match continues far
+more often than a 1-gram one. A copy drafter proposes ``-k`` tokens (copying is free) and the
+draft is cut to the chosen length once its bucket is known; a model drafter is asked for the
+chosen length, since each of its tokens costs a forward. ``-k`` is the maximum; 0 (a plain step)
+is a choice too; a verifier's floor (FLy: window + 1) is never cut below. The estimates start
+from an even prior and decay (recent steps count most), and they live in the generation, never
+shared between requests.
+
+Lossless verifiers give the same output whatever the length. Lossy ones may not: a FLy loose
+accept needs its window inside the draft, so a shorter draft can make a different choice. Pin
+``fixed`` to reproduce a lossy output exactly across machines.
 """
 
 from __future__ import annotations
 
+import numpy as np
+
 from flyspec.config import DraftLengthConfig
+from flyspec.step_cost import StepCost
+from flyspec.types import UNKNOWN_SOURCE, Draft
+
+MAX_MATCH_BUCKET = 8  # longer matches share a bucket
+COPY_DRAFTERS = ("ngram", "ngram-cache")  # drafters whose proposals cost nothing per token: propose -k, then cut
 
 
 class DraftLength:
-    """The draft length for the next step, updated from each step's outcome."""
+    """The draft length for the next step, updated from each step's outcome (``fixed``, ``heuristic``)."""
 
     def __init__(self, config: DraftLengthConfig, num_draft_tokens: int, floor: int = 1) -> None:
-        self.adaptive = config.adaptive
+        self.policy = config.policy
         self.maximum = num_draft_tokens
         # never below the floor (the verifier's min_draft_tokens: FLy's window + 1), never above the maximum
         self.minimum = min(max(config.min_tokens, floor), num_draft_tokens)
         self.current = num_draft_tokens
 
     def next(self) -> int:
+        """How many tokens to ask the drafter for."""
         return self.current
 
+    def choose(self, draft: Draft, draft_seconds: float) -> int:
+        """How many of the proposed tokens to verify (``draft_seconds``: what proposing them took)."""
+        return draft.num_tokens
+
     def observe(self, num_proposed: int, num_accepted: int) -> None:
-        """Record a step that proposed ``num_proposed`` draft tokens and kept ``num_accepted`` of them."""
-        if not self.adaptive or num_proposed == 0:
+        """Record a step that verified ``num_proposed`` draft tokens and kept ``num_accepted`` of them."""
+        if self.policy != "heuristic" or num_proposed == 0:
             return
         step = 2 if num_accepted == num_proposed else -1
         self.current = max(self.minimum, min(self.maximum, self.current + step))
+
+
+Bucket = tuple[str, int]
+
+
+class AcceptanceModel:
+    """Estimates of ``p_i``: the chance draft token i is kept when tokens 1 .. i-1 were, per bucket.
+
+    Counts decay by ``decay`` each step. Each estimate is shrunk toward the one above it
+    (position → its bucket's pooled rate → every bucket's pooled rate → ``prior``) with weight
+    ``strength``, so a position or bucket seen rarely borrows from the rest, and one never
+    verified (the policy chose shorter drafts) drifts back toward the pooled rate and is tried again.
+    """
+
+    def __init__(self, max_tokens: int, prior: float = 0.5, strength: float = 4.0, decay: float = 0.9) -> None:
+        self.max_tokens = max_tokens
+        self.prior, self.strength, self.decay = prior, strength, decay
+        self.counts: dict[Bucket, np.ndarray] = {}  # bucket → [2, max_tokens]: tokens reached, tokens kept
+
+    def rates(self, bucket: Bucket) -> np.ndarray:
+        """``p_1 .. p_max`` for ``bucket`` ([max_tokens])."""
+        s = self.strength
+        reached, kept = self._totals(self.counts.values())
+        overall = (kept + s * self.prior) / (reached + s)
+        counts = self.counts.get(bucket)
+        if counts is None:
+            return np.full(self.max_tokens, overall)
+        pooled = (counts[1].sum() + s * overall) / (counts[0].sum() + s)
+        return (counts[1] + s * pooled) / (counts[0] + s)
+
+    def expected_committed(self, bucket: Bucket) -> np.ndarray:
+        """``E[committed | k]`` for k = 0 .. max_tokens ([max_tokens + 1]): 1 + Σ_{i≤k} Π_{j≤i} p_j."""
+        return np.concatenate(([1.0], 1.0 + np.cumsum(np.cumprod(self.rates(bucket)))))
+
+    def observe(self, bucket: Bucket | None, num_verified: int, num_accepted: int) -> None:
+        for counts in self.counts.values():
+            counts *= self.decay
+        if bucket is None or num_verified == 0:
+            return
+        counts = self.counts.setdefault(bucket, np.zeros((2, self.max_tokens)))
+        counts[0, : min(num_accepted + 1, num_verified)] += 1  # reached: every kept token and the first refused
+        counts[1, :num_accepted] += 1
+
+    @property
+    def buckets(self) -> list[Bucket]:
+        return list(self.counts)
+
+    @staticmethod
+    def _totals(counts: object) -> tuple[float, float]:
+        arrays = list(counts)  # type: ignore[call-overload]
+        if not arrays:
+            return 0.0, 0.0
+        total = np.sum(arrays, axis=(0, 2))
+        return float(total[0]), float(total[1])
+
+
+def bucket_of(draft: Draft) -> Bucket:
+    """The evidence a draft carries: its first token's source and the length of the n-gram it matched."""
+    return draft.source(0) if draft.num_tokens else UNKNOWN_SOURCE, min(draft.match_length, MAX_MATCH_BUCKET)
+
+
+class CostAwareLength(DraftLength):
+    """``cost``: the draft length that maximises expected committed tokens per second (module docstring)."""
+
+    def __init__(
+        self,
+        config: DraftLengthConfig,
+        num_draft_tokens: int,
+        floor: int,
+        step_cost: StepCost,
+        cheap_drafts: bool,
+    ) -> None:
+        super().__init__(config, num_draft_tokens, floor)
+        self.step_cost = step_cost
+        self.cheap_drafts = cheap_drafts  # copy drafters: propose -k, cut once the bucket is known
+        self.acceptance = AcceptanceModel(num_draft_tokens)
+        self.seconds_per_draft_token = 0.0  # measured: moving average over the steps that drafted
+        self._bucket: Bucket | None = None
+        # t(n) for n = 1 .. maximum + 1, once
+        self._costs = np.array([step_cost(n) for n in range(1, num_draft_tokens + 2)])
+
+    def best(self, bucket: Bucket, longest: int, seconds_per_token: float) -> int:
+        """The k in {0} ∪ [minimum, longest] (``longest`` itself when shorter) with the most tokens per second."""
+        expected = self.acceptance.expected_committed(bucket)
+        candidates = np.array(sorted({0, longest, *range(self.minimum, longest + 1)}))
+        seconds = self._costs[candidates] + seconds_per_token * candidates
+        rates = expected[candidates] / seconds
+        return int(candidates[int(np.argmax(rates))])
+
+    def next(self) -> int:
+        if self.cheap_drafts:
+            return self.maximum
+        # a model drafter pays per token: ask for what its usual bucket (one source, no match) warrants
+        buckets = self.acceptance.buckets or [(UNKNOWN_SOURCE, 0)]
+        return max(self.best(bucket, self.maximum, self.seconds_per_draft_token) for bucket in buckets)
+
+    def choose(self, draft: Draft, draft_seconds: float) -> int:
+        if draft.num_tokens == 0:
+            self._bucket = None
+            return 0
+        per_token = draft_seconds / draft.num_tokens
+        self.seconds_per_draft_token = 0.8 * self.seconds_per_draft_token + 0.2 * per_token
+        self._bucket = bucket_of(draft)
+        return self.best(self._bucket, draft.num_tokens, 0.0)  # drafting is paid for already
+
+    def observe(self, num_proposed: int, num_accepted: int) -> None:
+        self.acceptance.observe(self._bucket, num_proposed, num_accepted)
+        self._bucket = None
+
+
+def new_draft_length(
+    config: DraftLengthConfig,
+    num_draft_tokens: int,
+    floor: int,
+    step_cost: StepCost | None = None,
+    cheap_drafts: bool = True,
+) -> DraftLength:
+    """The policy ``config.policy`` names; ``cost`` needs the target's ``step_cost``."""
+    if config.policy == "cost":
+        if step_cost is None:
+            raise ValueError("the cost-aware draft length needs the target's step cost (flyspec.step_cost)")
+        return CostAwareLength(config, num_draft_tokens, floor, step_cost, cheap_drafts)
+    return DraftLength(config, num_draft_tokens, floor)

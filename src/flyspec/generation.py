@@ -21,7 +21,7 @@ from flyspec.stats import DecodeStats
 from flyspec.stopping import Stopper
 from flyspec.streaming import GenerationStream, Step
 from flyspec.target import Target
-from flyspec.types import Verdict
+from flyspec.types import Draft, Verdict
 
 Prompt = str | list[dict[str, str]] | list[int]
 
@@ -74,6 +74,13 @@ class Generation:
         assert self.draft_length is not None, "plain decoding drafts nothing"
         requested = self.draft_length.next()
         return requested, min(requested, self.stopper.remaining - 1)
+
+    def to_verify(self, draft: Draft, draft_seconds: float, requested: int) -> tuple[Draft, int]:
+        """The part of ``draft`` the draft-length policy verifies, and the length to record as asked for
+        (a cost-aware policy's choice; a fixed or heuristic policy's request)."""
+        assert self.draft_length is not None, "plain decoding drafts nothing"
+        keep = self.draft_length.choose(draft, draft_seconds)
+        return draft.head(keep), keep if self.draft_length.policy == "cost" else requested
 
     def commit(
         self, tokens: list[int], verdict: Verdict | None = None, num_drafted: int = 0, requested: int | None = None

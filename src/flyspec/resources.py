@@ -1,4 +1,4 @@
-"""What outlives one generation: loaded models, n-gram caches and layer-skip calibrations.
+"""What outlives one generation: loaded models, n-gram caches, layer-skip calibrations, step costs.
 
 Sharing them is a decision of whoever creates a :class:`Resources` (a CLI run, the server, a
 benchmark, an evaluation) and passes it to :func:`flyspec.api.build_decoder`; the library's default
@@ -18,16 +18,18 @@ from flyspec.config import DEFAULT_DEVICE, DEFAULT_DTYPE, NgramCacheConfig, Ngra
 from flyspec.drafters.layer_skip import Calibrations
 from flyspec.drafters.ngram_cache import NgramCache
 from flyspec.models import LoadedModel, load_model
+from flyspec.step_cost import SIZES, StepCost, step_cost
 
 ModelRef = str | LoadedModel
 
 
 class Resources:
-    """Models by name (loaded once, in ``dtype`` on ``device``, compiled if asked), n-gram caches, calibrations.
+    """Models by name (loaded once, in ``dtype`` on ``device``, compiled if asked), n-gram caches,
+    calibrations, and each model's step cost t(n) (``step_cost.py``; a property of the machine).
 
     ``models``: already loaded models, found by their ``name`` (tests, or a caller that loaded them).
-    :meth:`isolated` gives a view that shares the models and calibrations but has its own n-gram
-    caches: the server gives one to each tenant, a benchmark one to each method.
+    :meth:`isolated` gives a view that shares the models, calibrations and step costs but has its own
+    n-gram caches: the server gives one to each tenant, a benchmark one to each method.
     """
 
     def __init__(
@@ -43,6 +45,7 @@ class Resources:
         self._models: dict[str, LoadedModel] = {model.name: model for model in models}
         self._ngram_caches: dict[str, NgramCache] = {}
         self.calibrations = Calibrations()
+        self._step_costs: dict[str, StepCost] = {}
         self._lock = threading.Lock()
 
     def model(self, model: ModelRef) -> LoadedModel:
@@ -53,6 +56,17 @@ class Resources:
             if model not in self._models:
                 self._models[model] = load_model(model, dtype=self.dtype, device=self.device, compile=self.compile)
             return self._models[model]
+
+    def step_cost(self, model: LoadedModel, max_tokens: int) -> StepCost:
+        """``model``'s forward cost t(n) for n up to ``max_tokens``: remembered here, else read from the
+        on-disk cache or measured (``step_cost.step_cost``). Measured up to the next size of the grid, so
+        requests asking for ever longer drafts (a server's, say) make at most a few measurements."""
+        wanted = next((size for size in SIZES if size >= max_tokens), max_tokens)
+        with self._lock:
+            cost = self._step_costs.get(model.name)
+            if cost is None or cost.max_tokens < max_tokens:
+                cost = self._step_costs[model.name] = step_cost(model, wanted)
+            return cost
 
     def ngram_cache(self, vocabulary: str, config: NgramCacheConfig, ngram: NgramConfig) -> NgramCache:
         """The cache of n-grams in ``vocabulary``'s token ids (the model above the n-gram level), made on first use.
@@ -76,6 +90,7 @@ class Resources:
 
     def isolated(self) -> Resources:
         """The same models and calibrations, with n-gram caches of its own."""
-        view = Resources(self.dtype, device=self.device)
+        view = Resources(self.dtype, device=self.device, compile=self.compile)
         view._models, view._lock, view.calibrations = self._models, self._lock, self.calibrations
+        view._step_costs = self._step_costs
         return view

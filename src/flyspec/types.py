@@ -28,6 +28,7 @@ class Draft:
     tokens: torch.Tensor  # [k] int64, k may be 0
     draft_probs: torch.Tensor | None = None  # [k, vocab] float32
     sources: tuple[str, ...] | None = None  # [k] provenance of each token (SOURCES); None = unknown
+    match_length: int = 0  # copy drafters: tokens of the context suffix the copy matched (0: not a copy)
 
     def __post_init__(self) -> None:
         if self.tokens.dim() != 1:
@@ -50,7 +51,15 @@ class Draft:
         if self.tokens.device == device:
             return self
         probs = self.draft_probs.to(device) if self.draft_probs is not None else None
-        return Draft(self.tokens.to(device), probs, self.sources)
+        return Draft(self.tokens.to(device), probs, self.sources, self.match_length)
+
+    def head(self, num_tokens: int) -> Draft:
+        """The first ``num_tokens`` draft tokens (itself when that is all of them)."""
+        if num_tokens >= self.num_tokens:
+            return self
+        probs = self.draft_probs[:num_tokens] if self.draft_probs is not None else None
+        sources = self.sources[:num_tokens] if self.sources is not None else None
+        return Draft(self.tokens[:num_tokens], probs, sources, self.match_length)
 
     @staticmethod
     def empty(device: torch.device | str = "cpu") -> Draft:

@@ -79,11 +79,13 @@ class FlyspecBackend:
         if method.verifier is None:
             self.decoder = PlainDecoder(target, DecodeConfig(sampling=settings.sampling))
         else:
-            spec = dataclasses.replace(
-                settings.speculation,
-                drafter=method.drafter or settings.speculation.drafter,
-                verifier=method.verifier,
-                guard=method.guard_config() if method.modifier else settings.speculation.guard,
+            spec = method.with_draft_length(
+                dataclasses.replace(
+                    settings.speculation,
+                    drafter=method.drafter or settings.speculation.drafter,
+                    verifier=method.verifier,
+                    guard=method.guard_config() if method.modifier else settings.speculation.guard,
+                )
             )
             if draft is not None and spec.draft_model is None:
                 spec = dataclasses.replace(spec, draft_model=draft.name)

@@ -37,8 +37,20 @@ def ngram_match(
     earlier match of the longest matching suffix; empty when nothing matches. ``match``: which
     earlier occurrence (``recent``, ``earliest``, ``frequent``); ``extend``: copy on periodically
     past the end of the context."""
+    return longest_match(token_ids, max_tokens, max_ngram, min_ngram, match, extend)[0]
+
+
+def longest_match(
+    token_ids: list[int],
+    max_tokens: int,
+    max_ngram: int,
+    min_ngram: int,
+    match: str = "recent",
+    extend: bool = True,
+) -> tuple[list[int], int]:
+    """``ngram_match``'s indices and the length of the suffix that matched (0: none)."""
     if max_tokens <= 0:
-        return []
+        return [], 0
     context = np.asarray(token_ids, dtype=np.int64)
     length = context.shape[0]
     for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
@@ -47,10 +59,10 @@ def ngram_match(
         starts = np.flatnonzero((windows == context[-n:]).all(axis=1))
         if starts.size:
             if match == "frequent":
-                return _majority_path(context, starts + n, max_tokens, extend)
+                return _majority_path(context, starts + n, max_tokens, extend), n
             begin = int(starts[0] if match == "earliest" else starts[-1]) + n
-            return _copy(begin, length, max_tokens, extend)
-    return []
+            return _copy(begin, length, max_tokens, extend), n
+    return [], 0
 
 
 def _copy(begin: int, length: int, max_tokens: int, extend: bool) -> list[int]:
@@ -114,12 +126,12 @@ class NgramDrafter:
         generator: torch.Generator | None,
     ) -> Draft:
         config = self.config
-        indices = ngram_match(
+        indices, matched = longest_match(
             token_ids, num_draft_tokens, config.max_ngram, config.min_ngram, config.match, config.extend
         )
         tokens = [token_ids[index] for index in indices]
         draft_tokens = torch.tensor(tokens, dtype=torch.long, device=self.device)  # [k], one host-to-device copy
-        return Draft(draft_tokens, sources=copy_sources(indices, self.prompt_length))
+        return Draft(draft_tokens, sources=copy_sources(indices, self.prompt_length), match_length=matched)
 
     def rollback(self, num_committed: int) -> None:
         """Stateless: nothing to roll back."""

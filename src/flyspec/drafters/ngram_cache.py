@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from flyspec.config import ConfigError, NgramCacheConfig, NgramConfig, SamplingConfig
-from flyspec.drafters.ngram import copy_sources, ngram_match
+from flyspec.drafters.ngram import copy_sources, longest_match
 from flyspec.types import CACHE, Draft
 
 logger = logging.getLogger(__name__)
@@ -286,7 +286,7 @@ class NgramCacheDrafter:
         generator: torch.Generator | None,
     ) -> Draft:
         self._num_committed = len(token_ids)
-        source, tokens, sources = self._draft(token_ids, num_draft_tokens)
+        source, tokens, sources, matched = self._draft(token_ids, num_draft_tokens)
         self._pending = (source, len(tokens))
         if source == "context":
             self.counters.context_drafts += 1
@@ -294,24 +294,26 @@ class NgramCacheDrafter:
         elif source == "cache":
             self.counters.cache_drafts += 1
             self.counters.cache_draft_tokens += len(tokens)
-        return Draft(torch.tensor(tokens, dtype=torch.long, device=self.device), sources=sources)
+        tokens_on_device = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        return Draft(tokens_on_device, sources=sources, match_length=matched)
 
-    def _draft(self, token_ids: list[int], num_tokens: int) -> tuple[str, list[int], tuple[str, ...]]:
-        """(source, tokens, per-token provenance): the longest match of the context and the cache; the
-        context wins ties. Cache tokens are marked ``CACHE``: the trust guards never loosely accept them."""
+    def _draft(self, token_ids: list[int], num_tokens: int) -> tuple[str, list[int], tuple[str, ...], int]:
+        """(source, tokens, per-token provenance, matched n-gram length): the longest match of the context
+        and the cache; the context wins ties. Cache tokens are marked ``CACHE``: the trust guards never
+        loosely accept them."""
         if num_tokens <= 0:
-            return "none", [], ()
+            return "none", [], (), 0
         match = self.cache.longest_match(token_ids, self.ngram.max_ngram, self.ngram.min_ngram)
         self.counters.cache_lookups += 1
         self.counters.cache_hits += match is not None
         # the context needs a match at least as long as the cache's to win
         shortest = self.ngram.min_ngram if match is None else match[0]
         ngram = self.ngram
-        indices = ngram_match(token_ids, num_tokens, ngram.max_ngram, shortest, ngram.match, ngram.extend)
+        indices, matched = longest_match(token_ids, num_tokens, ngram.max_ngram, shortest, ngram.match, ngram.extend)
         if indices:
-            return "context", [token_ids[i] for i in indices], copy_sources(indices, self._prompt_length)
+            return "context", [token_ids[i] for i in indices], copy_sources(indices, self._prompt_length), matched
         if match is None:
-            return "none", [], ()
+            return "none", [], (), 0
         first = match[1]
         rest = self.cache.continuation(
             [*token_ids[-self.ngram.max_ngram :], first], num_tokens - 1, self.ngram.max_ngram, self.ngram.min_ngram
@@ -319,7 +321,7 @@ class NgramCacheDrafter:
         # counted as NgramCache.continuation does: one lookup per token, plus the miss that ended the chain
         self.counters.cache_lookups += len(rest) + (len(rest) < num_tokens - 1)
         self.counters.cache_hits += len(rest)
-        return "cache", [first, *rest], (CACHE,) * (1 + len(rest))
+        return "cache", [first, *rest], (CACHE,) * (1 + len(rest)), match[0]
 
     def rollback(self, num_committed: int) -> None:
         """Credit the accepted draft tokens to their source: the step committed them plus one recovered/bonus."""

@@ -179,11 +179,13 @@ class Evaluation:
                 decoders[method.name] = self._vllm_decoder(method, plain_config)
                 continue
             assert method.verifier is not None, "plain decoding is not in config.methods"
-            spec = dataclasses.replace(
-                self.config.speculation,
-                drafter=method.drafter or self.config.speculation.drafter,
-                verifier=method.verifier,
-                guard=method.guard_config(task.kind),
+            spec = method.with_draft_length(
+                dataclasses.replace(
+                    self.config.speculation,
+                    drafter=method.drafter or self.config.speculation.drafter,
+                    verifier=method.verifier,
+                    guard=method.guard_config(task.kind),
+                )
             )
             decode = DecodeConfig(max_new_tokens=max_new_tokens, stop_strings=task.stop)
             decoders[method.name] = build_decoder(self.target, spec, decode, resources=self.resources[method.name])

@@ -14,13 +14,18 @@
     ``+bare``: the paper's bare rule (``GuardConfig.bare()``), for ablations;
     ``+guard``: protect digits on every task, and every identifier on code tasks;
     ``+digits`` / ``+names`` / ``+identifiers``: protect only that token class.
+
+    ``@fixed`` / ``@heuristic`` / ``@cost`` at the end: that draft-length policy
+    (``DraftLengthConfig.policy``) instead of the run's ``--draft-length``, so one run can compare
+    them (``ngram+exact@cost``).
 peers
     other engines on the same prompt ids and weights; which ones a harness runs is its own
     choice (:data:`PEERS`): transformers ``hf-*``, llama.cpp ``llamacpp-*``, vLLM ``vllm-*``
     (``vllm-ngram+fly[+bare]`` is flyspec's n-gram drafter and FLy inside vLLM; ``vllm-fly[+bare]``
     is its deprecated eval spelling).
 
-Examples: ``plain``, ``ngram+exact``, ``fly``, ``draft+fly+bare``, ``margin+identifiers``, ``hf-lookup``.
+Examples: ``plain``, ``ngram+exact``, ``fly``, ``draft+fly+bare``, ``margin+identifiers``, ``ngram+fly@cost``,
+``hf-lookup``.
 """
 
 from __future__ import annotations
@@ -28,7 +33,14 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, replace
 
-from flyspec.config import MODEL_DRAFTERS, PROTECT_CLASSES, ConfigError, GuardConfig
+from flyspec.config import (
+    DRAFT_LENGTH_POLICIES,
+    MODEL_DRAFTERS,
+    PROTECT_CLASSES,
+    ConfigError,
+    GuardConfig,
+    SpeculationConfig,
+)
 from flyspec.names import DRAFTERS, LOSSLESS_VERIFIERS, VERIFIERS
 
 logger = logging.getLogger(__name__)
@@ -60,6 +72,7 @@ class Method:
     verifier: str | None = None  # None: plain decoding (flyspec's or a peer's)
     modifier: str | None = None  # one of MODIFIERS
     engine: str = "flyspec"
+    draft_length: str | None = None  # a DraftLengthConfig.policy; None: the run's
 
     @property
     def is_plain(self) -> bool:
@@ -91,6 +104,12 @@ class Method:
             return replace(GuardConfig(), protect=(self.modifier,))
         return GuardConfig()
 
+    def with_draft_length(self, spec: SpeculationConfig) -> SpeculationConfig:
+        """``spec`` with this method's ``@policy`` draft length, if it names one."""
+        if self.draft_length is None:
+            return spec
+        return replace(spec, draft_length=replace(spec.draft_length, policy=self.draft_length))
+
     def protect(self, task_kind: str = "text") -> tuple[str, ...]:
         """The token classes protected on a task of this kind (none for lossless methods)."""
         return () if self.lossless else self.guard_config(task_kind).protect
@@ -98,7 +117,9 @@ class Method:
 
 def _grammar(peers: tuple[str, ...]) -> str:
     drafters = "|".join((*DRAFTERS, *DRAFTER_ALIASES))
-    text = f"{PLAIN}, [<{drafters}>+]<{'|'.join(VERIFIERS)}>[+{'|+'.join(MODIFIERS)}]"
+    text = (
+        f"{PLAIN}, [<{drafters}>+]<{'|'.join(VERIFIERS)}>[+{'|+'.join(MODIFIERS)}][@{'|@'.join(DRAFT_LENGTH_POLICIES)}]"
+    )
     return text + (f", or a peer: {', '.join(peers)}" if peers else "")
 
 
@@ -114,6 +135,16 @@ def parse_method(name: str, peers: tuple[str, ...] = PEERS) -> Method:
         verifier = "fly" if name.startswith("vllm-ngram+fly") else None
         modifier = "bare" if name.endswith("+bare") else None
         return Method(name, None, verifier, modifier, engine=name.split("-")[0])
+    base, at, policy = name.partition("@")
+    if at:
+        if policy not in DRAFT_LENGTH_POLICIES or not base:
+            raise ConfigError(
+                f"unknown draft length @{policy} in method {name!r}; choose @{', @'.join(DRAFT_LENGTH_POLICIES)}"
+            )
+        method = parse_method(base, ())
+        if method.verifier is None:
+            raise ConfigError(f"method {name!r}: plain decoding drafts nothing, so @{policy} does nothing")
+        return replace(method, name=name, draft_length=policy)
     parts = name.split("+")
     drafter = None
     if parts[0] not in VERIFIERS:

@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
-from flyspec.config import PROTECT_CLASSES
+from flyspec.config import DRAFT_LENGTH_POLICIES, PROTECT_CLASSES
 from flyspec.drafters.registry import DRAFTERS
 from flyspec.verifiers.registry import VERIFIERS
 
@@ -104,7 +104,8 @@ class SpeculativeOptions(_Strict):
     typical_delta: Annotated[float, Field(gt=0, le=1)] | None = None
     protect: list[Literal[PROTECT_CLASSES]] | None = None  # type: ignore[valid-type]
     bare_rule: bool | None = None  # the paper's rule without flyspec's trust guards (true), or with them (false)
-    adaptive_draft: bool | None = None
+    draft_length: Literal[DRAFT_LENGTH_POLICIES] | None = None  # type: ignore[valid-type]
+    adaptive_draft: bool | None = None  # older spelling: true = draft_length "heuristic", false = "fixed"
 
 
 class StreamOptions(_Strict):

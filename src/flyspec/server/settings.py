@@ -45,6 +45,13 @@ def for_request(defaults: SpeculationConfig, overrides: dict[str, Any]) -> Specu
     Raises :class:`ConfigError` when a value is invalid or belongs to a verifier that is not running.
     """
     overrides = {name: value for name, value in overrides.items() if value is not None}
+    if "adaptive_draft" in overrides:  # the older spelling of draft_length
+        adaptive = "heuristic" if overrides.pop("adaptive_draft") else "fixed"
+        _require(
+            overrides.setdefault("draft_length", adaptive) == adaptive,
+            f'speculative.adaptive_draft says draft_length "{adaptive}" but speculative.draft_length says '
+            f'"{overrides["draft_length"]}"; send only draft_length',
+        )
     verifier = overrides.get("verifier", defaults.verifier)
     for name, owners in VERIFIER_PARAMETERS.items():
         _require(
@@ -67,7 +74,8 @@ def describe(spec: SpeculationConfig) -> dict[str, Any]:
         "lossless": is_lossless(spec),
         "drafter": spec.drafter,
         "num_draft_tokens": spec.num_draft_tokens,
-        "adaptive_draft": spec.draft_length.adaptive,
+        "draft_length": spec.draft_length.resolved(is_lossless(spec)),  # the policy that ran (auto decided)
+        "adaptive_draft": spec.draft_length.resolved(is_lossless(spec)) != "fixed",
     }
     if spec.drafter == "stack":
         described["stack"] = list(spec.stack)

@@ -1,0 +1,258 @@
+"""The cost-aware draft length: the step cost t(n) (measured, cached per machine) and the policy.
+
+The policy is checked on hand-made costs and acceptance (which k wins, and why), then end to end
+on the tiny model: lossless output, a cut draft reported as the length asked for, the cost
+measured once and read back from the cache file, and the option on the CLI and the server.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+from flyspec import DecodeConfig, PlainDecoder, SpeculativeDecoder, build_decoder, make_verifier
+from flyspec import step_cost as step_cost_module
+from flyspec.config import ConfigError, DraftLengthConfig, SpeculationConfig
+from flyspec.draft_length import AcceptanceModel, CostAwareLength, DraftLength, bucket_of, new_draft_length
+from flyspec.drafters import NgramDrafter
+from flyspec.models import LoadedModel
+from flyspec.resources import Resources
+from flyspec.step_cost import StepCost, measure, sizes_up_to, step_cost
+from flyspec.types import MODEL, OUTPUT_COPY, PROMPT_COPY, Draft
+
+COST = DraftLengthConfig(policy="cost")
+
+
+def linear_cost(per_token: float, largest: int = 16) -> StepCost:
+    """t(n) = 1 + per_token·(n - 1), measured at every n up to ``largest``."""
+    sizes = tuple(range(1, largest + 1))
+    return StepCost(sizes, tuple(1 + per_token * (n - 1) for n in sizes))
+
+
+def copy_draft(num_tokens: int, match_length: int, source: str = OUTPUT_COPY) -> Draft:
+    return Draft(torch.arange(num_tokens), sources=(source,) * num_tokens, match_length=match_length)
+
+
+def trained(policy: CostAwareLength, bucket_draft: Draft, kept: int, steps: int = 30) -> CostAwareLength:
+    """``policy`` after ``steps`` steps that each verified ``bucket_draft`` whole and kept ``kept`` tokens."""
+    for _ in range(steps):
+        policy.choose(bucket_draft, 0.0)
+        policy.observe(bucket_draft.num_tokens, kept)
+    return policy
+
+
+# ---- the step cost --------------------------------------------------------------------------
+
+
+def test_step_cost_interpolates_and_extends_the_last_slope() -> None:
+    cost = StepCost((1, 2, 4), (1.0, 2.0, 3.0))
+    assert cost(1) == 1.0 and cost(3) == pytest.approx(2.5) and cost(4) == 3.0
+    assert cost(6) == pytest.approx(4.0)  # beyond 4: the slope from 2 to 4 (0.5 per token)
+    assert cost.relative() == {1: 1.0, 2: 2.0, 4: 3.0}
+    assert StepCost.from_dict(cost.to_dict()) == cost
+    with pytest.raises(ValueError, match="starting at 1"):
+        StepCost((2, 4), (1.0, 2.0))
+    with pytest.raises(ValueError, match="increase"):
+        StepCost((1, 4, 2), (1.0, 2.0, 3.0))
+
+
+def test_measured_sizes_reach_the_asked_maximum() -> None:
+    assert sizes_up_to(16) == (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16)
+    assert sizes_up_to(11)[-2:] == (10, 11)
+
+
+def test_measure_times_every_size_on_the_model(tiny_target: LoadedModel) -> None:
+    cost = measure(tiny_target, 6, rounds=2, context=16)
+    assert cost.sizes == (1, 2, 3, 4, 5, 6) and all(seconds > 0 for seconds in cost.seconds)
+    assert cost.context == 16
+
+
+def test_step_cost_is_measured_once_then_read_from_the_cache_file(
+    tiny_target: LoadedModel, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FLYSPEC_CACHE_DIR", str(tmp_path))
+    measured: list[int] = []
+
+    def fake_measure(model: LoadedModel, max_tokens: int) -> StepCost:
+        measured.append(max_tokens)
+        return linear_cost(0.1, max_tokens)
+
+    monkeypatch.setattr(step_cost_module, "measure", fake_measure)
+    first = step_cost(tiny_target, 8)
+    assert measured == [8]
+    record = json.loads((tmp_path / "step-costs.json").read_text())
+    (entry,) = record.values()
+    assert entry["fingerprint"]["model"] == tiny_target.name and entry["fingerprint"]["dtype"] == "float32"
+    assert step_cost(tiny_target, 6) == first and measured == [8], "a covered size is read, not measured"
+    step_cost(tiny_target, 12)
+    assert measured == [8, 12], "a longer maximum than the cached one is measured"
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(max(1, threads - 1) if threads > 1 else 2)
+        step_cost(tiny_target, 6)
+    finally:
+        torch.set_num_threads(threads)
+    assert measured == [8, 12, 6], "another thread count is another machine"
+    assert len(json.loads((tmp_path / "step-costs.json").read_text())) == 2
+
+
+def test_an_unreadable_cache_file_is_measured_again_and_replaced(
+    tiny_target: LoadedModel, tmp_path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("FLYSPEC_CACHE_DIR", str(tmp_path))
+    (tmp_path / "step-costs.json").write_text("{not json")
+    monkeypatch.setattr(step_cost_module, "measure", lambda model, max_tokens: linear_cost(0.1, max_tokens))
+    with caplog.at_level(logging.WARNING, logger="flyspec.step_cost"):
+        step_cost(tiny_target, 4)
+    assert "unreadable step-cost cache" in caplog.text
+    assert len(json.loads((tmp_path / "step-costs.json").read_text())) == 1
+
+
+# ---- the acceptance estimate ------------------------------------------------------------------
+
+
+def test_acceptance_starts_even_and_learns_per_bucket() -> None:
+    model = AcceptanceModel(max_tokens=6)
+    long_match, short_match = (OUTPUT_COPY, 4), (PROMPT_COPY, 1)
+    assert np.allclose(model.rates(long_match), 0.5)
+    for _ in range(20):
+        model.observe(long_match, 6, 6)  # a 4-gram copy: always kept
+        model.observe(short_match, 6, 0)  # a 1-gram copy: never
+    assert model.rates(long_match).min() > 0.8
+    assert model.rates(short_match)[0] < 0.2
+    expected = model.expected_committed(long_match)
+    assert expected[0] == 1.0 and np.all(np.diff(expected) > 0) and expected[-1] > 5
+    # an unseen bucket borrows every bucket's pooled rate (6 of the 7 tokens reached per pair of steps
+    # were kept), not the prior's 0.5
+    assert 0.8 < model.rates((MODEL, 0))[0] < 0.9
+
+
+def test_positions_never_verified_drift_back_to_the_pooled_rate() -> None:
+    model = AcceptanceModel(max_tokens=8, decay=0.5)
+    bucket = (OUTPUT_COPY, 3)
+    for _ in range(10):
+        model.observe(bucket, 2, 2)  # only positions 1 and 2 are ever verified, always kept
+    rates = model.rates(bucket)
+    assert rates[:2].min() > rates[5] > 0.5, "position 6 borrows the bucket's (high) pooled rate"
+
+
+# ---- the policy -----------------------------------------------------------------------------
+
+
+def test_a_flat_cost_verifies_the_whole_draft_and_a_steep_one_cuts_it() -> None:
+    bucket_draft = copy_draft(10, 2)
+    flat = trained(CostAwareLength(COST, 10, 1, linear_cost(0.0), cheap_drafts=True), bucket_draft, kept=3)
+    steep = trained(CostAwareLength(COST, 10, 1, linear_cost(0.5), cheap_drafts=True), bucket_draft, kept=3)
+    assert flat.choose(bucket_draft, 0.0) == 10  # verifying more costs nothing: take every chance
+    chosen = steep.choose(bucket_draft, 0.0)
+    assert 1 <= chosen <= 4, chosen  # each token costs half a step: stop near where drafts fail
+
+
+def test_the_choice_follows_the_evidence_of_the_draft() -> None:
+    policy = CostAwareLength(COST, 12, 1, linear_cost(0.08), cheap_drafts=True)
+    long_copy, short_copy = copy_draft(12, 4), copy_draft(12, 1)
+    for _ in range(30):
+        for draft, kept in ((long_copy, 12), (short_copy, 0)):
+            policy.choose(draft, 0.0)
+            policy.observe(draft.num_tokens, kept)
+    assert policy.choose(long_copy, 0.0) == 12
+    assert policy.choose(short_copy, 0.0) <= 1
+    assert bucket_of(long_copy) == (OUTPUT_COPY, 4) and bucket_of(copy_draft(3, 30)) == (OUTPUT_COPY, 8)
+
+
+def test_never_below_the_verifier_floor_unless_drafting_nothing() -> None:
+    policy = trained(CostAwareLength(COST, 15, 7, linear_cost(0.05), cheap_drafts=True), copy_draft(15, 2), kept=2)
+    chosen = policy.choose(copy_draft(15, 2), 0.0)
+    assert chosen == 0 or chosen >= 7, chosen
+    short = copy_draft(4, 2)  # the drafter had only 4: verify them or nothing
+    assert policy.choose(short, 0.0) in (0, 4)
+
+
+def test_a_model_drafter_is_asked_for_fewer_tokens_when_its_tokens_cost_time() -> None:
+    free = CostAwareLength(COST, 10, 1, linear_cost(0.02), cheap_drafts=False)
+    paid = CostAwareLength(COST, 10, 1, linear_cost(0.02), cheap_drafts=False)
+    model_draft = Draft(torch.arange(10), sources=(MODEL,) * 10)
+    for policy, seconds in ((free, 0.0), (paid, 10 * 0.5)):  # paid: each draft token takes half a target step
+        for _ in range(30):
+            policy.choose(model_draft, seconds)
+            policy.observe(10, 4)
+    assert paid.next() < free.next()
+    assert CostAwareLength(COST, 10, 1, linear_cost(0.02), cheap_drafts=True).next() == 10  # copies: propose all
+
+
+def test_fixed_and_heuristic_policies_verify_the_whole_draft() -> None:
+    for policy in ("fixed", "heuristic"):
+        length = new_draft_length(DraftLengthConfig(policy=policy), 8, 1)
+        assert type(length) is DraftLength and length.choose(copy_draft(5, 1), 0.0) == 5
+    with pytest.raises(ValueError, match="step cost"):
+        new_draft_length(COST, 8, 1)
+    with pytest.raises(ConfigError, match="draft length policy must be one of auto, fixed, heuristic, cost"):
+        DraftLengthConfig(policy="fast")
+
+
+# ---- end to end -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("per_token", [0.0, 0.3])
+def test_cost_aware_length_is_lossless_and_reports_what_it_verified(tiny_target: LoadedModel, per_token: float) -> None:
+    config = DecodeConfig(max_new_tokens=40)
+    spec = SpeculationConfig(num_draft_tokens=8, draft_length=COST)
+    decoder = SpeculativeDecoder(
+        tiny_target, NgramDrafter(), make_verifier("exact"), config, spec, step_cost=linear_cost(per_token)
+    )
+    for prompt in ("The capital of", "Once upon a time there was a small model that"):
+        result = decoder.generate(prompt, use_chat=False)
+        assert result.token_ids == PlainDecoder(tiny_target, config).generate(prompt, use_chat=False).token_ids
+        stats = result.stats
+        assert sum(stats.requested_draft_lengths.values()) == stats.num_target_forwards
+        verified = sum(length * steps for length, steps in stats.requested_draft_lengths.items())
+        assert stats.num_proposed == verified, "the recorded length is the verified one"
+        if per_token == 0.0:
+            assert max(stats.requested_draft_lengths) == 8  # free tokens: the whole draft, whenever there is one
+
+
+def test_build_decoder_measures_the_step_cost_once_per_resources(
+    tiny_target: LoadedModel, monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    monkeypatch.setenv("FLYSPEC_CACHE_DIR", str(tmp_path))
+    calls: list[int] = []
+    real = step_cost_module.measure
+
+    def counted(model: LoadedModel, max_tokens: int) -> StepCost:
+        calls.append(max_tokens)
+        return real(model, max_tokens, rounds=2, context=16)
+
+    monkeypatch.setattr(step_cost_module, "measure", counted)
+    resources = Resources(models=(tiny_target,))
+    spec = SpeculationConfig(num_draft_tokens=6, draft_length=COST)
+    first = build_decoder(tiny_target, spec, resources=resources)
+    build_decoder(tiny_target, spec, resources=resources.isolated())
+    assert calls == [7] and first.step_cost is not None and first.step_cost.max_tokens == 7
+    assert first.draft_length_policy == "cost"
+
+
+def test_auto_is_cost_when_lossless_and_fixed_when_lossy(tiny_target: LoadedModel) -> None:
+    resources = Resources(models=(tiny_target,))
+    lossless = build_decoder(tiny_target, SpeculationConfig(num_draft_tokens=6), resources=resources)
+    assert lossless.draft_length_policy == "cost" and lossless.step_cost is not None
+    lossy = build_decoder(tiny_target, SpeculationConfig(verifier="fly", num_draft_tokens=8), resources=resources)
+    assert lossy.draft_length_policy == "fixed" and lossy.step_cost is None
+    pinned = SpeculationConfig(num_draft_tokens=6, draft_length=DraftLengthConfig(policy="fixed"))
+    assert build_decoder(tiny_target, pinned, resources=resources).draft_length_policy == "fixed"
+    # built by hand without a step cost, auto cannot weigh costs: it drafts a fixed k
+    by_hand = SpeculativeDecoder(tiny_target, NgramDrafter(), make_verifier("exact"))
+    assert by_hand.draft_length_policy == "fixed"
+    assert DraftLengthConfig().resolved(lossless=True) == "cost"
+    assert DraftLengthConfig().resolved(lossless=False) == "fixed"
+    assert DraftLengthConfig(policy="heuristic").resolved(lossless=False) == "heuristic"
+
+
+def test_a_decoder_without_a_step_cost_refuses_the_cost_policy(tiny_target: LoadedModel) -> None:
+    with pytest.raises(ConfigError, match="forward cost"):
+        SpeculativeDecoder(
+            tiny_target, NgramDrafter(), make_verifier("exact"), None, SpeculationConfig(draft_length=COST)
+        )
