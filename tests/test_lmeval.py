@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("lm_eval", reason="lm-eval is not installed: pip install 'flyspec[lmeval]' (make setup does)")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -16,6 +17,7 @@ from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.models.huggingface import HFLM  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
+from conftest import on_device, on_devices  # noqa: E402
 from flyspec.config import ConfigError  # noqa: E402
 from flyspec.lmeval import FlyspecLM, main, speculation_from_args  # noqa: E402
 from flyspec.models import LoadedModel  # noqa: E402
@@ -183,3 +185,18 @@ def test_command_line_reports_a_config_error_in_one_line(capsys: pytest.CaptureF
     err = capsys.readouterr().err
     assert exit_info.value.code == 2
     assert "window_size" in err and "Traceback" not in err
+
+
+@on_devices
+def test_sampling_draws_on_the_targets_device(tiny_target: LoadedModel, device: str, monkeypatch) -> None:
+    """A CUDA target needs a CUDA generator (flyspec refuses another); the CPU case checks what is asked for."""
+    import flyspec.lmeval as lmeval_module
+
+    model = FlyspecLM(target=on_device(tiny_target, device), verifier="rejection", num_draft_tokens=4, seed=3)
+    made = []
+    make = lmeval_module.make_generator
+    monkeypatch.setattr(lmeval_module, "make_generator", lambda *args: made.append(args) or make(*args))
+    kwargs = {"until": ["\n\n"], "do_sample": True, "temperature": 0.8, "max_gen_toks": 4}
+    model.generate_until([Instance("generate_until", doc={}, arguments=("Once upon a time", kwargs), idx=0)])
+    assert model.decoder.device.type == torch.device(device).type
+    assert made == [(3, model.decoder.device)]

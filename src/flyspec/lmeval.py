@@ -135,7 +135,7 @@ class FlyspecLM(HFLM):
         eos = self.tok_decode(self.eot_token_id, skip_special_tokens=False)
         # one generator for the call, not one per request: a task's `repeats` sends the same request
         # k times, and k samples must differ (as with `--model hf`, whose global generator advances)
-        generator = make_generator(self.seed)
+        generator = make_generator(self.seed, self.decoder.device)
         outputs: list[str] = []
         for request in tqdm(requests, disable=disable_tqdm or self.rank != 0, desc="flyspec generate_until"):
             context, gen_kwargs = request.args
