@@ -137,6 +137,32 @@ def test_read_jsonl_decompresses_gz(tmp_path: Path) -> None:
     assert list(read_jsonl(path, skip_bad_lines=False)) == [(1, {"k": "v"})]
 
 
+def test_unreadable_data_files_are_data_errors(tmp_path: Path) -> None:
+    """Not UTF-8, or a corrupt .gz: a DataError naming the file (the CLI's one-line exit 2), never a traceback."""
+    latin1 = tmp_path / "latin1.jsonl"
+    latin1.write_bytes(b'{"a": 1}\n{"prompt": "caf\xe9"}\n{"a": 3}\n')
+    with pytest.raises(DataError, match=r"latin1\.jsonl:2: not UTF-8 text"):
+        list(read_jsonl(latin1, skip_bad_lines=False))
+    assert list(read_jsonl(latin1, skip_bad_lines=True)) == [(1, {"a": 1}), (3, {"a": 3})]
+    not_gzip = tmp_path / "d.jsonl.gz"
+    not_gzip.write_bytes(b"plain text, not gzip")
+    with pytest.raises(DataError, match=r"cannot read .*d\.jsonl\.gz"):
+        list(read_jsonl(not_gzip, skip_bad_lines=True))
+    truncated = tmp_path / "t.jsonl.gz"
+    truncated.write_bytes(gzip.compress(b'{"a": 1}\n' * 100)[:-12])
+    with pytest.raises(DataError, match=r"cannot read .*t\.jsonl\.gz"):
+        list(read_jsonl(truncated, skip_bad_lines=True))
+
+
+def test_a_record_torn_inside_a_character_is_ignored(tmp_path: Path) -> None:
+    path = tmp_path / "records.jsonl"
+    with JsonlWriter(path, append=False) as writer:
+        writer.write({"n": 1})
+    with path.open("ab") as handle:
+        handle.write('{"n": 2, "text": "é'.encode()[:-1])  # killed halfway through a two-byte character
+    assert read_records(path) == [{"n": 1}]
+
+
 def test_records_written_line_by_line_survive_a_torn_last_line(tmp_path: Path) -> None:
     path = tmp_path / "out" / "records.jsonl"
     with JsonlWriter(path, append=False) as writer:

@@ -12,8 +12,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import flyspec
+from conftest import on_devices
 from flyspec.config import ConfigError, SpeculationConfig
 from flyspec.models import LoadedModel
+from flyspec.resources import Resources
 
 PROMPT = "The capital of France is"
 
@@ -125,3 +127,30 @@ def test_batches_padding_and_a_missing_tokenizer_are_refused(hf, tiny_target: Lo
     in_memory = tiny_target.model  # built in memory: no directory holds its tokenizer
     with pytest.raises(ConfigError, match="could not load the tokenizer.*from_transformers"):
         in_memory.generate(input_ids, max_new_tokens=5, custom_generate=flyspec.custom_generate, tokenizer=tokenizer)
+
+
+def test_each_call_keeps_its_own_eos_when_resources_are_shared(hf) -> None:
+    """``resources=`` shares drafters' state between calls, never the first call's generation config."""
+    model, tokenizer = hf
+    input_ids = _ids(tokenizer, "Once upon a time")
+    plain = model.generate(input_ids, do_sample=False, max_new_tokens=20)[0, input_ids.shape[1] :].tolist()
+    eos = plain[5]
+    shared = Resources(models=())
+    options = {"do_sample": False, "max_new_tokens": 20, "custom_generate": flyspec.custom_generate}
+    first = model.generate(input_ids, eos_token_id=eos, resources=shared, **options)
+    second = model.generate(input_ids, eos_token_id=plain[-1] + 10_000, resources=shared, **options)
+    assert first.shape[1] < input_ids.shape[1] + 20  # stopped at its EOS
+    assert second[0, input_ids.shape[1] :].tolist() == plain  # the second call's EOS never comes: full length
+
+
+@on_devices
+def test_sampling_draws_on_the_models_device(tiny_model_dir: Path, device: str) -> None:
+    """Inputs on the CPU with the model elsewhere (transformers accepts that): the generator follows the model."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval().to(device)
+    input_ids = _ids(AutoTokenizer.from_pretrained(tiny_model_dir))  # on the CPU
+    torch.manual_seed(0)
+    output = model.generate(
+        input_ids, do_sample=True, temperature=0.9, max_new_tokens=6, custom_generate=flyspec.custom_generate
+    )
+    assert output.shape[1] <= input_ids.shape[1] + 6
+    assert output[0, : input_ids.shape[1]].tolist() == input_ids[0].tolist()

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("lm_eval", reason="lm-eval is not installed: pip install 'flyspec[lmeval]' (make setup does)")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -16,6 +17,7 @@ from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.models.huggingface import HFLM  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
+from conftest import on_device, on_devices  # noqa: E402
 from flyspec.config import ConfigError  # noqa: E402
 from flyspec.lmeval import FlyspecLM, main, speculation_from_args  # noqa: E402
 from flyspec.models import LoadedModel  # noqa: E402
@@ -141,3 +143,60 @@ def test_local_completions_against_flyspec_serve(
     local, _ = _responses(local_lm, task_manager, gen_kwargs={"until": UNTIL})
     assert len(served) == 5
     assert served == local  # the same lossless generation, over HTTP
+
+
+def test_repeated_sampled_requests_draw_different_samples(tiny_target: LoadedModel) -> None:
+    """A task with ``repeats: k`` sends the same request k times in one call: k samples, not one sample k times."""
+    model = FlyspecLM(target=tiny_target, verifier="rejection", num_draft_tokens=4, seed=7)
+    kwargs = {"until": ["\n\n"], "do_sample": True, "temperature": 1.0, "max_gen_toks": 8}
+    requests = [Instance("generate_until", doc={}, arguments=("Once upon a time", kwargs), idx=0)] * 3
+    results = []
+    generate = model.decoder.generate
+    model.decoder.generate = lambda *args, **options: results.append(generate(*args, **options)) or results[-1]
+    first = model.generate_until(requests)
+    assert len({tuple(result.token_ids) for result in results}) > 1
+    assert model.generate_until(requests) == first  # each call is reproducible from `seed`
+
+
+def test_max_gen_toks_that_leaves_no_room_for_the_prompt_is_refused(tiny_target: LoadedModel) -> None:
+    model = FlyspecLM(target=tiny_target, num_draft_tokens=4, max_length=64)
+    kwargs = {"until": ["\n\n"], "max_gen_toks": 64}
+    requests = [Instance("generate_until", doc={}, arguments=("Once upon a time", kwargs), idx=0)]
+    with pytest.raises(ConfigError, match="max_gen_toks 64 .* max_length 64"):
+        model.generate_until(requests)
+
+
+def test_truncation_option_reaches_the_prompt_encoding(tiny_target: LoadedModel) -> None:
+    model = FlyspecLM(target=tiny_target, num_draft_tokens=4, truncation=True)
+    seen = []
+    encode = model.tok_batch_encode
+    model.tok_batch_encode = lambda *args, **options: seen.append(options) or encode(*args, **options)
+    kwargs = {"until": ["\n\n"], "max_gen_toks": 4}
+    model.generate_until([Instance("generate_until", doc={}, arguments=("Once upon a time", kwargs), idx=0)])
+    assert seen and seen[0].get("truncation") is True
+
+
+def test_command_line_reports_a_config_error_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(
+            ["--model", "flyspec", "--model_args", "target=x,window_size=-1", "--include_path", str(TASK_DIR)]
+            + ["--tasks", TASK, "--device", "cpu"]
+        )
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert "window_size" in err and "Traceback" not in err
+
+
+@on_devices
+def test_sampling_draws_on_the_targets_device(tiny_target: LoadedModel, device: str, monkeypatch) -> None:
+    """A CUDA target needs a CUDA generator (flyspec refuses another); the CPU case checks what is asked for."""
+    import flyspec.lmeval as lmeval_module
+
+    model = FlyspecLM(target=on_device(tiny_target, device), verifier="rejection", num_draft_tokens=4, seed=3)
+    made = []
+    make = lmeval_module.make_generator
+    monkeypatch.setattr(lmeval_module, "make_generator", lambda *args: made.append(args) or make(*args))
+    kwargs = {"until": ["\n\n"], "do_sample": True, "temperature": 0.8, "max_gen_toks": 4}
+    model.generate_until([Instance("generate_until", doc={}, arguments=("Once upon a time", kwargs), idx=0)])
+    assert model.decoder.device.type == torch.device(device).type
+    assert made == [(3, model.decoder.device)]

@@ -13,6 +13,7 @@ from fastapi.testclient import TestClient
 from flyspec.cli import main
 from flyspec.config import ConfigError, SpeculationConfig
 from flyspec.models import LoadedModel
+from flyspec.resources import Resources
 from flyspec.server.app import create_app
 from flyspec.server.caches import FILE_FORMAT, SHARED_TENANT
 from flyspec.server.security import tenant_of
@@ -120,3 +121,39 @@ def test_caches_are_also_saved_while_serving(tiny_target: LoadedModel, tmp_path:
         while not path.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
         assert tenant_of(KEYS[0]) in json.loads(path.read_text())["tenants"]  # before shutdown
+
+
+def test_a_save_in_flight_never_overwrites_a_newer_one(tiny_target: LoadedModel, tmp_path: Path) -> None:
+    """The periodic save (a thread) may still run when shutdown saves: the file must end with the newer n-grams."""
+    import threading
+
+    from flyspec.config import NgramCacheConfig, NgramConfig
+    from flyspec.server.caches import TenantCaches
+
+    caches = TenantCaches(Resources(models=(tiny_target,)), shared=False)
+    cache = caches.resources_for("default").ngram_cache("tiny", NgramCacheConfig(), NgramConfig())
+    cache.add_entries([((1, 2), 3)])
+    path = tmp_path / "caches.json"
+    in_snapshot, release = threading.Event(), threading.Event()
+    entries = cache.entries
+
+    def slow_entries() -> list:
+        taken = entries()
+        if threading.current_thread().name == "periodic":
+            in_snapshot.set()
+            release.wait(5)
+        return taken
+
+    cache.entries = slow_entries  # type: ignore[method-assign]
+    periodic = threading.Thread(target=caches.save, args=(path,), name="periodic")
+    periodic.start()
+    assert in_snapshot.wait(5)
+    cache.add_entries([((4, 5), 6)])  # generated after the periodic snapshot
+    final = threading.Thread(target=caches.save, args=(path,), name="shutdown")
+    final.start()
+    final.join(0.5)
+    release.set()
+    periodic.join(5)
+    final.join(5)
+    saved = json.loads(path.read_text())["tenants"]["default"]["tiny"]
+    assert [[4, 5], 6] in saved

@@ -117,7 +117,8 @@ def custom_generate(
     target = _CallTarget(model, tokenizer, name, call_eos_token_ids=_eos_ids(generation_config))
     decoder = build_decoder(target, speculation or SpeculationConfig(), decode, resources=resources)
     seed = None if decode.sampling.greedy else int(torch.randint(0, 2**62, ()))  # follows torch.manual_seed
-    result = decoder.generate(prompt_ids, generator=None if seed is None else make_generator(seed, input_ids.device))
+    generator = None if seed is None else make_generator(seed, decoder.device)  # the model's, maybe not the input's
+    result = decoder.generate(prompt_ids, generator=generator)
     sequences = cast(
         torch.LongTensor,
         torch.tensor([prompt_ids + result.token_ids], dtype=input_ids.dtype, device=input_ids.device),

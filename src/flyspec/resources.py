@@ -49,10 +49,15 @@ class Resources:
         self._lock = threading.Lock()
 
     def model(self, model: ModelRef) -> LoadedModel:
-        """A loaded model as is (and remembered under its name), or a name loaded on first use."""
+        """A loaded model as is (and remembered under its name if the name is new), or a name loaded on first use.
+
+        A loaded model is returned itself even when another was remembered under its name first
+        (``custom_generate`` passes one per call, with that call's EOS ids).
+        """
         with self._lock:
             if isinstance(model, LoadedModel):
-                return self._models.setdefault(model.name, model)
+                self._models.setdefault(model.name, model)
+                return model
             if model not in self._models:
                 self._models[model] = load_model(model, dtype=self.dtype, device=self.device, compile=self.compile)
             return self._models[model]

@@ -51,23 +51,35 @@ def read_jsonl(
     if not path.is_file():
         raise DataError(f"data file not found: {path} (give a JSONL file)")
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as handle:
-        for line_number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except ValueError as error:
-                bad_line(f"{path}:{line_number}: invalid JSON ({error})", skip_bad_lines, on_skip)
-                continue
-            if not isinstance(record, dict):
-                bad_line(
-                    f"{path}:{line_number}: expected a JSON object, got {type(record).__name__}",
-                    skip_bad_lines,
-                    on_skip,
-                )
-                continue
-            yield line_number, record
+    try:
+        with opener(path, "rb") as handle:  # bytes, decoded line by line: a bad line names its number
+            for line_number, raw in enumerate(handle, start=1):
+                yield from _parse_line(path, line_number, raw, skip_bad_lines, on_skip)
+    except (OSError, EOFError) as error:  # unreadable, or a corrupt or truncated .gz
+        raise DataError(f"cannot read the data file {path}: {error}") from error
+
+
+def _parse_line(
+    path: Path, line_number: int, raw: bytes, skip_bad_lines: bool, on_skip: Callable[[str], None] | None
+) -> Iterator[tuple[int, dict[str, Any]]]:
+    """The line's JSON object (none for a blank line, or a bad one that is skipped)."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        reason = f"not UTF-8 text ({error.reason} at byte {error.start})"
+        bad_line(f"{path}:{line_number}: {reason}", skip_bad_lines, on_skip)
+        return
+    if not line.strip():
+        return
+    try:
+        record = json.loads(line)
+    except ValueError as error:
+        bad_line(f"{path}:{line_number}: invalid JSON ({error})", skip_bad_lines, on_skip)
+        return
+    if not isinstance(record, dict):
+        bad_line(f"{path}:{line_number}: expected a JSON object, got {type(record).__name__}", skip_bad_lines, on_skip)
+        return
+    yield line_number, record
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:
@@ -75,10 +87,10 @@ def read_records(path: Path) -> list[dict[str, Any]]:
     if not path.is_file():
         return []
     records = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for line in path.read_bytes().splitlines():  # bytes: a line torn inside a character is one more torn line
         try:
-            records.append(json.loads(line))
-        except ValueError:
+            records.append(json.loads(line.decode("utf-8")))
+        except ValueError:  # UnicodeDecodeError included
             logger.warning("ignoring an incomplete line in %s", path)
     return records
 

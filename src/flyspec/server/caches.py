@@ -123,13 +123,17 @@ class TenantCaches:
         return added
 
     def save(self, path: str | Path) -> None:
-        """Write every tenant's caches (and the tenants not restored) to ``path``, atomically."""
-        with self._lock:
-            views = dict(self._tenants)
-        tenants: dict[str, dict[str, list[list[Any]]]] = dict(self._dormant)
-        for tenant, view in views.items():
-            caches = {name: cache.entries() for name, cache in view.ngram_caches_by_vocabulary().items()}
-            if caches:
-                tenants[tenant] = caches
+        """Write every tenant's caches (and the tenants not restored) to ``path``, atomically.
+
+        The snapshot is taken under the writers' lock, so a save still running (the periodic one,
+        in a thread) never writes older n-grams over a later save's.
+        """
         with self._save_lock:
+            with self._lock:
+                views = dict(self._tenants)
+            tenants: dict[str, dict[str, list[list[Any]]]] = dict(self._dormant)
+            for tenant, view in views.items():
+                caches = {name: cache.entries() for name, cache in view.ngram_caches_by_vocabulary().items()}
+                if caches:
+                    tenants[tenant] = caches
             write_json_atomically({"format": FILE_FORMAT, "version": FILE_VERSION, "tenants": tenants}, path)
