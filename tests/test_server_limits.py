@@ -45,6 +45,9 @@ from server_helpers import (
 MODEL = "tiny"
 LONG_PROMPT = "Once upon a time"  # the tiny target runs 400 tokens on it without EOS (greedy, raw text)
 JSON = {"content-type": "application/json"}
+# A request the Recorder holds at its first text piece: greedy, so it always yields one (sampled, it
+# emits EOS first about once in a thousand runs, never reaches the hook, and the test waits in vain).
+HELD_BODY = {"prompt": "hi", "max_tokens": 2, "temperature": 0}
 STALLED_HEAD = (  # a body promised and never sent
     b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
     b'Content-Length: 100\r\n\r\n{"prompt": '
@@ -172,7 +175,7 @@ def test_prompt_size_limits(tiny_target: LoadedModel) -> None:
             "messages"
         )
         with ThreadPoolExecutor(1) as pool:
-            running = pool.submit(httpx.post, url, json={"prompt": "hi", "max_tokens": 2}, timeout=30)
+            running = pool.submit(httpx.post, url, json=HELD_BODY, timeout=30)
             assert recorder.started.wait(10)
             # the queue is full, yet a prompt that cannot fit is refused as such, without being tokenized
             for prompt in ("Paris Rome " * 5_000, list(range(65))):
@@ -268,7 +271,7 @@ def test_a_full_queue_still_answers_400_and_404_first(tiny_target: LoadedModel) 
     with serving(tiny_target, recorder, max_queue=0) as server:
         url = f"{server.url}/v1/completions"
         with ThreadPoolExecutor(1) as pool:
-            running = pool.submit(httpx.post, url, json={"prompt": "hi", "max_tokens": 2}, timeout=30)
+            running = pool.submit(httpx.post, url, json=HELD_BODY, timeout=30)
             assert recorder.started.wait(10)
             cases = [
                 ({"prompt": "hi", "model": "gpt-4"}, 404),
