@@ -50,7 +50,7 @@ def build_decoder(
     target_model = resources.model(target)
     drafter = make_drafter(spec, target_model, resources)
     # the cost-aware draft length weighs t(k + 1): measured once per model and machine, then cached
-    costed = spec.draft_length.resolved(verifier.lossless) == "cost"
+    costed = spec.draft_length.resolved(verifier.lossless, spec.drafter) == "cost"
     cost = resources.step_cost(target_model, spec.num_draft_tokens + 1) if costed else None
     return SpeculativeDecoder(target_model, drafter, verifier, decode or DecodeConfig(), spec, step_cost=cost)
 

@@ -79,15 +79,17 @@ class NgramConfig:
 
 
 DRAFT_LENGTH_POLICIES = ("auto", "fixed", "heuristic", "cost")
+COPY_DRAFTERS = ("ngram", "ngram-cache")  # proposals cost nothing per token: propose -k, then cut
 
 
 @dataclass(frozen=True)
 class DraftLengthConfig:
     """How many tokens to draft each step (see ``draft_length.py``); ``num_draft_tokens`` is the most.
 
-    ``policy``: ``auto`` (the default) is ``cost`` under a lossless verifier, where the length
-    changes only the speed, and ``fixed`` under a lossy one, whose output depends on the length
-    (FLy's window must fit in the draft) and should not depend on the machine's timings.
+    ``policy``: ``auto`` (the default) is ``cost`` for a copy drafter (``ngram``, ``ngram-cache``)
+    under a lossless verifier, where the length changes only the speed, and ``fixed`` otherwise: a
+    lossy output depends on the length (FLy's window must fit in the draft), and a model drafter's
+    cost is timed as it runs, so a seeded sample would depend on the timings.
     ``fixed`` drafts ``num_draft_tokens`` every step; ``heuristic`` grows the draft length by 2
     after a step whose every draft token was kept and shrinks it by 1 otherwise (transformers'
     ``num_assistant_tokens_schedule="heuristic"``); ``cost`` verifies the length that maximises
@@ -113,11 +115,11 @@ class DraftLengthConfig:
             f"draft confidence threshold must be in [0, 1) (got {self.confidence_threshold}); 0 disables it",
         )
 
-    def resolved(self, lossless: bool) -> str:
-        """The policy that runs under a lossless (or lossy) verifier: ``auto`` decided."""
+    def resolved(self, lossless: bool, drafter: str) -> str:
+        """The policy that runs with this verifier (lossless or not) and drafter: ``auto`` decided."""
         if self.policy != "auto":
             return self.policy
-        return "cost" if lossless else "fixed"
+        return "cost" if lossless and drafter in COPY_DRAFTERS else "fixed"
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,6 @@ from flyspec.step_cost import StepCost
 from flyspec.types import UNKNOWN_SOURCE, Draft
 
 MAX_MATCH_BUCKET = 8  # longer matches share a bucket
-COPY_DRAFTERS = ("ngram", "ngram-cache")  # drafters whose proposals cost nothing per token: propose -k, then cut
 
 
 class DraftLength:

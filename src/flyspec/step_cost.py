@@ -89,26 +89,37 @@ def sizes_up_to(max_tokens: int) -> tuple[int, ...]:
 
 
 @torch.inference_mode()
-def measure(model: LoadedModel, max_tokens: int, rounds: int = ROUNDS, context: int = CONTEXT) -> StepCost:
-    """Time cached forwards of 1 .. ``max_tokens`` tokens after a ``context``-token prefill (the
-    model's compiled step forward when it has one, as generation runs it)."""
-    sizes = sizes_up_to(max_tokens)
+def measure(
+    model: LoadedModel,
+    max_tokens: int,
+    rounds: int = ROUNDS,
+    context: int | list[int] = CONTEXT,
+    sizes: tuple[int, ...] | None = None,
+) -> StepCost:
+    """Time cached forwards of ``sizes`` tokens (default: :func:`sizes_up_to` ``max_tokens``) after a
+    prefill of ``context`` (token ids, or a number of made-up ones), with the model's compiled step
+    forward when it has one, as generation runs it. Sizes are interleaved over ``rounds``; the first
+    round warms up and the median of the others is kept."""
+    sizes = sizes or sizes_up_to(max_tokens)
     vocab = int(getattr(model.model.config, "vocab_size", 0) or 1000)
-    ids = [(7919 * index + 13) % vocab for index in range(context + max_tokens)]  # any tokens do for timing
+    if isinstance(context, int):
+        context = [(7919 * index + 13) % vocab for index in range(context)]  # any tokens do for timing
+    probe = [(7919 * index + 17) % vocab for index in range(max(sizes))]
     cached = CachedModel(model)
-    cached.forward(ids[:context], logits_to_keep=1)
+    cached.forward(context, logits_to_keep=1)
+    prefix = len(context)
     times: dict[int, list[float]] = {size: [] for size in sizes}
     device = cached.device
     for round_index in range(max(rounds, 2)):
         for size in sizes:
             started = time.perf_counter()
-            cached.forward(ids[context : context + size])
+            cached.forward(probe[:size])
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             if round_index > 0:  # the first round warms up (allocations, oneDNN primitives, kernels)
                 times[size].append(time.perf_counter() - started)
-            cached.crop_to(context)
-    return StepCost(sizes, tuple(statistics.median(times[size]) for size in sizes), context)
+            cached.crop_to(prefix)
+    return StepCost(sizes, tuple(statistics.median(times[size]) for size in sizes), prefix)
 
 
 def fingerprint(model: LoadedModel) -> dict[str, Any]:

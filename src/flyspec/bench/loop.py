@@ -7,20 +7,16 @@ and thermal effects hit every method alike, instead of favouring whichever ran f
 from __future__ import annotations
 
 import logging
-import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from flyspec.bench.backends import Backend, BackendSettings, FlyspecBackend, HFGenerateBackend, PromptOutput, run_prompt
 from flyspec.bench.data import BenchPrompt
-from flyspec.cached_model import CachedModel
 from flyspec.config import ConfigError
 from flyspec.harness.methods import PEERS, PLAIN, Method, parse_methods
 from flyspec.models import LoadedModel
+from flyspec.step_cost import measure
 
 logger = logging.getLogger(__name__)
 
@@ -217,23 +213,11 @@ def _sum_lists(lists: list[list[int]]) -> list[int]:
 def forward_times(
     target: LoadedModel, context: list[int], sizes: tuple[int, ...], repeats: int = 9
 ) -> dict[int, float]:
-    """Median seconds of one target forward of each size after ``context`` cached tokens.
+    """Median seconds of one target forward of each size after ``context`` cached tokens
+    (``step_cost.measure``, which the cost-aware draft length uses too).
 
     The τ-limit of a method is τ × t(1) / t(k+1): its speedup if every step cost one
     (k+1)-token forward and nothing else (no drafting, no engine overhead).
     """
-    cached_model = CachedModel(target)
-    cached_model.forward(context, logits_to_keep=1)
-    times: dict[int, float] = {}
-    probe = (context * (1 + max(sizes) // max(len(context), 1)))[: max(sizes)]
-    for size in sizes:
-        samples = []
-        for _ in range(repeats + 1):  # the first is a warm-up
-            started = time.perf_counter()
-            cached_model.forward(probe[:size])
-            if cached_model.device.type == "cuda":
-                torch.cuda.synchronize(cached_model.device)  # the forward's kernels, not only their launch
-            samples.append(time.perf_counter() - started)
-            cached_model.crop_to(len(context))
-        times[size] = statistics.median(samples[1:])
-    return times
+    cost = measure(target, max(sizes), rounds=repeats + 1, context=context, sizes=sizes)
+    return dict(zip(cost.sizes, cost.seconds, strict=True))

@@ -74,8 +74,8 @@ def describe(spec: SpeculationConfig) -> dict[str, Any]:
         "lossless": is_lossless(spec),
         "drafter": spec.drafter,
         "num_draft_tokens": spec.num_draft_tokens,
-        "draft_length": spec.draft_length.resolved(is_lossless(spec)),  # the policy that ran (auto decided)
-        "adaptive_draft": spec.draft_length.resolved(is_lossless(spec)) != "fixed",
+        "draft_length": spec.draft_length.resolved(is_lossless(spec), spec.drafter),  # what ran (auto decided)
+        "adaptive_draft": spec.draft_length.resolved(is_lossless(spec), spec.drafter) != "fixed",
     }
     if spec.drafter == "stack":
         described["stack"] = list(spec.stack)
