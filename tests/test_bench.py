@@ -174,6 +174,7 @@ def test_cost_limit_charges_each_step_its_actual_forward_size() -> None:
     figures = summarize([base, fast], times, num_draft_tokens=15)[OVERALL]["ngram+exact"]
     assert figures["cost_limit"] == pytest.approx(10 * 0.010 / (2 * 0.015 + 0.012 + 0.010))
     assert figures["tau_limit"] == pytest.approx(2.5 * 0.010 / 0.05)
+    assert figures["drafts_per_step"] == pytest.approx((3 + 2) / 4)  # 2 + 2 + 1 + 0 drafts over 4 forwards
 
 
 # --- end to end -----------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ class CachedModel:
     def __init__(self, model: LoadedModel, full_history: bool = False) -> None:
         self.full_history = full_history
         self.model = model.model
+        self.compiled = model.step_forward is not None
         self.step_forward = model.step_forward or model.model  # compiled (models.compile_steps) or eager
         self.device = next(self.model.parameters()).device
         self.cache = self._new_cache()
@@ -76,4 +77,18 @@ class CachedModel:
             return  # nothing cached yet (a sliding-window layer cannot be cropped before its first forward)
         if length > self.cached_length:
             raise RuntimeError(f"cannot crop a cache of {self.cached_length} positions to {length}")
-        self.cache.crop(length - self.cached_length)
+        removed = self.cached_length - length
+        self.cache.crop(-removed)
+        if self.compiled and removed:
+            self._make_contiguous()
+
+    def _make_contiguous(self) -> None:
+        """A cropped cache layer is a view that keeps the longer tensor's strides, and a compiled
+        graph guards on strides: without this copy every rollback shape compiles a new graph (torch
+        gives up after 8 and runs the rest eagerly). Compiled steps only; the next forward's
+        concatenation copies the cache anyway."""
+        for layer in self.cache.layers:
+            for name in ("keys", "values"):
+                tensor = getattr(layer, name, None)
+                if isinstance(tensor, torch.Tensor) and not tensor.is_contiguous():
+                    setattr(layer, name, tensor.contiguous())

@@ -23,9 +23,10 @@ def _fmt(value: float | None, pattern: str = "{:.2f}") -> str:
 
 def overall_table(overall: dict[str, dict]) -> list[str]:
     lines = [
-        "| method | lossless | tok/s | speedup (min–max) | τ | τ-limit | % of τ-limit | cost limit | % of cost limit "
-        "| in-run limit | % of in-run limit | identical | loose accepts | target / draft / other ms per step |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| method | lossless | tok/s | speedup (min–max) | τ | drafts verified per step | τ-limit | % of τ-limit "
+        "| cost limit | % of cost limit | in-run limit | % of in-run limit | identical | loose accepts "
+        "| target / draft / other ms per step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for method, figures in overall.items():
         spread = ""
@@ -37,6 +38,7 @@ def overall_table(overall: dict[str, dict]) -> list[str]:
         lines.append(
             f"| {method} | {'yes' if figures['lossless'] else 'no'} | {figures['tokens_per_s']:.1f} "
             f"| {_fmt(figures['speedup'], '{:.2f}x')}{spread}{own_note} | {_fmt(figures['tau'])} "
+            f"| {_fmt(figures.get('drafts_per_step'), '{:.1f}')} "
             f"| {_fmt(figures['tau_limit'], '{:.2f}x')} | {_fmt(figures['fraction_of_limit'], '{:.0%}')} "
             f"| {_fmt(figures['cost_limit'], '{:.2f}x')} | {_fmt(figures['fraction_of_cost_limit'], '{:.0%}')} "
             f"| {_fmt(figures['in_run_limit'], '{:.2f}x')} | {_fmt(figures['fraction_of_in_run_limit'], '{:.0%}')} "
@@ -104,7 +106,9 @@ def markdown_report(meta: dict[str, Any], summary: dict[str, Any]) -> str:
         f"{_fmt(times.get('1'), '{:.1f}')} ms, t(k+1 = {k + 1}) = {_fmt(times.get(str(k + 1)), '{:.1f}')} ms",
         f"- Speedup = method tokens/s ÷ {PLAIN} (flyspec plain decoding, the baseline) tokens/s over the same prompts; "
         f"lossy methods ({LOSSY_NOTE}) are marked lossless = no; their quality is measured by `flyspec eval`.",
-        "- τ-limit = τ × t(1)/t(k+1) (every step one full (k+1)-token forward); cost limit = the same with "
+        "- Drafts verified per step: the draft tokens scored per target forward (k under a fixed draft length, "
+        "fewer under the cost-aware one or when the drafter found nothing). "
+        "τ-limit = τ × t(1)/t(k+1) (every step one full (k+1)-token forward); cost limit = the same with "
         "each step charged the forward of its actual size t(1 + drafts proposed); in-run limit = the speedup if "
         "drafting and engine work were free (tokens per second of prefill + target-forward time, measured inside "
         "the run, relative to plain decoding's). Per-step times split the wall time into target verification "

@@ -115,6 +115,7 @@ def _figures(
         "cost_limit": cost_limit,
         "fraction_of_cost_limit": speedup / cost_limit if speedup is not None and cost_limit else None,
         "num_target_forwards": forwards,
+        "drafts_per_step": _drafts_per_step(mine, forwards) if own_engine else None,
         "num_loose_accepts": _total(mine, "num_loose_accepts"),
         "num_identical": sum(record["identical_to_baseline"] for record in first),
         "acceptance_by_position": _acceptance_by_position(mine),
@@ -150,6 +151,13 @@ def _cost_limit(
             return None
         cost += steps * forward_times.get(size + 1, 0.0)
     return tokens * forward_times[1] / cost if cost > 0 else None
+
+
+def _drafts_per_step(records: list[Record], forwards: int | None) -> float | None:
+    """Draft tokens verified per target forward (what the draft-length policy chose, on average)."""
+    if not forwards:
+        return None
+    return sum(sum(record["proposed_per_position"]) for record in records) / forwards
 
 
 def _total(records: list[Record], key: str) -> int | None:
