@@ -12,7 +12,7 @@ from conftest import make_tiny_model
 from flyspec.api import build_decoder
 from flyspec.baseline import PlainDecoder
 from flyspec.cached_model import CachedModel
-from flyspec.config import DecodeConfig, SpeculationConfig
+from flyspec.config import DecodeConfig, DraftLengthConfig, SpeculationConfig
 from flyspec.models import LoadedModel, compile_steps
 from flyspec.resources import Resources
 from test_reference import naive_greedy
@@ -75,6 +75,21 @@ def test_compiling_happens_at_load_not_during_generation(models) -> None:
         cached.forward(list(range(size)))
         cached.crop_to(cached.cached_length - rejected)
     assert (sum(counters["stats"].values()), dict(counters["frames"])) == before
+
+
+def test_a_speculative_generation_compiles_nothing_after_load(models) -> None:
+    """The real loop — drafts made by the drafter outside inference mode, rollbacks after partial
+    rejections, plain steps — runs on the graphs compiled at load: any recompile is an error."""
+    _, compiled = models
+    decode = DecodeConfig(max_new_tokens=40, ignore_eos=True)
+    resources = Resources(models=(compiled,))
+    for policy in ("fixed", "cost"):
+        spec = SpeculationConfig(num_draft_tokens=8, draft_length=DraftLengthConfig(policy=policy))
+        decoder = build_decoder(compiled, spec, decode, resources=resources)
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            result = decoder.generate(PROMPT + [3, 1, 4, 1, 5, 9, 2, 6])
+            PlainDecoder(compiled, decode).generate(PROMPT)
+        assert result.stats.num_accepted > 0 and result.stats.num_proposed > result.stats.num_accepted
 
 
 def test_compile_reaches_the_models_resources_load() -> None:

@@ -64,7 +64,10 @@ class CachedModel:
         ``logits_to_keep > 0`` computes only the last that many rows (prefill needs none).
         """
         if isinstance(token_ids, torch.Tensor):
-            inputs = token_ids.unsqueeze(0)  # [1, n]
+            # a compiled graph also guards on a tensor being an inference tensor or not: a draft made
+            # outside inference mode is copied into one, as a list's tensor and the warm-up's are
+            copy = self.compiled and not token_ids.is_inference()
+            inputs = token_ids.clone()[None] if copy else token_ids.unsqueeze(0)  # [1, n]
         else:
             inputs = torch.tensor([token_ids], dtype=torch.long, device=self.device)
         forward = self.step_forward if logits_to_keep == 0 else self.model  # prefill stays eager
@@ -82,11 +85,13 @@ class CachedModel:
         if self.compiled and removed:
             self._make_contiguous()
 
+    @torch.inference_mode()
     def _make_contiguous(self) -> None:
         """A cropped cache layer is a view that keeps the longer tensor's strides, and a compiled
         graph guards on strides: without this copy every rollback shape compiles a new graph (torch
         gives up after 8 and runs the rest eagerly). Compiled steps only; the next forward's
-        concatenation copies the cache anyway."""
+        concatenation copies the cache anyway. In inference mode, so the copies stay inference
+        tensors like the rest of the cache (the graph guards on that too)."""
         for layer in self.cache.layers:
             for name in ("keys", "values"):
                 tensor = getattr(layer, name, None)
