@@ -228,17 +228,30 @@ def compile_steps(loaded: LoadedModel) -> LoadedModel:
     return dataclasses.replace(loaded, step_forward=forward)
 
 
+# Step sizes of the warm-up, in order: 1-token steps at two cache lengths (torch specialises a size
+# of 1, so they get their own graph, and a second length makes it dynamic in the length), then
+# several-token steps at growing lengths (one graph, dynamic in both).
+WARM_UP_STEPS = (1, 1, 2, 3, 2, 5)
+
+
 @torch.inference_mode()
 def _warm_up(model: PreTrainedModel, forward: Callable[..., Any]) -> None:
-    """Compile now, not in the middle of a generation: one step of 1 token (torch specialises sizes
-    0 and 1, so it has its own graph) and steps of 2 and 3 tokens (the dynamic graph every draft
-    length uses), each after a prefill like ``CachedModel``'s."""
+    """Compile now, not in the middle of a generation, every graph generation needs: the steps of
+    :data:`WARM_UP_STEPS` after a prefill, as ``CachedModel`` runs them (fresh inference tensors, a
+    contiguous cache). A graph guards on sizes, strides, storage offsets and inference-ness; a step
+    that differs in any of them compiles a new graph (tens of seconds), which
+    ``tests/test_compile.py`` checks never happens during a generation."""
     device = next(model.parameters()).device
-    for prefill, step in ((3, 1), (4, 2), (5, 3)):
-        cache = transformers.DynamicCache(config=model.config)
-        ids = torch.zeros((1, prefill + step), dtype=torch.long, device=device)
-        model(input_ids=ids[:, :prefill], past_key_values=cache, use_cache=True, logits_to_keep=1)
-        forward(input_ids=ids[:, prefill:], past_key_values=cache, use_cache=True, logits_to_keep=0)
+    cache = transformers.DynamicCache(config=model.config)
+    model(
+        input_ids=torch.zeros((1, 6), dtype=torch.long, device=device),
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    for size in WARM_UP_STEPS:
+        ids = torch.zeros((1, size), dtype=torch.long, device=device)
+        forward(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=0)
 
 
 def _resolve_to_hf_source(name_or_path: str) -> str:
