@@ -17,7 +17,14 @@ import torch
 from flyspec import DecodeConfig, PlainDecoder, SpeculativeDecoder, build_decoder, make_verifier
 from flyspec import step_cost as step_cost_module
 from flyspec.config import ConfigError, DraftLengthConfig, SpeculationConfig
-from flyspec.draft_length import AcceptanceModel, CostAwareLength, DraftLength, bucket_of, new_draft_length
+from flyspec.draft_length import (
+    AcceptanceModel,
+    CostAwareLength,
+    DraftLength,
+    bucket_of,
+    new_draft_length,
+    resolve_policy,
+)
 from flyspec.drafters import NgramDrafter
 from flyspec.models import LoadedModel
 from flyspec.resources import Resources
@@ -246,11 +253,11 @@ def test_auto_is_cost_for_lossless_copy_drafts_and_fixed_otherwise(tiny_target: 
     # built by hand without a step cost, auto cannot weigh costs: it drafts a fixed k
     by_hand = SpeculativeDecoder(tiny_target, NgramDrafter(), make_verifier("exact"))
     assert by_hand.draft_length_policy == "fixed"
-    assert DraftLengthConfig().resolved(lossless=True, drafter="ngram-cache") == "cost"
-    assert DraftLengthConfig().resolved(lossless=False, drafter="ngram") == "fixed"
+    assert resolve_policy(DraftLengthConfig(), lossless=True, drafter="ngram-cache") == "cost"
+    assert resolve_policy(DraftLengthConfig(), lossless=False, drafter="ngram") == "fixed"
     # a model drafter's cost is timed as it runs: a seeded sample would depend on the timings
-    assert DraftLengthConfig().resolved(lossless=True, drafter="multilevel") == "fixed"
-    assert DraftLengthConfig(policy="heuristic").resolved(lossless=False, drafter="ngram") == "heuristic"
+    assert resolve_policy(DraftLengthConfig(), lossless=True, drafter="multilevel") == "fixed"
+    assert resolve_policy(DraftLengthConfig(policy="heuristic"), lossless=False, drafter="ngram") == "heuristic"
 
 
 def test_a_decoder_without_a_step_cost_refuses_the_cost_policy(tiny_target: LoadedModel) -> None:

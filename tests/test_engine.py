@@ -293,6 +293,7 @@ def test_ngram_match_option_reaches_the_drafter_through_the_config() -> None:
     drafter.reset([1, 2, 3, 1, 2, 4, 1, 2])
     draft = drafter.propose([1, 2, 3, 1, 2, 4, 1, 2], 5, SamplingConfig(), None)
     assert draft.tokens.tolist() == [3, 1, 2, 4, 1]
+    assert draft.match_length == 2  # the evidence the cost-aware draft length weighs
     with pytest.raises(ConfigError, match="match must be one of recent, earliest, frequent"):
         SpeculationConfig.from_dict({"ngram": {"match": "best"}})
 

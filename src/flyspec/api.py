@@ -10,6 +10,7 @@ import torch
 from flyspec.baseline import PlainDecoder
 from flyspec.config import DEFAULT_DEVICE, DEFAULT_DTYPE, DecodeConfig, SamplingConfig, SpeculationConfig
 from flyspec.decoding import SpeculativeDecoder, check_draft_length
+from flyspec.draft_length import resolve_policy
 from flyspec.drafters.registry import make_drafter
 from flyspec.generation import Prompt
 from flyspec.models import DEFAULT_MODEL, set_threads
@@ -50,7 +51,7 @@ def build_decoder(
     target_model = resources.model(target)
     drafter = make_drafter(spec, target_model, resources)
     # the cost-aware draft length weighs t(k + 1): measured once per model and machine, then cached
-    costed = spec.draft_length.resolved(verifier.lossless, spec.drafter) == "cost"
+    costed = resolve_policy(spec.draft_length, verifier.lossless, spec.drafter) == "cost"
     cost = resources.step_cost(target_model, spec.num_draft_tokens + 1) if costed else None
     return SpeculativeDecoder(target_model, drafter, verifier, decode or DecodeConfig(), spec, step_cost=cost)
 

@@ -84,19 +84,12 @@ COPY_DRAFTERS = ("ngram", "ngram-cache")  # proposals cost nothing per token: pr
 
 @dataclass(frozen=True)
 class DraftLengthConfig:
-    """How many tokens to draft each step (see ``draft_length.py``); ``num_draft_tokens`` is the most.
+    """How many tokens to draft each step; ``num_draft_tokens`` is the most.
 
-    ``policy``: ``auto`` (the default) is ``cost`` for a copy drafter (``ngram``, ``ngram-cache``)
-    under a lossless verifier, where the length changes only the speed, and ``fixed`` otherwise: a
-    lossy output depends on the length (FLy's window must fit in the draft), and a model drafter's
-    cost is timed as it runs, so a seeded sample would depend on the timings.
-    ``fixed`` drafts ``num_draft_tokens`` every step; ``heuristic`` grows the draft length by 2
-    after a step whose every draft token was kept and shrinks it by 1 otherwise (transformers'
-    ``num_assistant_tokens_schedule="heuristic"``); ``cost`` verifies the length that maximises
-    expected committed tokens per second, from the target's measured forward cost t(n)
-    (``step_cost.py``) and the generation's acceptance so far. Both adaptive policies stay within
-    ``min_tokens`` .. ``num_draft_tokens`` (``cost`` may also draft nothing in a step).
-    ``confidence_threshold`` (model drafters): stop drafting once the draft model's own top
+    ``policy``: ``cost`` (the most expected tokens per second), ``fixed``, ``heuristic``, or ``auto``
+    (``cost`` for n-gram drafters under a lossless verifier, else ``fixed``): see ``draft_length.py``.
+    The adaptive policies stay within ``min_tokens`` .. ``num_draft_tokens`` (``cost`` may also draft
+    nothing). ``confidence_threshold`` (model drafters): stop drafting once the draft model's own top
     probability falls below it (after keeping that token); 0 never stops early.
     """
 
@@ -114,12 +107,6 @@ class DraftLengthConfig:
             0 <= self.confidence_threshold < 1,
             f"draft confidence threshold must be in [0, 1) (got {self.confidence_threshold}); 0 disables it",
         )
-
-    def resolved(self, lossless: bool, drafter: str) -> str:
-        """The policy that runs with this verifier (lossless or not) and drafter: ``auto`` decided."""
-        if self.policy != "auto":
-            return self.policy
-        return "cost" if lossless and drafter in COPY_DRAFTERS else "fixed"
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import Iterator
 
 from flyspec.config import COPY_DRAFTERS, ConfigError, DecodeConfig, SpeculationConfig
-from flyspec.draft_length import DraftLength, new_draft_length
+from flyspec.draft_length import DraftLength, new_draft_length, resolve_policy
 from flyspec.drafters.base import Drafter
 from flyspec.generation import Decoder, Generation
 from flyspec.models import LoadedModel
@@ -60,7 +60,7 @@ class SpeculativeDecoder(Decoder):
     def draft_length_policy(self) -> str:
         """The draft-length policy that runs: ``auto`` is ``cost`` under a lossless verifier when the
         decoder has the target's step cost (``build_decoder`` measures it), else ``fixed``."""
-        policy = self.speculation.draft_length.resolved(self.verifier.lossless, self.drafter.name)
+        policy = resolve_policy(self.speculation.draft_length, self.verifier.lossless, self.drafter.name)
         return "fixed" if policy == "cost" and self.step_cost is None and self._auto else policy
 
     @property

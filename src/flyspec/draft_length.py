@@ -29,11 +29,24 @@ from __future__ import annotations
 
 import numpy as np
 
-from flyspec.config import DraftLengthConfig
+from flyspec.config import COPY_DRAFTERS, DraftLengthConfig
 from flyspec.step_cost import StepCost
 from flyspec.types import UNKNOWN_SOURCE, Draft
 
 MAX_MATCH_BUCKET = 8  # longer matches share a bucket
+
+
+def resolve_policy(config: DraftLengthConfig, lossless: bool, drafter: str) -> str:
+    """The policy that runs with this verifier (lossless or not) and drafter: ``auto`` decided.
+
+    ``auto`` is ``cost`` for the copy drafters under a lossless verifier, where the length changes
+    only the speed, and ``fixed`` otherwise: a lossy output depends on the length (FLy's window must
+    fit in the draft), and a model drafter's cost is timed as it runs, so a seeded sample would
+    depend on the timings.
+    """
+    if config.policy != "auto":
+        return config.policy
+    return "cost" if lossless and drafter in COPY_DRAFTERS else "fixed"
 
 
 class DraftLength:

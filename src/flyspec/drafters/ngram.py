@@ -25,21 +25,6 @@ from flyspec.config import NgramConfig, SamplingConfig
 from flyspec.types import OUTPUT_COPY, PROMPT_COPY, Draft
 
 
-def ngram_match(
-    token_ids: list[int],
-    max_tokens: int,
-    max_ngram: int,
-    min_ngram: int,
-    match: str = "recent",
-    extend: bool = True,
-) -> list[int]:
-    """Where the draft is copied from: context indices of the continuation (≤ ``max_tokens``) of an
-    earlier match of the longest matching suffix; empty when nothing matches. ``match``: which
-    earlier occurrence (``recent``, ``earliest``, ``frequent``); ``extend``: copy on periodically
-    past the end of the context."""
-    return longest_match(token_ids, max_tokens, max_ngram, min_ngram, match, extend)[0]
-
-
 def longest_match(
     token_ids: list[int],
     max_tokens: int,
@@ -48,7 +33,12 @@ def longest_match(
     match: str = "recent",
     extend: bool = True,
 ) -> tuple[list[int], int]:
-    """``ngram_match``'s indices and the length of the suffix that matched (0: none)."""
+    """Where the draft is copied from, and the length of the context suffix that matched (0: none).
+
+    The indices are those of the continuation (≤ ``max_tokens``) of an earlier match of the
+    longest matching suffix; empty when nothing matches. ``match``: which earlier occurrence
+    (``recent``, ``earliest``, ``frequent``); ``extend``: copy on periodically past the end of
+    the context."""
     if max_tokens <= 0:
         return [], 0
     context = np.asarray(token_ids, dtype=np.int64)
@@ -96,7 +86,7 @@ def ngram_lookup(
     token_ids: list[int], max_tokens: int, max_ngram: int, min_ngram: int, match: str = "recent", extend: bool = True
 ) -> list[int]:
     """Continuation (≤ ``max_tokens`` tokens) of an earlier match of the longest matching suffix."""
-    indices = ngram_match(token_ids, max_tokens, max_ngram, min_ngram, match, extend)
+    indices = longest_match(token_ids, max_tokens, max_ngram, min_ngram, match, extend)[0]
     return [token_ids[index] for index in indices]
 
 

@@ -7,7 +7,7 @@ cache is shared only where its owner (``flyspec.resources.Resources``) shares it
 
 Draft rule of :class:`NgramCacheDrafter`: the longest match wins. For ``n`` from ``max_ngram``
 down to ``min_ngram``: if the last ``n`` committed tokens occur earlier in the current context,
-draft the prompt-lookup continuation (``ngram_match``); otherwise, if the cache knows those ``n``
+draft the prompt-lookup continuation (``longest_match``); otherwise, if the cache knows those ``n``
 tokens, draft the cache's chained continuation. A 3-gram cache hit thus beats a 1-gram context
 match; at equal length the context wins (its continuation is read off one occurrence and is
 extended periodically, while the cache can only chain single-token predictions).

@@ -69,13 +69,16 @@ def changed_fields(spec: SpeculationConfig, other: SpeculationConfig) -> list[st
 
 def describe(spec: SpeculationConfig) -> dict[str, Any]:
     """What ran, for the ``flyspec`` object in responses: the verifier's own parameters only."""
+    from flyspec.draft_length import resolve_policy  # imports torch: not at the CLI's start-up (--help)
+
+    policy = resolve_policy(spec.draft_length, is_lossless(spec), spec.drafter)
     described: dict[str, Any] = {
         "verifier": spec.verifier,
         "lossless": is_lossless(spec),
         "drafter": spec.drafter,
         "num_draft_tokens": spec.num_draft_tokens,
-        "draft_length": spec.draft_length.resolved(is_lossless(spec), spec.drafter),  # what ran (auto decided)
-        "adaptive_draft": spec.draft_length.resolved(is_lossless(spec), spec.drafter) != "fixed",
+        "draft_length": policy,  # what ran (auto decided)
+        "adaptive_draft": policy != "fixed",
     }
     if spec.drafter == "stack":
         described["stack"] = list(spec.stack)
