@@ -14,8 +14,8 @@ from pathlib import Path
 # Before transformers/huggingface_hub are imported: they read these once, at import.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-# flyspec's own cache (measured step costs) goes to a fresh directory, never the user's (subprocesses inherit it)
-os.environ["FLYSPEC_CACHE_DIR"] = tempfile.mkdtemp(prefix="flyspec-test-cache-")
+# measured step costs go to a fresh file, never the user's (subprocesses inherit it)
+os.environ["FLYSPEC_STEP_COSTS"] = os.path.join(tempfile.mkdtemp(prefix="flyspec-test-"), "step-costs.json")
 
 import pytest
 import torch

@@ -81,7 +81,7 @@ def test_measure_times_every_size_on_the_model(tiny_target: LoadedModel) -> None
 def test_step_cost_is_measured_once_then_read_from_the_cache_file(
     tiny_target: LoadedModel, tmp_path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("FLYSPEC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("FLYSPEC_STEP_COSTS", str(tmp_path / "step-costs.json"))
     measured: list[int] = []
 
     def fake_measure(model: LoadedModel, max_tokens: int) -> StepCost:
@@ -110,7 +110,7 @@ def test_step_cost_is_measured_once_then_read_from_the_cache_file(
 def test_an_unreadable_cache_file_is_measured_again_and_replaced(
     tiny_target: LoadedModel, tmp_path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setenv("FLYSPEC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("FLYSPEC_STEP_COSTS", str(tmp_path / "step-costs.json"))
     (tmp_path / "step-costs.json").write_text("{not json")
     monkeypatch.setattr(step_cost_module, "measure", lambda model, max_tokens: linear_cost(0.1, max_tokens))
     with caplog.at_level(logging.WARNING, logger="flyspec.step_cost"):
@@ -225,7 +225,7 @@ def test_cost_aware_length_is_lossless_and_reports_what_it_verified(tiny_target:
 def test_build_decoder_measures_the_step_cost_once_per_resources(
     tiny_target: LoadedModel, monkeypatch: pytest.MonkeyPatch, tmp_path
 ) -> None:
-    monkeypatch.setenv("FLYSPEC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("FLYSPEC_STEP_COSTS", str(tmp_path / "step-costs.json"))
     calls: list[int] = []
     real = step_cost_module.measure
 

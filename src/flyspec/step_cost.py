@@ -6,9 +6,9 @@ is a property of the model, dtype, device, thread count, compile state and machi
 without native bf16 a 16-token bf16 forward costs ~7 one-token ones, with it ~1.5, and on a GPU
 about 1. It is measured at start-up — a prefill of ``CONTEXT`` tokens, then forwards of each size
 in :data:`SIZES` (interleaved over rounds, the first round a warm-up, the median kept) — and
-cached in ``step-costs.json`` under the user cache directory (``$FLYSPEC_CACHE_DIR``, else
-``$XDG_CACHE_HOME/flyspec``, else ``~/.cache/flyspec``), keyed by a fingerprint of everything
-above, so the next start on the same machine reads it instead of measuring.
+cached in ``step-costs.json`` beside the dequantized models (``$FLYSPEC_CACHE``, default
+``~/.cache/flyspec``; ``$FLYSPEC_STEP_COSTS`` names another file), keyed by a fingerprint of
+everything above, so the next start on the same machine reads it instead of measuring.
 
 It describes the machine, not any request, so sharing it between a server's requests leaks
 nothing. A busy machine measures a noisy table; delete the file (or pass ``remeasure=True``)
@@ -34,7 +34,7 @@ import torch
 import transformers
 
 from flyspec.cached_model import CachedModel
-from flyspec.models import LoadedModel
+from flyspec.models import LoadedModel, cache_root
 
 log = logging.getLogger(__name__)
 
@@ -162,11 +162,10 @@ def _cpu_model() -> str:
     return f"{name} flags:{hashlib.sha256(flags.encode()).hexdigest()[:12]}"
 
 
-def cache_dir() -> Path:
-    explicit = os.environ.get("FLYSPEC_CACHE_DIR")
-    if explicit:
-        return Path(explicit)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "flyspec"
+def cache_file() -> Path:
+    """``$FLYSPEC_STEP_COSTS``, else ``step-costs.json`` in flyspec's cache directory."""
+    explicit = os.environ.get("FLYSPEC_STEP_COSTS")
+    return Path(explicit) if explicit else cache_root() / CACHE_FILE
 
 
 def step_cost(model: LoadedModel, max_tokens: int, remeasure: bool = False) -> StepCost:
@@ -174,7 +173,7 @@ def step_cost(model: LoadedModel, max_tokens: int, remeasure: bool = False) -> S
     and sizes that far, else measured now (seconds on a small model) and written back."""
     key_fields = fingerprint(model)
     key = hashlib.sha256(json.dumps(key_fields, sort_keys=True).encode()).hexdigest()[:20]
-    path = cache_dir() / CACHE_FILE
+    path = cache_file()
     entries = _read(path)
     entry = entries.get(key)
     if not remeasure and isinstance(entry, dict):
