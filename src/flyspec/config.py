@@ -15,6 +15,7 @@ from typing import Any
 from flyspec.config_mapping import FLAT_OPTIONS, floats, from_vllm, jsonable, replaced
 from flyspec.config_mapping import ConfigError as ConfigError  # re-exported: raised by every config here
 from flyspec.config_mapping import require as _require
+from flyspec.names import DRAFT_LENGTH_POLICIES
 
 # FLy reference config (AMD-AGI/FLy): 15 draft tokens, window 6, entropy threshold 0.3 over the
 # target's top-3 probabilities.
@@ -76,10 +77,6 @@ class NgramConfig:
             self.max_ngram >= self.min_ngram,
             f"max_ngram ({self.max_ngram}) must be >= min_ngram ({self.min_ngram})",
         )
-
-
-DRAFT_LENGTH_POLICIES = ("auto", "fixed", "heuristic", "cost")
-COPY_DRAFTERS = ("ngram", "ngram-cache")  # proposals cost nothing per token: propose -k, then cut
 
 
 @dataclass(frozen=True)

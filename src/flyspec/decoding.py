@@ -11,11 +11,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator
 
-from flyspec.config import COPY_DRAFTERS, ConfigError, DecodeConfig, SpeculationConfig
+from flyspec.config import ConfigError, DecodeConfig, SpeculationConfig
 from flyspec.draft_length import DraftLength, new_draft_length, resolve_policy
 from flyspec.drafters.base import Drafter
 from flyspec.generation import Decoder, Generation
 from flyspec.models import LoadedModel
+from flyspec.names import COPY_DRAFTERS
 from flyspec.step_cost import StepCost
 from flyspec.streaming import Step
 from flyspec.types import Draft, VerifyContext
@@ -60,12 +61,9 @@ class SpeculativeDecoder(Decoder):
     def draft_length_policy(self) -> str:
         """The draft-length policy that runs: ``auto`` is ``cost`` under a lossless verifier when the
         decoder has the target's step cost (``build_decoder`` measures it), else ``fixed``."""
-        policy = resolve_policy(self.speculation.draft_length, self.verifier.lossless, self.drafter.name)
-        return "fixed" if policy == "cost" and self.step_cost is None and self._auto else policy
-
-    @property
-    def _auto(self) -> bool:
-        return self.speculation.draft_length.policy == "auto"
+        config = self.speculation.draft_length
+        policy = resolve_policy(config, self.verifier.lossless, self.drafter.name)
+        return "fixed" if policy == "cost" and self.step_cost is None and config.policy == "auto" else policy
 
     def validate(self, config: DecodeConfig) -> None:
         check_draft_length(self.verifier, self.speculation)

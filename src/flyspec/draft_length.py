@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from flyspec.config import COPY_DRAFTERS, DraftLengthConfig
+from flyspec.config import DraftLengthConfig
+from flyspec.names import COPY_DRAFTERS
 from flyspec.step_cost import StepCost
 from flyspec.types import UNKNOWN_SOURCE, Draft
 
@@ -67,6 +68,10 @@ class DraftLength:
         """How many of the proposed tokens to verify (``draft_seconds``: what proposing them took)."""
         return draft.num_tokens
 
+    def recorded(self, requested: int, chosen: int) -> int:
+        """The draft length a step reports as asked for: the request (the choice only cuts a short draft)."""
+        return requested
+
     def observe(self, num_proposed: int, num_accepted: int) -> None:
         """Record a step that verified ``num_proposed`` draft tokens and kept ``num_accepted`` of them."""
         if self.policy != "heuristic" or num_proposed == 0:
@@ -95,7 +100,7 @@ class AcceptanceModel:
     def rates(self, bucket: Bucket) -> np.ndarray:
         """``p_1 .. p_max`` for ``bucket`` ([max_tokens])."""
         s = self.strength
-        reached, kept = self._totals(self.counts.values())
+        reached, kept = sum(self.counts.values(), np.zeros((2, self.max_tokens))).sum(axis=1)
         overall = (kept + s * self.prior) / (reached + s)
         counts = self.counts.get(bucket)
         if counts is None:
@@ -119,14 +124,6 @@ class AcceptanceModel:
     @property
     def buckets(self) -> list[Bucket]:
         return list(self.counts)
-
-    @staticmethod
-    def _totals(counts: object) -> tuple[float, float]:
-        arrays = list(counts)  # type: ignore[call-overload]
-        if not arrays:
-            return 0.0, 0.0
-        total = np.sum(arrays, axis=(0, 2))
-        return float(total[0]), float(total[1])
 
 
 def bucket_of(draft: Draft) -> Bucket:
@@ -177,6 +174,9 @@ class CostAwareLength(DraftLength):
         self.seconds_per_draft_token = 0.8 * self.seconds_per_draft_token + 0.2 * per_token
         self._bucket = bucket_of(draft)
         return self.best(self._bucket, draft.num_tokens, 0.0)  # drafting is paid for already
+
+    def recorded(self, requested: int, chosen: int) -> int:
+        return chosen  # the policy's own choice, not the -k every copy draft is asked for
 
     def observe(self, num_proposed: int, num_accepted: int) -> None:
         self.acceptance.observe(self._bucket, num_proposed, num_accepted)

@@ -80,7 +80,7 @@ class Generation:
         (a cost-aware policy's choice; a fixed or heuristic policy's request)."""
         assert self.draft_length is not None, "plain decoding drafts nothing"
         keep = self.draft_length.choose(draft, draft_seconds)
-        return draft.head(keep), keep if self.draft_length.policy == "cost" else requested
+        return draft.head(keep), self.draft_length.recorded(requested, keep)
 
     def commit(
         self, tokens: list[int], verdict: Verdict | None = None, num_drafted: int = 0, requested: int | None = None

@@ -212,8 +212,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         cli_evaluate()
     except ConfigError as error:  # flyspec's own errors (model_args, generation options) in one line
-        print(f"flyspec.lmeval: error: {error}", file=sys.stderr)
-        raise SystemExit(2) from None
+        from flyspec.cli import fail
+
+        fail(str(error))
 
 
 if __name__ == "__main__":

@@ -9,6 +9,8 @@ from __future__ import annotations
 DRAFTERS = ("ngram", "ngram-cache", "draft-model", "multilevel", "layer-skip", "stack")
 VERIFIERS = ("exact", "rejection", "fly", "margin", "typical")
 LOSSLESS_VERIFIERS = ("exact", "rejection")
+COPY_DRAFTERS = ("ngram", "ngram-cache")  # proposals cost nothing per token (draft_length.py)
+DRAFT_LENGTH_POLICIES = ("auto", "fixed", "heuristic", "cost")
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 PACKAGED_MODELS = {

@@ -156,10 +156,12 @@ def _cpu_model() -> str:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
         return platform.processor() or platform.machine()
-    fields = dict(line.split(":", 1) for line in lines if ":" in line)
-    name = next((v.strip() for k, v in fields.items() if k.strip() == "model name"), platform.machine())
-    flags = next((v.strip() for k, v in fields.items() if k.strip() == "flags"), "")
-    return f"{name} flags:{hashlib.sha256(flags.encode()).hexdigest()[:12]}"
+    fields: dict[str, str] = {}
+    for line in lines:  # the first processor's entries
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    flags = hashlib.sha256(fields.get("flags", "").encode()).hexdigest()[:12]
+    return f"{fields.get('model name', platform.machine())} flags:{flags}"
 
 
 def cache_file() -> Path:
