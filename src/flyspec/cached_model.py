@@ -11,6 +11,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from flyspec.config import ConfigError
+from flyspec.kernels import GrowingLayer
 from flyspec.models import LoadedModel
 
 _CROPPABLE_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)
@@ -31,6 +32,7 @@ class CachedModel:
         self.full_history = full_history
         self.model = model.model
         self.compiled = model.step_forward is not None
+        self.in_place = model.kernels  # flyspec's kernels: the in-place cache (kernels.GrowingLayer)
         self.step_forward = model.step_forward or model.model  # compiled (models.compile_steps) or eager
         self.device = next(self.model.parameters()).device
         self.cache = self._new_cache()
@@ -44,9 +46,14 @@ class CachedModel:
 
     def _new_cache(self) -> DynamicCache:
         if self.full_history:
-            return DynamicCache()  # no config: one plain DynamicLayer per layer, created on first use
+            cache = DynamicCache()  # no config: one plain DynamicLayer per layer, created on first use
+            if self.in_place:
+                cache.layer_class_to_replicate = GrowingLayer
+            return cache
         cache = DynamicCache(config=self.model.config)
         cache.activate_past_recording()  # lets sliding-window layers roll back past their window
+        if self.in_place:  # plain layers only: a sliding-window layer keeps its own bookkeeping
+            cache.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
         return cache
 
     def reset(self) -> None:

@@ -166,7 +166,7 @@ def _generate(args: argparse.Namespace) -> int:
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
     spec = speculation_config(args)
     decode = DecodeConfig(max_new_tokens=args.max_new_tokens, stop_strings=tuple(args.stop), sampling=sampling)
-    resources = Resources(args.dtype, device=args.device, compile=args.compile)
+    resources = Resources(args.dtype, device=args.device, compile=args.compile, kernels=args.kernels)
     decoder = build_decoder(args.target, spec, decode, resources=resources)
     baseline = None
     device = decoder.device

@@ -20,14 +20,14 @@ from flyspec.config import (
     SpeculationConfig,
     check_device,
 )
-from flyspec.names import DEFAULT_MODEL, DRAFTERS, DTYPE_NAMES, VERIFIERS
+from flyspec.names import DEFAULT_MODEL, DRAFTERS, DTYPE_NAMES, KERNELS, VERIFIERS
 
 # Defaults are SpeculationConfig's (config.py); a flag left out keeps the --speculative-config value.
 _DEFAULT = SpeculationConfig()
 
 
 def add_model_options(parser: argparse.ArgumentParser, *, chat: bool = True) -> None:
-    """--target, --draft-model, --device, --dtype, --threads, --compile and (optionally) --chat/--no-chat."""
+    """--target, --draft-model, --device, --dtype, --threads, --kernels, --compile and (optionally) --chat/--no-chat."""
     models = parser.add_argument_group("models")
     models.add_argument(
         "--target",
@@ -54,6 +54,14 @@ def add_model_options(parser: argparse.ArgumentParser, *, chat: bool = True) -> 
         "bfloat16 where it has native bf16, else float32",
     )
     models.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    models.add_argument(
+        "--kernels",
+        default="auto",
+        choices=KERNELS,
+        help="auto (default): on the CPU in float32 or bfloat16, flyspec's kernels for the cached steps "
+        "(oneDNN-prepacked linears, a decode attention, an in-place KV cache; same math up to rounding); "
+        "stock: transformers' modules as loaded. Plain decoding uses the same kernels (BENCHMARKS.md)",
+    )
     models.add_argument(
         "--compile",
         action="store_true",

@@ -33,6 +33,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from flyspec.config import DEFAULT_DEVICE, DEFAULT_DTYPE, ConfigError, check_device
 from flyspec.detokenize import decode_text
+from flyspec.kernels import check_kernels
+from flyspec.kernels import install as install_kernels
 from flyspec.names import DEFAULT_MODEL as DEFAULT_MODEL  # re-exported: the names live in names.py
 from flyspec.names import DTYPE_NAMES, PACKAGED_MODELS
 from flyspec.verifiers.tokens import Vocabulary
@@ -55,13 +57,15 @@ class LoadedModel:
     """A causal LM, its tokenizer, and the name it was loaded under.
 
     ``step_forward``: the model's forward compiled for the cached steps (:func:`compile_steps`);
-    None runs them eagerly.
+    None runs them eagerly. ``kernels``: flyspec's CPU kernels are installed (``kernels.py``), so a
+    ``CachedModel`` keeps its cache in place.
     """
 
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
     name: str
     step_forward: Callable[..., Any] | None = None
+    kernels: bool = False
 
     @property
     def dtype(self) -> torch.dtype:
@@ -188,11 +192,14 @@ def load_model(
     threads: int | None = None,
     device: str | torch.device = DEFAULT_DEVICE,
     compile: bool = False,
+    kernels: str = "auto",
 ) -> LoadedModel:
     """Load a causal LM and its tokenizer from any supported source (see module docstring), onto ``device``.
 
-    ``compile``: run the cached steps through :func:`compile_steps`.
+    ``compile``: run the cached steps through :func:`compile_steps`. ``kernels``: ``auto`` installs
+    flyspec's CPU kernels where they apply (``kernels.py``), ``stock`` keeps transformers' modules.
     """
+    check_kernels(kernels)
     set_threads(threads)
     torch_device = resolve_device(device)  # an unavailable GPU fails before anything is read
     torch_dtype = resolve_dtype(dtype, torch_device)
@@ -206,7 +213,8 @@ def load_model(
             f"a .gguf file, one of {', '.join(PACKAGED_MODELS)}, or a hub id with network access"
         ) from error
     model.to(torch_device).eval()  # type: ignore[arg-type]  # transformers wraps `.to`; its stub is wrong
-    loaded = LoadedModel(model=model, tokenizer=tokenizer, name=name_or_path)
+    installed = install_kernels(model, kernels, compiled=compile)
+    loaded = LoadedModel(model=model, tokenizer=tokenizer, name=name_or_path, kernels=installed)
     return compile_steps(loaded) if compile else loaded
 
 

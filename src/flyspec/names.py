@@ -11,6 +11,7 @@ VERIFIERS = ("exact", "rejection", "fly", "margin", "typical")
 LOSSLESS_VERIFIERS = ("exact", "rejection")
 COPY_DRAFTERS = ("ngram", "ngram-cache")  # proposals cost nothing per token (draft_length.py)
 DRAFT_LENGTH_POLICIES = ("auto", "fixed", "heuristic", "cost")
+KERNELS = ("auto", "stock")  # auto: flyspec's CPU kernels where they apply (kernels.py)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 PACKAGED_MODELS = {

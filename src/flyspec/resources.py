@@ -38,10 +38,12 @@ class Resources:
         models: Iterable[LoadedModel] = (),
         device: str | torch.device = DEFAULT_DEVICE,
         compile: bool = False,
+        kernels: str = "auto",
     ) -> None:
         self.dtype = dtype
         self.device = device  # every model named here loads onto it: draft models sit beside the target
         self.compile = compile  # every model named here compiles its cached steps (models.compile_steps)
+        self.kernels = kernels  # ... and gets flyspec's CPU kernels where they apply (kernels.py)
         self._models: dict[str, LoadedModel] = {model.name: model for model in models}
         self._ngram_caches: dict[str, NgramCache] = {}
         self.calibrations = Calibrations()
@@ -59,7 +61,9 @@ class Resources:
                 self._models.setdefault(model.name, model)
                 return model
             if model not in self._models:
-                self._models[model] = load_model(model, dtype=self.dtype, device=self.device, compile=self.compile)
+                self._models[model] = load_model(
+                    model, dtype=self.dtype, device=self.device, compile=self.compile, kernels=self.kernels
+                )
             return self._models[model]
 
     def step_cost(self, model: LoadedModel, max_tokens: int) -> StepCost:
@@ -95,7 +99,7 @@ class Resources:
 
     def isolated(self) -> Resources:
         """The same models and calibrations, with n-gram caches of its own."""
-        view = Resources(self.dtype, device=self.device, compile=self.compile)
+        view = Resources(self.dtype, device=self.device, compile=self.compile, kernels=self.kernels)
         view._models, view._lock, view.calibrations = self._models, self._lock, self.calibrations
         view._step_costs = self._step_costs
         return view

@@ -145,6 +145,7 @@ def fingerprint(model: LoadedModel) -> dict[str, Any]:
         "cpu": _cpu_model(),
         "threads": torch.get_num_threads(),
         "compiled": model.step_forward is not None,
+        "kernels": model.kernels,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
     }

@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
 
     set_threads(args.threads)
     # this run's models, calibrations (and each method's own caches)
-    resources = Resources(args.dtype, device=args.device, compile=args.compile)
+    resources = Resources(args.dtype, device=args.device, compile=args.compile, kernels=args.kernels)
     target = resources.model(args.target)
     draft = resources.model(args.draft_model) if args.draft_model else None
     settings = BackendSettings(sampling, speculation, args.use_chat, args.hf_lookup_tokens, resources)
@@ -206,6 +206,7 @@ def _meta(
         "max_new_tokens": max_new_tokens,
         "num_draft_tokens": k,
         "compile": args.compile,
+        "kernels": "flyspec" if getattr(target, "kernels", False) else "stock",  # installed, not just asked
         "temperature": args.temperature,
         "repeats": args.repeats,
         "warmup": args.warmup,

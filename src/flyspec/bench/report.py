@@ -98,7 +98,8 @@ def markdown_report(meta: dict[str, Any], summary: dict[str, Any]) -> str:
         "",
         f"- Command: `{meta['command']}`",
         f"- Machine: {meta['machine']}; {meta.get('versions', '')}",
-        f"- Target: {meta['target']} ({meta['dtype']}); draft model: {meta['draft_model'] or 'none'}",
+        f"- Target: {meta['target']} ({meta['dtype']}, {meta.get('kernels', 'stock')} kernels"
+        f"{', compiled' if meta.get('compile') else ''}); draft model: {meta['draft_model'] or 'none'}",
         f"- Prompts: {meta['num_prompts']} from {meta['dataset']} ({', '.join(meta['categories'])}); "
         f"max_new_tokens {meta['max_new_tokens']}, k = {k}, temperature {meta['temperature']}, "
         f"repeats {meta['repeats']}, warm-up {'yes' if meta['warmup'] else 'no'}; methods interleaved per prompt",

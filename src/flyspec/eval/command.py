@@ -180,7 +180,7 @@ def _evaluate(args: argparse.Namespace, config: Any, console: Any) -> int:
     report = LoadReport()
     items = load_all_items(config, report)
     set_threads(args.threads)
-    resources = Resources(args.dtype, device=args.device, compile=args.compile)
+    resources = Resources(args.dtype, device=args.device, compile=args.compile, kernels=args.kernels)
     target = resources.model(args.target)
     _write_meta(config, _meta(args, config, target, report.skipped))
     evaluation = Evaluation(config, target, items, resources)

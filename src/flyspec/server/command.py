@@ -202,10 +202,11 @@ def run(args: argparse.Namespace) -> int:
 
     checked_verifier(defaults)  # option errors that need no model come before loading one
     logging.getLogger("flyspec").setLevel(getattr(logging, args.log_level.upper()))
-    target = load_model(args.target, dtype=args.dtype, threads=args.threads, device=args.device, compile=args.compile)
+    engine = {"dtype": args.dtype, "compile": args.compile, "kernels": args.kernels}
+    target = load_model(args.target, threads=args.threads, device=args.device, **engine)
     draft = None
     if args.draft_model:
-        draft = load_model(args.draft_model, dtype=args.dtype, device=target.device, compile=args.compile)
+        draft = load_model(args.draft_model, device=target.device, **engine)
     # bad defaults fail now, not per request (and stack models and layer-skip calibration load once)
     app = create_app(
         target,

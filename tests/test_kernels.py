@@ -1,0 +1,245 @@
+"""flyspec's CPU kernels (kernels.py): each piece against the stock path it replaces, then end to end.
+
+Float32 throughout where identity is claimed: the kernels change rounding, not the math.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers.cache_utils import DynamicLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+import flyspec.kernels as kernels
+from conftest import make_tiny_model
+from flyspec import DecodeConfig, NgramDrafter, PlainDecoder, SpeculativeDecoder, make_verifier
+from flyspec.cached_model import CachedModel
+from flyspec.config import ConfigError, SpeculationConfig
+from flyspec.kernels import GrowingLayer, PackedLinear, decode_attention
+from flyspec.models import LoadedModel
+
+PROMPT = "Once upon a time there was a small model that The capital of"
+
+
+def with_kernels(loaded: LoadedModel) -> LoadedModel:
+    """A copy of ``loaded`` with flyspec's kernels installed."""
+    model = copy.deepcopy(loaded.model)
+    assert kernels.install(model, "auto")
+    return LoadedModel(model=model, tokenizer=loaded.tokenizer, name=f"{loaded.name}-kernels", kernels=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_linear(dtype: torch.dtype, bias: bool) -> None:
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(48, 80, bias=bias).to(dtype)
+    packed = PackedLinear(linear)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    for shape in [(1, 48), (1, 7, 48), (2, 3, 48)]:
+        x = torch.randn(shape, dtype=dtype)
+        with torch.inference_mode():
+            expected, got = linear(x), packed(x)
+        assert got.shape == expected.shape and got.dtype == dtype
+        torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
+
+
+def attention_inputs(queries: int, keys: int, heads: int, kv_heads: int, strided: bool = True):
+    torch.manual_seed(queries * 100 + keys)
+    query = torch.randn(1, queries, heads, 16).transpose(1, 2)  # as a model hands it over: not contiguous
+    capacity = keys + 5 if strided else keys  # a view of a longer buffer, as GrowingLayer hands it over
+    key = torch.randn(1, kv_heads, capacity, 16)[:, :, :keys]
+    value = torch.randn(1, kv_heads, capacity, 16)[:, :, :keys]
+    return query, key, value
+
+
+class Module(torch.nn.Module):
+    def __init__(self, groups: int) -> None:
+        super().__init__()
+        self.num_key_value_groups, self.is_causal = groups, True
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2, 4])
+@pytest.mark.parametrize(("queries", "keys"), [(1, 9), (3, 9), (5, 40), (16, 17)])
+@pytest.mark.parametrize("window", [None, 6])
+def test_decode_attention_matches_sdpa(kv_heads: int, queries: int, keys: int, window: int | None) -> None:
+    heads = 4
+    query, key, value = attention_inputs(queries, keys, heads, kv_heads)
+    # sdpa's boolean mask (True: attend) for the last `queries` positions of `keys`, causal, optionally windowed
+    rows = torch.arange(keys - queries, keys)[:, None]
+    columns = torch.arange(keys)[None, :]
+    allowed = columns <= rows
+    if window is not None:
+        allowed &= columns > rows - window
+    mask = allowed[None, None]
+    if queries == 1 and window is None:
+        mask = None  # transformers skips the mask for one query without a window; all keys are attended
+    module = Module(heads // kv_heads)
+    expected, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.3)
+    got, weights = decode_attention(module, query, key, value, mask, scaling=0.3, sliding_window=window)
+    assert weights is None and got.shape == (1, queries, heads, 16)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_attention_leaves_what_it_does_not_handle_to_sdpa(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[dict] = []
+
+    def spy(module, query, key, value, mask, dropout=0.0, scaling=None, **kwargs):
+        calls.append(kwargs)
+        return torch.zeros(1), None
+
+    monkeypatch.setattr(kernels, "sdpa_attention_forward", spy)
+    module = Module(2)
+    query, key, value = attention_inputs(4, 4, 4, 2)
+    decode_attention(module, query, key, value, None)  # a prefill: no cached keys
+    query, key, value = attention_inputs(2, 9, 4, 2)
+    decode_attention(module, query, key, value, None)  # several queries and no mask
+    query, key, value = attention_inputs(1, 9, 4, 2)
+    decode_attention(module, query, key, value, None, dropout=0.1)
+    decode_attention(module, query, key, value, None, softcap=30.0)  # anything it does not know
+    decode_attention(module, query, key, value, None, s_aux=torch.zeros(4))
+    assert len(calls) == 5
+    decode_attention(module, query, key, value, None, softcap=None, output_attentions=False, use_cache=True)
+    assert len(calls) == 5  # unset extras do not matter
+
+
+def test_growing_layer_matches_dynamic_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Writes, rollbacks and growth past the capacity (made tiny here) give the stock layer's keys and values."""
+    monkeypatch.setattr(GrowingLayer, "INITIAL_CAPACITY", 4)
+    torch.manual_seed(0)
+    stock, growing = DynamicLayer(), GrowingLayer()
+    assert growing.get_seq_length() == 0
+    growing.crop(-3)  # before the first write: nothing to do, as for the stock layer
+    for size, removed in [(3, 0), (2, 1), (6, 0), (1, 4), (9, 2), (1, 0), (20, 25)]:
+        keys, values = torch.randn(1, 2, size, 8), torch.randn(1, 2, size, 8)
+        expected = stock.update(keys, values)
+        got = growing.update(keys, values)
+        for a, b in zip(got, expected, strict=True):
+            assert torch.equal(a, b)
+        if removed:
+            stock.crop(-removed)
+        growing.crop(-removed)
+        assert growing.get_seq_length() == stock.get_seq_length()
+        assert torch.equal(growing.keys, stock.keys) and torch.equal(growing.values, stock.values)
+    with pytest.raises(ValueError, match="negative"):
+        growing.crop(2)
+    growing.reset()
+    assert growing.get_seq_length() == 0 and not growing.is_initialized
+
+
+def test_install_swaps_linears_and_attention(tiny_target: LoadedModel) -> None:
+    installed = with_kernels(tiny_target)
+    linears = [module for module in installed.model.modules() if isinstance(module, torch.nn.Linear)]
+    assert linears == []
+    packed = [module for module in installed.model.modules() if isinstance(module, PackedLinear)]
+    stock = [module for module in tiny_target.model.modules() if isinstance(module, torch.nn.Linear)]
+    assert len(packed) == len(stock) > 0
+    assert installed.model.config._attn_implementation == kernels.ATTENTION
+    assert tiny_target.model.config._attn_implementation == "sdpa"  # the original is untouched
+
+
+def test_kernels_apply_only_where_they_can(tiny_target: LoadedModel) -> None:
+    model = tiny_target.model
+    assert kernels.applicable(model, "auto", compiled=False) is None
+    assert "stock" in kernels.applicable(model, "stock", compiled=False)
+    assert "compile" in kernels.applicable(model, "auto", compiled=True)
+    half = copy.deepcopy(model).to(torch.float16)
+    assert "float16" in kernels.applicable(half, "auto", compiled=False)
+    assert not kernels.install(half, "auto")  # left as loaded
+    assert any(isinstance(module, torch.nn.Linear) for module in half.modules())
+    with pytest.raises(ConfigError, match="unknown kernels 'fast'"):
+        kernels.check_kernels("fast")
+
+
+def test_cached_steps_match_stock_through_rollbacks(tiny_target: LoadedModel) -> None:
+    """The in-place cache and the kernels, through prefill, steps of several sizes and rollbacks."""
+    stock, fast = CachedModel(tiny_target), CachedModel(with_kernels(tiny_target))
+    assert isinstance(fast.cache.layers[0], GrowingLayer) and not isinstance(stock.cache.layers[0], GrowingLayer)
+    ids = tiny_target.encode_prompt(PROMPT, use_chat=False)
+    for model in (stock, fast):
+        model.forward(ids, logits_to_keep=1)
+    for step, size in enumerate([1, 4, 1, 7, 2, 16, 3] * 40):  # past the initial capacity of 256
+        tokens = [(step * 7 + offset) % 200 + 2 for offset in range(size)]
+        torch.testing.assert_close(fast.forward(tokens), stock.forward(tokens), atol=1e-4, rtol=1e-4)
+        keep = stock.cached_length - step % 3
+        stock.crop_to(keep)
+        fast.crop_to(keep)
+        assert fast.cached_length == stock.cached_length
+    fast.reset()
+    assert fast.cached_length == 0
+
+
+def test_lossless_speculation_with_kernels_matches_plain_and_stock(tiny_target: LoadedModel) -> None:
+    config = DecodeConfig(max_new_tokens=40, ignore_eos=True)
+    fast = with_kernels(tiny_target)
+    stock_plain = PlainDecoder(tiny_target, config).generate(PROMPT, use_chat=False).token_ids
+    assert PlainDecoder(fast, config).generate(PROMPT, use_chat=False).token_ids == stock_plain
+    for k in (1, 4, 12):
+        result = SpeculativeDecoder(
+            fast, NgramDrafter(), make_verifier("exact"), config, SpeculationConfig(num_draft_tokens=k)
+        ).generate(PROMPT, use_chat=False)
+        assert result.token_ids == stock_plain, k
+    assert result.stats.num_accepted > 0  # drafts were verified and kept, so rollbacks happened too
+
+
+def test_sliding_window_model_with_kernels_matches_stock(tokenizer) -> None:
+    """Gemma-3-style sliding layers keep their own cache layer; attention gets their windowed masks."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+        max_position_embeddings=512,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    model = Gemma3ForCausalLM(config).to(torch.float32).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    target = LoadedModel(model=model, tokenizer=tokenizer, name="tiny-gemma3")
+    fast = with_kernels(target)
+    layers = CachedModel(fast).cache.layers
+    assert type(layers[0]).__name__ == "DynamicSlidingWindowLayer" and isinstance(layers[1], GrowingLayer)
+    config_decode = DecodeConfig(max_new_tokens=40, ignore_eos=True)
+    expected = PlainDecoder(target, config_decode).generate(PROMPT, use_chat=False).token_ids
+    result = SpeculativeDecoder(
+        fast, NgramDrafter(), make_verifier("exact"), config_decode, SpeculationConfig(num_draft_tokens=6)
+    ).generate(PROMPT, use_chat=False)
+    assert result.token_ids == expected
+
+
+def test_bfloat16_kernels_agree_with_stock(tokenizer) -> None:
+    """bf16 rounds differently; report-level agreement: the greedy tokens of a tiny model mostly match."""
+    target = make_tiny_model(tokenizer, seed=3, layers=2, hidden=64)
+    target = LoadedModel(model=target.model.to(torch.bfloat16), tokenizer=tokenizer, name="tiny-bf16")
+    if kernels.applicable(target.model, "auto", compiled=False) is not None:
+        pytest.skip("this CPU has no oneDNN bfloat16 linear")
+    config = DecodeConfig(max_new_tokens=30, ignore_eos=True)
+    stock = PlainDecoder(target, config).generate(PROMPT, use_chat=False).token_ids
+    fast = PlainDecoder(with_kernels(target), config).generate(PROMPT, use_chat=False).token_ids
+    assert fast[:5] == stock[:5]
+    assert sum(a == b for a, b in zip(fast, stock, strict=True)) >= 20
+
+
+def test_load_model_installs_kernels_unless_stock(tiny_model_dir) -> None:
+    from flyspec.models import load_model
+
+    fast = load_model(str(tiny_model_dir), dtype="float32")
+    stock = load_model(str(tiny_model_dir), dtype="float32", kernels="stock")
+    assert fast.kernels and not stock.kernels
+    assert any(isinstance(module, PackedLinear) for module in fast.model.modules())
+    assert not any(isinstance(module, PackedLinear) for module in stock.model.modules())
+    ids = [5, 6, 7, 8, 9]
+    with torch.inference_mode():
+        torch.testing.assert_close(
+            fast.model(torch.tensor([ids])).logits, stock.model(torch.tensor([ids])).logits, atol=1e-4, rtol=1e-4
+        )
