@@ -5,9 +5,12 @@ One tiny model is compiled once for the module (compiling takes tens of seconds 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
+import flyspec.kernels as kernels
 from conftest import make_tiny_model
 from flyspec.api import build_decoder
 from flyspec.baseline import PlainDecoder
@@ -20,9 +23,14 @@ from test_reference import naive_greedy
 PROMPT = [5, 9, 12, 7, 5, 9, 12, 7, 5, 9]  # repeats, so n-gram drafts have something to copy
 
 
-@pytest.fixture(scope="module")
-def models(tokenizer) -> tuple[LoadedModel, LoadedModel]:
+@pytest.fixture(scope="module", params=["stock", "kernels"])
+def models(tokenizer, request) -> tuple[LoadedModel, LoadedModel]:
+    """An eager model and its compiled twin: transformers' modules (inductor freezing packs the
+    weights), or flyspec's kernels (packed linears as opaque operators, the decode attention)."""
     eager = make_tiny_model(tokenizer, seed=11, name="compile-me")
+    if request.param == "kernels":
+        assert kernels.install(eager.model, "auto")
+        eager = dataclasses.replace(eager, kernels=True)
     return eager, compile_steps(eager)
 
 
@@ -31,6 +39,7 @@ def test_compile_steps_wraps_the_forward_and_keeps_the_model(models) -> None:
     assert eager.step_forward is None
     assert compiled.step_forward is not None
     assert compiled.model is eager.model  # the weights are shared, not copied
+    assert compiled.kernels == eager.kernels
 
 
 def test_compiled_steps_score_like_eager_ones(models) -> None:

@@ -141,11 +141,10 @@ def test_install_swaps_linears_and_attention(tiny_target: LoadedModel) -> None:
 
 def test_kernels_apply_only_where_they_can(tiny_target: LoadedModel) -> None:
     model = tiny_target.model
-    assert kernels.applicable(model, "auto", compiled=False) is None
-    assert "stock" in kernels.applicable(model, "stock", compiled=False)
-    assert "compile" in kernels.applicable(model, "auto", compiled=True)
+    assert kernels.applicable(model, "auto") is None
+    assert "stock" in kernels.applicable(model, "stock")
     half = copy.deepcopy(model).to(torch.float16)
-    assert "float16" in kernels.applicable(half, "auto", compiled=False)
+    assert "float16" in kernels.applicable(half, "auto")
     assert not kernels.install(half, "auto")  # left as loaded
     assert any(isinstance(module, torch.nn.Linear) for module in half.modules())
     with pytest.raises(ConfigError, match="unknown kernels 'fast'"):
@@ -221,7 +220,7 @@ def test_bfloat16_kernels_agree_with_stock(tokenizer) -> None:
     """bf16 rounds differently; report-level agreement: the greedy tokens of a tiny model mostly match."""
     target = make_tiny_model(tokenizer, seed=3, layers=2, hidden=64)
     target = LoadedModel(model=target.model.to(torch.bfloat16), tokenizer=tokenizer, name="tiny-bf16")
-    if kernels.applicable(target.model, "auto", compiled=False) is not None:
+    if kernels.applicable(target.model, "auto") is not None:
         pytest.skip("this CPU has no oneDNN bfloat16 linear")
     config = DecodeConfig(max_new_tokens=30, ignore_eos=True)
     stock = PlainDecoder(target, config).generate(PROMPT, use_chat=False).token_ids

@@ -32,7 +32,9 @@ class CachedModel:
         self.full_history = full_history
         self.model = model.model
         self.compiled = model.step_forward is not None
-        self.in_place = model.kernels  # flyspec's kernels: the in-place cache (kernels.GrowingLayer)
+        # flyspec's kernels, eager: the in-place cache (kernels.GrowingLayer); a compiled graph guards
+        # on the cache's shapes, so compiled steps keep transformers' layers
+        self.in_place = model.kernels and not self.compiled
         self.step_forward = model.step_forward or model.model  # compiled (models.compile_steps) or eager
         self.device = next(self.model.parameters()).device
         self.cache = self._new_cache()

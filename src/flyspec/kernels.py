@@ -5,8 +5,8 @@ to the stock path where it does not apply:
 
 - **Prepacked linears.** Every ``nn.Linear`` becomes a :class:`PackedLinear` whose weight oneDNN
   has reordered once, at load, into its blocked layout; the stock ``F.linear`` reads the plain
-  layout at every call and reaches about half the memory bandwidth. (Inductor's ``freezing`` does
-  the same for ``--compile``.)
+  layout at every call and reaches about half the memory bandwidth. Under ``torch.compile`` it is
+  the opaque operator ``flyspec::packed_linear``, so ``--compile`` fuses everything around it.
 - **Decode attention.** A few queries against a long cache run as two batched matmuls per key/value
   head, with the query heads of a group stacked as rows, instead of torch's CPU flash-attention
   kernel, whose cost for one query grows with the cache far faster than the work does. Registered
@@ -14,16 +14,18 @@ to the stock path where it does not apply:
   dropout, soft-capping, attention sinks and anything else unusual go to ``sdpa`` unchanged.
 - **An in-place KV cache** (:class:`GrowingLayer`): a buffer that doubles when full, so a step
   writes its keys and values in place instead of copying the whole cache by concatenation, and a
-  rollback is a length change. ``cached_model.CachedModel`` uses it.
+  rollback is a length change. ``cached_model.CachedModel`` uses it for eager steps (compiled
+  graphs guard on the cache's shapes, so ``--compile`` keeps transformers' cache).
 
-Only on a CPU, in float32 or bfloat16 (where oneDNN supports it), and not with ``--compile``, whose
-inductor graphs pack weights themselves and guard on the cache's shapes. The math is the same up to
+Only on a CPU, in float32 or bfloat16 (where oneDNN supports it). The math is the same up to
 floating-point rounding; plain decoding runs the same kernels, so speedups stay like for like.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
+import weakref
 from typing import Any
 
 import torch
@@ -52,12 +54,10 @@ def check_kernels(kernels: str) -> str:
     return kernels
 
 
-def applicable(model: PreTrainedModel, kernels: str, compiled: bool) -> str | None:
+def applicable(model: PreTrainedModel, kernels: str) -> str | None:
     """Why flyspec's kernels are not used for ``model`` (None: they are)."""
     if check_kernels(kernels) == "stock":
         return "--kernels stock"
-    if compiled:
-        return "--compile (inductor packs the weights itself)"
     parameter = next(model.parameters())
     if parameter.device.type != "cpu":
         return f"the model is on {parameter.device.type}, not the CPU"
@@ -70,13 +70,13 @@ def applicable(model: PreTrainedModel, kernels: str, compiled: bool) -> str | No
     return f"oneDNN has no {parameter.dtype} linear on this CPU"
 
 
-def install(model: PreTrainedModel, kernels: str = "auto", compiled: bool = False) -> bool:
+def install(model: PreTrainedModel, kernels: str = "auto") -> bool:
     """Swap ``model``'s linears and attention for flyspec's kernels where they apply (in place).
 
     Returns whether they were installed; the caller's ``CachedModel`` then uses :class:`GrowingLayer`.
     Call after the model is on its device, in eval mode, with its final weights.
     """
-    reason = applicable(model, kernels, compiled)
+    reason = applicable(model, kernels)
     if reason is not None:
         logger.info("flyspec kernels not used: %s", reason)
         return False
@@ -86,6 +86,23 @@ def install(model: PreTrainedModel, kernels: str = "auto", compiled: bool = Fals
         register_attention()
         model.set_attn_implementation(ATTENTION)
     return True
+
+
+# Packed weights by handle, for the compiled graphs' operator (a oneDNN tensor cannot be a graph
+# input: it has no storage to fake). Weak: a weight lives as long as its PackedLinear.
+_PACKED: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+_HANDLES = itertools.count()
+
+
+@torch.library.custom_op("flyspec::packed_linear", mutates_args=())
+def packed_linear(rows: torch.Tensor, handle: int, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """``rows`` [n, in] times the packed weight registered under ``handle``, plus ``bias``: [n, out]."""
+    return torch.ops.mkldnn._linear_pointwise(rows, _PACKED[handle], bias, "none", [], "")
+
+
+@packed_linear.register_fake
+def _(rows: torch.Tensor, handle: int, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+    return rows.new_empty((rows.shape[0], out_features))
 
 
 class PackedLinear(nn.Module):
@@ -100,10 +117,15 @@ class PackedLinear(nn.Module):
         # batch size hint 4: measured as fast as the others for 1..16 rows (the sizes of a cached step)
         self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 4)
         self.bias = None if linear.bias is None else linear.bias.detach()
+        self.handle = next(_HANDLES)
+        _PACKED[self.handle] = self.packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
+        if torch.compiler.is_compiling():
+            out = packed_linear(rows, self.handle, self.out_features, self.bias)
+        else:  # eager: the oneDNN call itself, without the custom operator's dispatch
+            out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

@@ -213,7 +213,7 @@ def load_model(
             f"a .gguf file, one of {', '.join(PACKAGED_MODELS)}, or a hub id with network access"
         ) from error
     model.to(torch_device).eval()  # type: ignore[arg-type]  # transformers wraps `.to`; its stub is wrong
-    installed = install_kernels(model, kernels, compiled=compile)
+    installed = install_kernels(model, kernels)
     loaded = LoadedModel(model=model, tokenizer=tokenizer, name=name_or_path, kernels=installed)
     return compile_steps(loaded) if compile else loaded
 
@@ -222,16 +222,19 @@ def compile_steps(loaded: LoadedModel) -> LoadedModel:
     """``loaded`` with its cached-step forward compiled by ``torch.compile`` (inductor).
 
     ``dynamic=True``: one graph for every number of scored tokens and cache length, so a draft of
-    any length reuses it. ``freezing``: the weights become constants, which lets inductor prepack
-    them for oneDNN on the CPU — that, not fewer Python calls, is most of the gain there (BENCHMARKS.md,
-    "A compiled forward"). It compiles here, before returning (minutes on 2 cores), so that no
+    any length reuses it. With flyspec's kernels (``loaded.kernels``) the linears are already packed
+    and stay opaque operators; inductor fuses the rest (norms, rotary embeddings, activations) and
+    removes the per-operator Python cost. Without them, ``freezing`` makes the weights constants,
+    which lets inductor prepack them for oneDNN on the CPU (BENCHMARKS.md, "A compiled forward").
+    It compiles here, before returning (minutes on 2 cores), so that no
     generation stalls on a compile; prefill stays eager.
     Plain decoding uses the same compiled forward, so speedups stay like for like. The weights
     must not change afterwards. Any causal LM that ``torch.compile`` can trace works; one it
     cannot falls back to eager per graph break (``torch._dynamo`` decides; outputs are the same
     up to floating-point rounding).
     """
-    forward = torch.compile(loaded.model.forward, dynamic=True, options={"freezing": True})
+    options: dict[str, Any] = {} if loaded.kernels else {"freezing": True}
+    forward = torch.compile(loaded.model.forward, dynamic=True, options=options)
     _warm_up(loaded.model, forward)
     return dataclasses.replace(loaded, step_forward=forward)
 

@@ -2,7 +2,7 @@
 
 The cost-aware draft length (``draft_length.py``) verifies the draft length that maximises
 expected committed tokens per second, so it needs t(n) for n = 1 .. k + 1. How t(n) grows with n
-is a property of the model, dtype, device, thread count, compile state and machine: on a CPU
+is a property of the model, dtype, device, thread count, kernels, compile state and machine: on a CPU
 without native bf16 a 16-token bf16 forward costs ~7 one-token ones, with it ~1.5, and on a GPU
 about 1. It is measured at start-up — a prefill of ``CONTEXT`` tokens, then forwards of each size
 in :data:`SIZES` (interleaved over rounds, the first round a warm-up, the median kept) — and

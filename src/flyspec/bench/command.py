@@ -206,7 +206,6 @@ def _meta(
         "max_new_tokens": max_new_tokens,
         "num_draft_tokens": k,
         "compile": args.compile,
-        "kernels": "flyspec" if getattr(target, "kernels", False) else "stock",  # installed, not just asked
         "temperature": args.temperature,
         "repeats": args.repeats,
         "warmup": args.warmup,

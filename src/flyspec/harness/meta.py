@@ -12,7 +12,7 @@ from flyspec.models import LoadedModel, cpu_name, device_name
 
 def run_metadata(target: LoadedModel, command: str | None) -> dict[str, Any]:
     """Command line, UTC date and time, machine (the GPU first when the target runs on one), library
-    versions, target model, dtype and device."""
+    versions, target model, dtype, device and kernels."""
     import torch
     import transformers
 
@@ -28,4 +28,5 @@ def run_metadata(target: LoadedModel, command: str | None) -> dict[str, Any]:
         "target": target.name,
         "dtype": str(target.dtype).removeprefix("torch."),
         "device": str(target.device),
+        "kernels": "flyspec" if target.kernels else "stock",  # installed (kernels.py), not just asked for
     }
