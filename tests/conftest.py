@@ -89,6 +89,31 @@ def make_tiny_model(
     return LoadedModel(model=model, tokenizer=tokenizer, name=f"{name}-seed{seed}")
 
 
+def make_tiny_gemma3(tokenizer: PreTrainedTokenizerFast, layer_types: list[str], seed: int = 0) -> LoadedModel:
+    """A random float32 Gemma-3 text model with sliding-window layers (window 8) where ``layer_types`` says."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(seed)
+    config = Gemma3TextConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=len(layer_types),
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        sliding_window=8,
+        layer_types=list(layer_types),
+        max_position_embeddings=512,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    model = Gemma3ForCausalLM(config).to(torch.float32).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    return LoadedModel(model=model, tokenizer=tokenizer, name=f"tiny-gemma3-seed{seed}")
+
+
 def noisy_copy(loaded: LoadedModel, scale: float, seed: int) -> LoadedModel:
     """The same architecture and tokenizer with perturbed weights: a draft that is often right."""
     torch.manual_seed(seed)

@@ -25,8 +25,14 @@ from flyspec.verifiers.registry import VERIFIERS
 PROMPT = "Speculative decoding drafts"
 MAX_NEW_TOKENS = 24
 RECORD_KEYS = {
-    "text", "num_new_tokens", "num_target_forwards", "mean_acceptance_length", "num_loose_accepts",
-    "wall_time_s", "tokens_per_s", "lossless",
+    "text",
+    "num_new_tokens",
+    "num_target_forwards",
+    "mean_acceptance_length",
+    "num_loose_accepts",
+    "wall_time_s",
+    "tokens_per_s",
+    "lossless",
 }
 COMPARE_KEYS = {"baseline_text", "baseline_tokens_per_s", "speedup", "identical_to_baseline"}
 
@@ -35,8 +41,9 @@ COMPARE_KEYS = {"baseline_text", "baseline_tokens_per_s", "speedup", "identical_
 def other_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny model whose tokenizer has another vocabulary (280 tokens, not 300)."""
     bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator(CORPUS, vocab_size=280, min_frequency=1, special_tokens=["<s>", "</s>"],
-                            show_progress=False)
+    bpe.train_from_iterator(
+        CORPUS, vocab_size=280, min_frequency=1, special_tokens=["<s>", "</s>"], show_progress=False
+    )
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, bos_token="<s>", eos_token="</s>")
     loaded = make_tiny_model(tokenizer, seed=5, name="other-vocab")
     directory = tmp_path_factory.mktemp("other-vocab-model")
@@ -45,8 +52,9 @@ def other_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return directory
 
 
-def run_cli(capsys: pytest.CaptureFixture[str], model_dir: Path, *options: str,
-            prompt: str = PROMPT) -> tuple[str, str]:
+def run_cli(
+    capsys: pytest.CaptureFixture[str], model_dir: Path, *options: str, prompt: str = PROMPT
+) -> tuple[str, str]:
     """Run ``flyspec generate`` on the tiny model (float32, raw text prompt); return stdout, stderr."""
     argv = ["generate", prompt, "--target", str(model_dir), "--dtype", "float32", "--no-chat", *options]
     assert main(argv) == 0
@@ -95,17 +103,16 @@ def test_json_record_is_consistent(capsys: pytest.CaptureFixture[str], tiny_mode
     assert 1 <= record["num_new_tokens"] <= MAX_NEW_TOKENS
     assert record["wall_time_s"] > 0
     assert record["tokens_per_s"] == pytest.approx(record["num_new_tokens"] / record["wall_time_s"])
-    assert record["mean_acceptance_length"] == pytest.approx(
-        record["num_new_tokens"] / record["num_target_forwards"]
-    )
+    assert record["mean_acceptance_length"] == pytest.approx(record["num_new_tokens"] / record["num_target_forwards"])
     assert 0 <= record["num_accepted"] <= record["num_proposed"]
     if record["lossless"]:
         assert record["num_loose_accepts"] == 0
 
 
 @pytest.mark.parametrize("max_new_tokens", [1, 2, 5])
-def test_max_new_tokens_is_exact_limit(capsys: pytest.CaptureFixture[str], tiny_model_dir: Path,
-                                       max_new_tokens: int) -> None:
+def test_max_new_tokens_is_exact_limit(
+    capsys: pytest.CaptureFixture[str], tiny_model_dir: Path, max_new_tokens: int
+) -> None:
     # k = 15 drafts per forward must still not overshoot a small limit
     out, _ = run_cli(capsys, tiny_model_dir, "--json", "--max-new-tokens", str(max_new_tokens))
     record = json.loads(out)
@@ -114,8 +121,9 @@ def test_max_new_tokens_is_exact_limit(capsys: pytest.CaptureFixture[str], tiny_
 
 
 @pytest.mark.parametrize("verifier", ["exact", "rejection"])
-def test_compare_reports_speedup_and_identity(capsys: pytest.CaptureFixture[str], tiny_model_dir: Path,
-                                              verifier: str) -> None:
+def test_compare_reports_speedup_and_identity(
+    capsys: pytest.CaptureFixture[str], tiny_model_dir: Path, verifier: str
+) -> None:
     record = run_json(capsys, tiny_model_dir, "--compare", "--verifier", verifier)
     assert record.keys() >= RECORD_KEYS | COMPARE_KEYS
     assert record["speedup"] == pytest.approx(record["tokens_per_s"] / record["baseline_tokens_per_s"])
@@ -124,8 +132,7 @@ def test_compare_reports_speedup_and_identity(capsys: pytest.CaptureFixture[str]
     assert record["baseline_num_new_tokens"] == record["num_new_tokens"] == MAX_NEW_TOKENS
 
 
-def test_compare_without_json_prints_both_summaries(capsys: pytest.CaptureFixture[str],
-                                                    tiny_model_dir: Path) -> None:
+def test_compare_without_json_prints_both_summaries(capsys: pytest.CaptureFixture[str], tiny_model_dir: Path) -> None:
     out, err = run_cli(capsys, tiny_model_dir, "--compare", "--max-new-tokens", "8")
     expected = run_json(capsys, tiny_model_dir, "--max-new-tokens", "8")["text"]
     assert out == expected + "\n"
@@ -134,8 +141,7 @@ def test_compare_without_json_prints_both_summaries(capsys: pytest.CaptureFixtur
 
 
 @pytest.mark.parametrize("use_stop", [False, True])
-def test_stream_prints_the_same_text(capsys: pytest.CaptureFixture[str], tiny_model_dir: Path,
-                                     use_stop: bool) -> None:
+def test_stream_prints_the_same_text(capsys: pytest.CaptureFixture[str], tiny_model_dir: Path, use_stop: bool) -> None:
     full_text = run_json(capsys, tiny_model_dir)["text"]
     options = ["--stop", pick_stop_string(full_text)] if use_stop else []
     streamed, _ = run_cli(capsys, tiny_model_dir, "--stream", "--max-new-tokens", str(MAX_NEW_TOKENS), *options)
@@ -155,11 +161,13 @@ def test_stop_string_truncates(capsys: pytest.CaptureFixture[str], tiny_model_di
 
 
 @pytest.mark.parametrize("verifier", ["exact", "rejection", "fly"])
-def test_seeded_sampling_is_reproducible(capsys: pytest.CaptureFixture[str], tiny_model_dir: Path,
-                                         verifier: str) -> None:
+def test_seeded_sampling_is_reproducible(
+    capsys: pytest.CaptureFixture[str], tiny_model_dir: Path, verifier: str
+) -> None:
     def sample(seed: int) -> str:
-        return run_json(capsys, tiny_model_dir, "--verifier", verifier, "--temperature", "0.8",
-                        "--seed", str(seed))["text"]
+        return run_json(capsys, tiny_model_dir, "--verifier", verifier, "--temperature", "0.8", "--seed", str(seed))[
+            "text"
+        ]
 
     first = sample(3)
     assert sample(3) == first
@@ -167,10 +175,10 @@ def test_seeded_sampling_is_reproducible(capsys: pytest.CaptureFixture[str], tin
 
 
 @pytest.mark.parametrize("drafter", ["draft-model", "multilevel"])
-def test_target_drafting_for_itself_is_fully_accepted(capsys: pytest.CaptureFixture[str], tiny_model_dir: Path,
-                                                      drafter: str) -> None:
-    record = run_json(capsys, tiny_model_dir, "--drafter", drafter, "--draft-model", str(tiny_model_dir),
-                      "--compare")
+def test_target_drafting_for_itself_is_fully_accepted(
+    capsys: pytest.CaptureFixture[str], tiny_model_dir: Path, drafter: str
+) -> None:
+    record = run_json(capsys, tiny_model_dir, "--drafter", drafter, "--draft-model", str(tiny_model_dir), "--compare")
     assert record["drafter"] == drafter
     assert record["num_proposed"] > 0
     assert record["num_accepted"] == record["num_proposed"]
@@ -193,10 +201,16 @@ BAD_OPTIONS = [
     pytest.param(["--drafter", "nope"], "invalid choice: 'nope'", id="unknown-drafter"),
     pytest.param(["--dtype", "int3"], "invalid choice: 'int3'", id="unknown-dtype"),
     pytest.param(["-k", "0"], "num_draft_tokens must be >= 1", id="k-zero"),
-    pytest.param(["--verifier", "fly", "-k", "4", "--window-size", "6"],
-                 "num_draft_tokens (4) is too short for verifier 'fly'", id="window-above-k"),
-    pytest.param(["--verifier", "fly", "-k", "6", "--window-size", "6"],
-                 "it needs at least 7 (FLy: window_size + 1", id="window-equals-k"),
+    pytest.param(
+        ["--verifier", "fly", "-k", "4", "--window-size", "6"],
+        "num_draft_tokens (4) is too short for verifier 'fly'",
+        id="window-above-k",
+    ),
+    pytest.param(
+        ["--verifier", "fly", "-k", "6", "--window-size", "6"],
+        "it needs at least 7 (FLy: window_size + 1",
+        id="window-equals-k",
+    ),
     pytest.param(["--temperature", "-0.5"], "temperature must be a finite number >= 0", id="negative-temperature"),
     pytest.param(["--top-p", "0"], "top_p must be in (0, 1]", id="top-p-zero"),
     pytest.param(["--max-new-tokens", "0"], "max_new_tokens must be >= 1", id="max-new-tokens-zero"),
@@ -206,13 +220,15 @@ BAD_OPTIONS = [
     pytest.param(["--drafter", "multilevel"], "needs a draft model", id="multilevel-without-model"),
     pytest.param(["--drafter", "stack"], "needs its levels", id="stack-without-levels"),
     pytest.param(["--drafter", "stack", "--stack", "layer-skip,ngram"], "must be the bottom", id="ngram-on-top"),
-    pytest.param(["--drafter", "stack", "--stack", "ngram,no-such-model"], "'no-such-model' not found",
-                 id="stack-unknown-model"),
+    pytest.param(
+        ["--drafter", "stack", "--stack", "ngram,no-such-model"], "'no-such-model' not found", id="stack-unknown-model"
+    ),
     pytest.param(["--skip-layers", "1,x"], "--skip-layers must be 'auto' or", id="skip-layers-garbage"),
     pytest.param(["--drafter", "layer-skip", "--skip-layers", "7"], "7", id="skip-layer-out-of-range"),
     pytest.param(["--min-draft-tokens", "0"], "min draft tokens must be >= 1", id="min-draft-zero"),
-    pytest.param(["--draft-confidence", "1.5"], "draft confidence threshold must be in [0, 1)",
-                 id="confidence-above-one"),
+    pytest.param(
+        ["--draft-confidence", "1.5"], "draft confidence threshold must be in [0, 1)", id="confidence-above-one"
+    ),
     pytest.param(["--ngram-cache-entries", "0"], "max_entries must be >= 1", id="cache-entries-zero"),
     pytest.param(["--target", "{missing}"], "{missing}", id="missing-model-path"),
     pytest.param(["--target", "no-such-model"], "'no-such-model' not found", id="unknown-model-name"),
@@ -220,9 +236,14 @@ BAD_OPTIONS = [
 
 
 @pytest.mark.parametrize("options, message", BAD_OPTIONS)
-def test_bad_option_is_one_line_usage_error(capsys: pytest.CaptureFixture[str], tmp_path: Path,
-                                            tiny_model_dir: Path, other_tokenizer_dir: Path,
-                                            options: list[str], message: str) -> None:
+def test_bad_option_is_one_line_usage_error(
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    tiny_model_dir: Path,
+    other_tokenizer_dir: Path,
+    options: list[str],
+    message: str,
+) -> None:
     places = {"other": str(other_tokenizer_dir), "missing": str(tmp_path / "no-such-model")}
     options = [option.format(**places) for option in options]
     # a later --target overrides this one
@@ -245,7 +266,10 @@ def test_console_script_bad_option_exits_2_without_traceback(tiny_model_dir: Pat
     command = [str(script)] if script.is_file() else [sys.executable, "-m", "flyspec.cli"]
     completed = subprocess.run(
         [*command, "generate", PROMPT, "--target", str(tiny_model_dir), "--dtype", "float32", "-k", "0"],
-        capture_output=True, text=True, timeout=120, check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     assert completed.returncode == 2
     assert completed.stdout == ""
@@ -272,8 +296,9 @@ def test_help_names_every_verifier(capsys: pytest.CaptureFixture[str], argv: lis
     assert not missing, f"help does not mention {missing}"
 
 
-def test_compare_shows_plain_text_when_a_lossy_output_differs(capsys: pytest.CaptureFixture[str],
-                                                              tiny_model_dir: Path) -> None:
+def test_compare_shows_plain_text_when_a_lossy_output_differs(
+    capsys: pytest.CaptureFixture[str], tiny_model_dir: Path
+) -> None:
     lossy = ["--verifier", "fly", "--window-size", "0", "--entropy-threshold", "0", "--max-new-tokens", "30"]
     lossy.append("--bare-rule")  # a tiny random model repeats itself: the loop guard would refuse most loose accepts
     record = run_json(capsys, tiny_model_dir, "--compare", *lossy)
@@ -285,17 +310,29 @@ def test_compare_shows_plain_text_when_a_lossy_output_differs(capsys: pytest.Cap
 
 
 @pytest.mark.parametrize("drafter", ["draft-model", "multilevel"])
-def test_draft_model_with_another_tokenizer(capsys: pytest.CaptureFixture[str], tiny_model_dir: Path,
-                                            other_tokenizer_dir: Path, drafter: str) -> None:
-    record = run_json(capsys, tiny_model_dir, "--drafter", drafter, "--draft-model", str(other_tokenizer_dir),
-                      "-k", "4", "--compare", "--adaptive-draft")
+def test_draft_model_with_another_tokenizer(
+    capsys: pytest.CaptureFixture[str], tiny_model_dir: Path, other_tokenizer_dir: Path, drafter: str
+) -> None:
+    record = run_json(
+        capsys,
+        tiny_model_dir,
+        "--drafter",
+        drafter,
+        "--draft-model",
+        str(other_tokenizer_dir),
+        "-k",
+        "4",
+        "--compare",
+        "--adaptive-draft",
+    )
     assert record["identical_to_baseline"] is True
     assert record["drafter_stats"]["inner"]["draft_forwards"] > 0
     assert sum(record["requested_draft_lengths"].values()) == record["num_target_forwards"]
 
 
-def test_cost_aware_draft_length_from_the_command_line(capsys: pytest.CaptureFixture[str],
-                                                     tiny_model_dir: Path) -> None:
+def test_cost_aware_draft_length_from_the_command_line(
+    capsys: pytest.CaptureFixture[str], tiny_model_dir: Path
+) -> None:
     record = run_json(capsys, tiny_model_dir, "--draft-length", "cost", "-k", "6", "--compare")
     assert record["identical_to_baseline"] is True and record["draft_length"] == "cost"
     assert record["speculative_config"]["draft_length"]["policy"] == "cost"
@@ -306,7 +343,10 @@ def test_cost_aware_draft_length_from_the_command_line(capsys: pytest.CaptureFix
 
 
 def test_new_drafters_from_the_command_line(capsys: pytest.CaptureFixture[str], tiny_model_dir: Path) -> None:
-    for options in (["--drafter", "ngram-cache"], ["--drafter", "layer-skip", "--skip-layers", "1"],
-                    ["--drafter", "stack", "--stack", f"ngram,{tiny_model_dir}"]):
+    for options in (
+        ["--drafter", "ngram-cache"],
+        ["--drafter", "layer-skip", "--skip-layers", "1"],
+        ["--drafter", "stack", "--stack", f"ngram,{tiny_model_dir}"],
+    ):
         record = run_json(capsys, tiny_model_dir, *options, "--compare")
         assert record["identical_to_baseline"] is True, options

@@ -79,14 +79,30 @@ def test_a_prompt_file_keeps_inner_newlines(
     ("argv", "stdin", "message"),
     [
         pytest.param([], "", "no prompt: give it as an argument, with --prompt-file PATH, or on stdin", id="none"),
-        pytest.param([PROMPT, "--prompt-file", "{file}"], "", "give the prompt once: as an argument or with "
-                     "--prompt-file, not both", id="argument-and-file"),
-        pytest.param(["-", "--prompt-file", "{file}"], "", "give the prompt once: on stdin (-) or with --prompt-file",
-                     id="stdin-and-file"),
-        pytest.param(["--prompt-file", "{missing}"], "",
-                     "cannot read the prompt from --prompt-file {missing}: No such file", id="missing-file"),
-        pytest.param(["--prompt-file", "{tmp}"], "",
-                     "cannot read the prompt from --prompt-file {tmp}: Is a directory", id="directory"),
+        pytest.param(
+            [PROMPT, "--prompt-file", "{file}"],
+            "",
+            "give the prompt once: as an argument or with --prompt-file, not both",
+            id="argument-and-file",
+        ),
+        pytest.param(
+            ["-", "--prompt-file", "{file}"],
+            "",
+            "give the prompt once: on stdin (-) or with --prompt-file",
+            id="stdin-and-file",
+        ),
+        pytest.param(
+            ["--prompt-file", "{missing}"],
+            "",
+            "cannot read the prompt from --prompt-file {missing}: No such file",
+            id="missing-file",
+        ),
+        pytest.param(
+            ["--prompt-file", "{tmp}"],
+            "",
+            "cannot read the prompt from --prompt-file {tmp}: Is a directory",
+            id="directory",
+        ),
         pytest.param(["--prompt-file", "{binary}"], "", "is not UTF-8 text", id="not-utf8"),
         pytest.param(["--prompt-file", "{empty}"], "", "the prompt is empty (--prompt-file {empty})", id="empty-file"),
         pytest.param(["-"], " \n", "the prompt is empty (stdin)", id="empty-stdin"),
@@ -94,8 +110,13 @@ def test_a_prompt_file_keeps_inner_newlines(
     ],
 )
 def test_prompt_errors_are_one_line_before_any_model_loads(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path, no_loading: None,
-    argv: list[str], stdin: str, message: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    no_loading: None,
+    argv: list[str],
+    stdin: str,
+    message: str,
 ) -> None:
     places = {name: str(tmp_path / name) for name in ("file", "missing", "binary", "empty")} | {"tmp": str(tmp_path)}
     (tmp_path / "file").write_text(PROMPT)
@@ -109,8 +130,11 @@ def test_prompt_errors_are_one_line_before_any_model_loads(
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        pytest.param(["--verifier", "fly", "-k", "4"], "num_draft_tokens (4) is too short for verifier 'fly'",
-                     id="fly-k-below-window"),
+        pytest.param(
+            ["--verifier", "fly", "-k", "4"],
+            "num_draft_tokens (4) is too short for verifier 'fly'",
+            id="fly-k-below-window",
+        ),
         pytest.param(["--verifier", "fly", "-k", "8", "--window-size", "8"], "it needs at least 9", id="window-is-k"),
         pytest.param(["-k", "0"], "num_draft_tokens must be >= 1", id="k-zero"),
         pytest.param(["--drafter", "draft-model"], "needs a draft model", id="draft-model-without-model"),
@@ -127,7 +151,10 @@ def test_piped_prompt_through_the_console_entry(capsys: pytest.CaptureFixture[st
     """`echo … | python -m flyspec generate -` in a real pipe gives the argument's output."""
     done = subprocess.run(
         [sys.executable, "-m", "flyspec", "generate", "-", "--target", str(tiny_model_dir), *OPTIONS],
-        input=PROMPT + "\n", capture_output=True, text=True, timeout=300,
+        input=PROMPT + "\n",
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert done.returncode == 0, done.stderr
     piped, expected = json.loads(done.stdout), _generate(capsys, tiny_model_dir, PROMPT)

@@ -13,7 +13,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import make_tiny_model, noisy_copy
+from conftest import make_tiny_gemma3, make_tiny_model, noisy_copy
 from flyspec import (
     DecodeConfig,
     DraftModelDrafter,
@@ -316,38 +316,20 @@ def test_draft_shapes(tiny_target: LoadedModel, tiny_draft: LoadedModel) -> None
 
 def test_sliding_window_caches_roll_back_losslessly(tokenizer) -> None:
     """Gemma-3-style sliding-window layers (window 8 ≪ context) keep the cache invariant and identity."""
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    import copy
 
-    torch.manual_seed(0)
-    config = Gemma3TextConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        sliding_window=8,
-        layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"],
-        max_position_embeddings=512,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    model = Gemma3ForCausalLM(config).to(torch.float32).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)
-    target = LoadedModel(model=model, tokenizer=tokenizer, name="tiny-gemma3")
+    target = make_tiny_gemma3(tokenizer, layer_types=["sliding_attention"] * 3 + ["full_attention"])
+    window = target.model.config.sliding_window
     # a different sliding-window draft: rejections roll its cache back across several draft forwards
     torch.manual_seed(1)
-    other = Gemma3ForCausalLM(config).to(torch.float32).eval()
+    other = copy.deepcopy(target.model)
     with torch.no_grad():
-        other.load_state_dict(model.state_dict())
         for parameter in other.parameters():
             parameter.add_(0.3 * parameter.std() * torch.randn_like(parameter))
     draft = LoadedModel(model=other, tokenizer=tokenizer, name="tiny-gemma3-noisy")
     config_decode = DecodeConfig(max_new_tokens=40, ignore_eos=True)
     prompt = PROMPTS[2] + " " + PROMPTS[0]  # longer than the window
-    assert len(target.encode_prompt(prompt, use_chat=False)) > 2 * config.sliding_window
+    assert len(target.encode_prompt(prompt, use_chat=False)) > 2 * window
     expected = plain_tokens(target, prompt, config_decode)
     for drafter in (
         NgramDrafter(),

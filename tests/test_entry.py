@@ -15,7 +15,9 @@ def test_python_dash_m_prints_the_version() -> None:
 def test_python_dash_m_bad_option_is_one_line_and_exit_code_2() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "flyspec", "generate", "hi", "--verifier", "nonsense"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert done.returncode == 2
     assert done.stderr.count("\n") == 1 and "nonsense" in done.stderr

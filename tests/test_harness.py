@@ -48,7 +48,11 @@ def test_modifiers_choose_the_guards() -> None:
 def test_a_draft_length_suffix_sets_the_policy_of_that_method_only() -> None:
     cost, fly = parse_method("ngram+fly+bare@cost"), parse_method("fly@heuristic")
     assert (cost.name, cost.drafter, cost.verifier, cost.modifier, cost.draft_length) == (
-        "ngram+fly+bare@cost", "ngram", "fly", "bare", "cost"
+        "ngram+fly+bare@cost",
+        "ngram",
+        "fly",
+        "bare",
+        "cost",
     )
     base = SpeculationConfig(num_draft_tokens=9)
     assert cost.with_draft_length(base).draft_length.policy == "cost"

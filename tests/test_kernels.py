@@ -13,7 +13,7 @@ from transformers.cache_utils import DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import flyspec.kernels as kernels
-from conftest import make_tiny_model
+from conftest import make_tiny_gemma3, make_tiny_model
 from flyspec import DecodeConfig, NgramDrafter, PlainDecoder, SpeculativeDecoder, make_verifier
 from flyspec.cached_model import CachedModel
 from flyspec.config import ConfigError, SpeculationConfig
@@ -184,27 +184,7 @@ def test_lossless_speculation_with_kernels_matches_plain_and_stock(tiny_target: 
 
 def test_sliding_window_model_with_kernels_matches_stock(tokenizer) -> None:
     """Gemma-3-style sliding layers keep their own cache layer; attention gets their windowed masks."""
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    torch.manual_seed(0)
-    config = Gemma3TextConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        sliding_window=8,
-        layer_types=["sliding_attention", "full_attention"],
-        max_position_embeddings=512,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    model = Gemma3ForCausalLM(config).to(torch.float32).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)
-    target = LoadedModel(model=model, tokenizer=tokenizer, name="tiny-gemma3")
+    target = make_tiny_gemma3(tokenizer, layer_types=["sliding_attention", "full_attention"])
     fast = with_kernels(target)
     layers = CachedModel(fast).cache.layers
     assert type(layers[0]).__name__ == "DynamicSlidingWindowLayer" and isinstance(layers[1], GrowingLayer)

@@ -11,9 +11,9 @@ import importlib.util
 import pytest
 import torch
 from torch import nn
-from transformers import Gemma3ForCausalLM, Gemma3TextConfig, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
 
-from conftest import make_tiny_model
+from conftest import make_tiny_gemma3, make_tiny_model
 from flyspec import DecodeConfig, NgramDrafter, PlainDecoder, SpeculativeDecoder, make_verifier
 from flyspec.cached_model import CachedModel
 from flyspec.config import ConfigError, LayerSkipConfig, SpeculationConfig
@@ -32,30 +32,10 @@ GEMMA_LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention"]
 IDS = [(7 * index) % 290 + 5 for index in range(48)]  # longer than the sliding window (8)
 
 
-def make_tiny_gemma3(tokenizer: PreTrainedTokenizerFast, seed: int = 0) -> LoadedModel:
-    torch.manual_seed(seed)
-    config = Gemma3TextConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=len(GEMMA_LAYER_TYPES),
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        sliding_window=8,
-        layer_types=list(GEMMA_LAYER_TYPES),
-        max_position_embeddings=512,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    model = Gemma3ForCausalLM(config).to(torch.float32).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)
-    return LoadedModel(model=model, tokenizer=tokenizer, name=f"tiny-gemma3-seed{seed}")
-
-
 def make_model(kind: str, tokenizer: PreTrainedTokenizerFast) -> LoadedModel:
-    return make_tiny_gemma3(tokenizer) if kind == "gemma3" else make_tiny_model(tokenizer, seed=3, layers=6)
+    if kind == "gemma3":
+        return make_tiny_gemma3(tokenizer, layer_types=GEMMA_LAYER_TYPES)
+    return make_tiny_model(tokenizer, seed=3, layers=6)
 
 
 def with_noop_layers(loaded: LoadedModel, noop_layers: tuple[int, ...]) -> LoadedModel:
@@ -198,7 +178,7 @@ def test_lossless_matches_plain_greedy(tokenizer, kind: str, skip_layers) -> Non
 
 
 def test_lossless_with_a_proposer_and_with_a_confidence_stop(tokenizer) -> None:
-    target = make_tiny_gemma3(tokenizer, seed=1)
+    target = make_tiny_gemma3(tokenizer, layer_types=GEMMA_LAYER_TYPES, seed=1)
     config = DecodeConfig(max_new_tokens=30, ignore_eos=True)
     prompt = PROMPTS[2] + " " + PROMPTS[0]
     expected = plain_tokens(target, prompt, config)

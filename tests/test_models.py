@@ -107,8 +107,11 @@ def test_threads_are_set_and_validated(tiny_model_dir: Path) -> None:
 
 
 def test_gguf_cache_key_follows_the_file_content(tmp_path: Path) -> None:
-    content = bytearray(torch.randint(0, 256, (5 << 20,), generator=torch.Generator().manual_seed(0),
-                                      dtype=torch.uint8).numpy().tobytes())  # > one 4 MiB read block
+    content = bytearray(
+        torch.randint(0, 256, (5 << 20,), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+        .numpy()
+        .tobytes()
+    )  # > one 4 MiB read block
     path = tmp_path / "model.gguf"
     path.write_bytes(content)
     key = gguf_cache_key(path)
@@ -302,8 +305,9 @@ def test_packaged_model_loads_and_generates(smollm2: LoadedModel) -> None:
 
 
 @pytest.mark.real_model
-def test_packaged_model_is_served_from_the_conversion_cache(smollm2: LoadedModel,
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_packaged_model_is_served_from_the_conversion_cache(
+    smollm2: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
     converted = cache_root() / "converted" / gguf_cache_key(_smollm2_gguf())
     assert (converted / "flyspec-complete").is_file()
     assert (converted / "config.json").is_file()

@@ -1,4 +1,4 @@
-"""Microbenchmark: attention of 1 or 16 queries (9 heads, 3 key/value heads, head dim 64, bf16,
+"""Microbenchmark: attention of 1, 4, 8 or 16 queries (9 heads, 3 key/value heads, head dim 64, bf16,
 2 threads) against 300 or 800 cached keys held as a view of a longer buffer (as
 ``kernels.GrowingLayer`` hands them over): torch SDPA, bf16 bmm, float32 bmm (what
 ``kernels.decode_attention`` does), and bf16 bmm on contiguous keys. Prints µs per call.
@@ -35,7 +35,7 @@ def matmul_attention(q, k, v, dtype):
 
 
 for keys in (300, 800):
-    for queries in (1, 16):
+    for queries in (1, 4, 8, 16):
         k = torch.randn(1, KV, 1024, DIM, dtype=torch.bfloat16)[:, :, :keys]
         v = torch.randn(1, KV, 1024, DIM, dtype=torch.bfloat16)[:, :, :keys]
         q = torch.randn(1, queries, KV * GROUPS, DIM, dtype=torch.bfloat16).transpose(1, 2)
