@@ -197,16 +197,23 @@ def test_sliding_window_model_with_kernels_matches_stock(tokenizer) -> None:
 
 
 def test_bfloat16_kernels_agree_with_stock(tokenizer) -> None:
-    """bf16 rounds differently; report-level agreement: the greedy tokens of a tiny model mostly match."""
+    """bf16 rounds differently, so agreement rather than identity: teacher-forced over the same tokens
+    (one-token and several-token steps), the kernels' logits stay close to stock and pick the same
+    token almost everywhere (independent of how a CPU's bf16 units round)."""
     target = make_tiny_model(tokenizer, seed=3, layers=2, hidden=64)
     target = LoadedModel(model=target.model.to(torch.bfloat16), tokenizer=tokenizer, name="tiny-bf16")
     if kernels.applicable(target.model, "auto") is not None:
         pytest.skip("this CPU has no oneDNN bfloat16 linear")
-    config = DecodeConfig(max_new_tokens=30, ignore_eos=True)
-    stock = PlainDecoder(target, config).generate(PROMPT, use_chat=False).token_ids
-    fast = PlainDecoder(with_kernels(target), config).generate(PROMPT, use_chat=False).token_ids
-    assert fast[:5] == stock[:5]
-    assert sum(a == b for a, b in zip(fast, stock, strict=True)) >= 20
+    ids = target.encode_prompt(PROMPT, use_chat=False)
+    steps = [[(7 * index + offset) % 200 + 2 for offset in range(size)] for index, size in enumerate([1, 3, 1, 6] * 5)]
+    rows = []
+    for model in (CachedModel(target), CachedModel(with_kernels(target))):
+        model.forward(ids, logits_to_keep=1)
+        rows.append(torch.cat([model.forward(step) for step in steps]))
+    stock, fast = rows
+    agree = (stock.argmax(-1) == fast.argmax(-1)).float().mean().item()
+    assert agree >= 0.9, agree
+    assert (stock - fast).abs().max() <= 0.05 * stock.abs().max()
 
 
 def test_load_model_installs_kernels_unless_stock(tiny_model_dir) -> None:
