@@ -10,6 +10,7 @@ import pytest
 import torch
 from scipy import stats as scipy_stats
 
+from conftest import make_tiny_model
 from flyspec.api import build_decoder
 from flyspec.cli import main
 from flyspec.config import (
@@ -407,3 +408,27 @@ def test_tiny_temperatures_are_greedy(temperature: float) -> None:
 def test_non_finite_settings_are_config_errors(build, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         build()
+
+
+def test_a_lossy_decoder_builds_the_guards_masks_before_generating(tokenizer) -> None:
+    """The token-class masks scan the whole vocabulary (about a second for a real one): a lossy decoder
+    builds them when it is made, so no timed step (a server's first request) pays for it; one decode
+    of the vocabulary serves every class set, and a lossless decoder or the bare rule builds none."""
+
+    def fresh() -> LoadedModel:  # its own Vocabulary, with nothing built yet
+        return make_tiny_model(tokenizer, seed=0, name="fresh-vocabulary")
+
+    lossless = fresh()
+    build_decoder(lossless, SpeculationConfig(verifier="exact"))
+    assert lossless.vocabulary._masks == {}
+    bare = fresh()
+    build_decoder(bare, SpeculationConfig(verifier="fly", guard=GuardConfig.bare()))
+    assert bare.vocabulary._masks == {}
+    guarded = fresh()
+    build_decoder(guarded, SpeculationConfig(verifier="fly"))  # default protect: digits and names
+    masks = guarded.vocabulary._masks
+    assert set(masks) == {("digits",), ("identifiers",)}
+    assert torch.equal(masks[("digits",)], protected_mask(tokenizer, ("digits",), guarded.vocabulary.vocab_size))
+    assert torch.equal(
+        masks[("identifiers",)], protected_mask(tokenizer, ("identifiers",), guarded.vocabulary.vocab_size)
+    )

@@ -18,6 +18,7 @@ from flyspec.resources import ModelRef, Resources
 from flyspec.result import GenerationResult
 from flyspec.sampling import make_generator
 from flyspec.verifiers.base import Verifier
+from flyspec.verifiers.guard import prepare as prepare_guards
 from flyspec.verifiers.registry import make_verifier
 
 
@@ -50,6 +51,8 @@ def build_decoder(
     verifier = checked_verifier(spec)
     target_model = resources.model(target)
     drafter = make_drafter(spec, target_model, resources)
+    if not verifier.lossless:  # the trust guards' token-class masks, built before any timed step
+        prepare_guards(target_model.vocabulary, spec.guard)
     # the cost-aware draft length weighs t(k + 1): measured once per model and machine, then cached
     costed = resolve_policy(spec.draft_length, verifier.lossless, spec.drafter) == "cost"
     cost = resources.step_cost(target_model, spec.num_draft_tokens + 1) if costed else None

@@ -56,15 +56,25 @@ def is_protected(text: str, classes: Sequence[str]) -> bool:
     return any(TOKEN_CLASSES[name](text) for name in classes)
 
 
+def token_texts(tokenizer: PreTrainedTokenizerBase) -> list[str]:
+    """Each token id's decoded text, in id order (one pass over the vocabulary)."""
+    return tokenizer.batch_decode([[token_id] for token_id in range(len(tokenizer))])
+
+
 def protected_mask(
-    tokenizer: PreTrainedTokenizerBase, classes: Sequence[str], vocab_size: int | None = None
+    tokenizer: PreTrainedTokenizerBase,
+    classes: Sequence[str],
+    vocab_size: int | None = None,
+    texts: Sequence[str] | None = None,
 ) -> torch.Tensor:
-    """``[vocab_size]`` bool: token ids whose decoded text belongs to a class (padding ids never do)."""
+    """``[vocab_size]`` bool: token ids whose decoded text belongs to a class (padding ids never do).
+
+    ``texts``: :func:`token_texts` of ``tokenizer``, when the caller already has them."""
     size = max(len(tokenizer), vocab_size or 0)
     mask = torch.zeros(size, dtype=torch.bool)
     if not classes:
         return mask
-    texts = tokenizer.batch_decode([[token_id] for token_id in range(len(tokenizer))])
+    texts = token_texts(tokenizer) if texts is None else texts
     mask[: len(texts)] = torch.tensor([is_protected(text, classes) for text in texts], dtype=torch.bool)
     return mask
 
@@ -105,12 +115,16 @@ class Vocabulary:
     eos_token_ids: frozenset[int]
     vocab_size: int  # width of the target's logits (may exceed the tokenizer's vocabulary)
     _masks: dict[tuple[str, ...], torch.Tensor] = field(default_factory=dict, repr=False)
+    _texts: list[str] | None = field(default=None, repr=False)
 
     def mask(self, classes: Sequence[str]) -> torch.Tensor:
-        """``[vocab]`` bool for vocabulary-wide classes, computed once per class set."""
+        """``[vocab]`` bool for vocabulary-wide classes, computed once per class set (the vocabulary
+        is decoded once for all of them)."""
         key = tuple(sorted(classes))
         if key not in self._masks:
-            self._masks[key] = protected_mask(self.tokenizer, key, self.vocab_size)
+            if self._texts is None:
+                self._texts = token_texts(self.tokenizer)
+            self._masks[key] = protected_mask(self.tokenizer, key, self.vocab_size, self._texts)
         return self._masks[key]
 
     def pieces(self, token_ids: Sequence[int]) -> list[str]:
