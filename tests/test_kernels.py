@@ -45,12 +45,12 @@ def test_packed_linear_matches_linear(dtype: torch.dtype, bias: bool) -> None:
         torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
 
 
-def attention_inputs(queries: int, keys: int, heads: int, kv_heads: int, strided: bool = True):
+def attention_inputs(queries: int, keys: int, heads: int, kv_heads: int):
     torch.manual_seed(queries * 100 + keys)
     query = torch.randn(1, queries, heads, 16).transpose(1, 2)  # as a model hands it over: not contiguous
-    capacity = keys + 5 if strided else keys  # a view of a longer buffer, as GrowingLayer hands it over
-    key = torch.randn(1, kv_heads, capacity, 16)[:, :, :keys]
-    value = torch.randn(1, kv_heads, capacity, 16)[:, :, :keys]
+    # keys and values as views of a longer buffer, as GrowingLayer hands them over
+    key = torch.randn(1, kv_heads, keys + 5, 16)[:, :, :keys]
+    value = torch.randn(1, kv_heads, keys + 5, 16)[:, :, :keys]
     return query, key, value
 
 

@@ -16,7 +16,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from flyspec import __version__
-from flyspec.cli_options import add_model_options, add_speculation_options, quiet_transformers, speculation_config
+from flyspec.cli_options import (
+    add_model_options,
+    add_speculation_options,
+    engine_options,
+    quiet_transformers,
+    speculation_config,
+)
 from flyspec.config import DEFAULT_MAX_NEW_TOKENS, ConfigError, DecodeConfig, SamplingConfig, SpeculationConfig
 from flyspec.names import LOSSLESS_VERIFIERS, VERIFIERS
 
@@ -166,7 +172,7 @@ def _generate(args: argparse.Namespace) -> int:
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
     spec = speculation_config(args)
     decode = DecodeConfig(max_new_tokens=args.max_new_tokens, stop_strings=tuple(args.stop), sampling=sampling)
-    resources = Resources(args.dtype, device=args.device, compile=args.compile, kernels=args.kernels)
+    resources = Resources(**engine_options(args))
     decoder = build_decoder(args.target, spec, decode, resources=resources)
     baseline = None
     device = decoder.device

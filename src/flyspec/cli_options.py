@@ -80,6 +80,12 @@ def add_model_options(parser: argparse.ArgumentParser, *, chat: bool = True) -> 
         group.add_argument("--no-chat", dest="use_chat", action="store_false", help="feed the prompt as raw text")
 
 
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """How every model of a command loads (``Resources`` and ``load_model`` keywords): the
+    --dtype, --device, --compile and --kernels that :func:`add_model_options` defines."""
+    return {"dtype": args.dtype, "device": args.device, "compile": args.compile, "kernels": args.kernels}
+
+
 def _device(text: str) -> str:
     """``--device``: checked for its form here (argparse reports the error); for a GPU when a model loads."""
     try:

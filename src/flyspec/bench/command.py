@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from flyspec.cli_options import add_model_options, add_speculation_options
+from flyspec.cli_options import add_model_options, add_speculation_options, engine_options
 from flyspec.extras import require_extra
 
 QUICK_LIMIT = 2
@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
 
     set_threads(args.threads)
     # this run's models, calibrations (and each method's own caches)
-    resources = Resources(args.dtype, device=args.device, compile=args.compile, kernels=args.kernels)
+    resources = Resources(**engine_options(args))
     target = resources.model(args.target)
     draft = resources.model(args.draft_model) if args.draft_model else None
     settings = BackendSettings(sampling, speculation, args.use_chat, args.hf_lookup_tokens, resources)

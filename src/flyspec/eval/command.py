@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from flyspec.cli_options import add_model_options, add_speculation_options, speculation_config
+from flyspec.cli_options import add_model_options, add_speculation_options, engine_options, speculation_config
 from flyspec.config import ConfigError
 from flyspec.eval.scoring import METRICS
 from flyspec.eval.stats import DEFAULT_FLOOR, DEFAULT_RESAMPLES
@@ -180,7 +180,7 @@ def _evaluate(args: argparse.Namespace, config: Any, console: Any) -> int:
     report = LoadReport()
     items = load_all_items(config, report)
     set_threads(args.threads)
-    resources = Resources(args.dtype, device=args.device, compile=args.compile, kernels=args.kernels)
+    resources = Resources(**engine_options(args))
     target = resources.model(args.target)
     _write_meta(config, _meta(args, config, target, report.skipped))
     evaluation = Evaluation(config, target, items, resources)

@@ -12,7 +12,7 @@ import logging
 import os
 from pathlib import Path
 
-from flyspec.cli_options import add_model_options, add_speculation_options, speculation_config
+from flyspec.cli_options import add_model_options, add_speculation_options, engine_options, speculation_config
 from flyspec.config import ConfigError, SpeculationConfig
 from flyspec.extras import require_extra
 from flyspec.server.settings import (
@@ -202,11 +202,11 @@ def run(args: argparse.Namespace) -> int:
 
     checked_verifier(defaults)  # option errors that need no model come before loading one
     logging.getLogger("flyspec").setLevel(getattr(logging, args.log_level.upper()))
-    engine = {"dtype": args.dtype, "compile": args.compile, "kernels": args.kernels}
-    target = load_model(args.target, threads=args.threads, device=args.device, **engine)
+    engine = engine_options(args)
+    target = load_model(args.target, threads=args.threads, **engine)
     draft = None
     if args.draft_model:
-        draft = load_model(args.draft_model, device=target.device, **engine)
+        draft = load_model(args.draft_model, **{**engine, "device": target.device})
     # bad defaults fail now, not per request (and stack models and layer-skip calibration load once)
     app = create_app(
         target,

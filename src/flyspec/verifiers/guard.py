@@ -108,23 +108,25 @@ def _prompt_names(context: VerifyContext) -> tuple[frozenset[int], bool]:
     return context.memo["prompt-names"]
 
 
-def _class_sets(config: GuardConfig) -> list[tuple[str, ...]]:
-    """The vocabulary-wide class sets :func:`_protected` looks up for ``config``."""
-    wide = tuple(name for name in config.protect if name != "names")
-    return [classes for classes in (wide, ("identifiers",) if "names" in config.protect else ()) if classes]
+def _wide_classes(config: GuardConfig) -> tuple[str, ...]:
+    """The protected classes decided by the token alone (``names`` also depends on the prompt)."""
+    return tuple(name for name in config.protect if name != "names")
 
 
 def prepare(vocabulary: Vocabulary, config: GuardConfig) -> None:
     """Build now the token-class masks these guards will look up: a scan of the whole vocabulary
     (about a second for SmolLM2's 49k tokens), which would otherwise stall the first generation that
     meets a loose candidate (a server's first request, a benchmark's first timed prompt)."""
-    for classes in _class_sets(config):
-        vocabulary.mask(classes)
+    wide = _wide_classes(config)
+    if wide:
+        vocabulary.mask(wide)
+    if "names" in config.protect:
+        vocabulary.mask(("identifiers",))
 
 
 def _protected(token: int, position: int, draft_ids: list[int], config: GuardConfig, context: VerifyContext) -> bool:
     vocabulary = context.vocabulary
-    wide = [name for name in config.protect if name != "names"]
+    wide = _wide_classes(config)
     if wide and bool(vocabulary.mask(wide)[token]):
         return True
     if "names" not in config.protect:
