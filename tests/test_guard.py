@@ -11,6 +11,7 @@ import torch
 from scipy import stats as scipy_stats
 
 from conftest import make_tiny_model
+from flyspec import acceptance
 from flyspec.api import build_decoder
 from flyspec.cli import main
 from flyspec.config import (
@@ -26,6 +27,8 @@ from flyspec.decoding import SpeculativeDecoder
 from flyspec.drafters.ngram import NgramDrafter
 from flyspec.models import LoadedModel
 from flyspec.types import CACHE, MODEL, OUTPUT_COPY, PROMPT_COPY, Draft, VerifyContext
+from flyspec.verifiers import fly as fly_module
+from flyspec.verifiers import guard as guard_module
 from flyspec.verifiers.fly import FlyVerifier, topk_entropy
 from flyspec.verifiers.margin import MarginVerifier
 from flyspec.verifiers.tokens import Vocabulary, is_protected, looks_like_code, name_spans, protected_mask
@@ -213,6 +216,37 @@ def test_guarded_verdicts_are_bare_verdicts_cut_short(seed: int) -> None:
     assert set(guarded.loose_positions) <= set(bare.loose_positions)
     if guarded.num_accepted < bare.num_accepted:
         assert guarded.tokens[-1] == int(logits[guarded.num_accepted].argmax()) and guarded.vetoes
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_measures_at_the_needed_rows_only_give_the_same_verdicts(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a CPU, FLy's entropy and the guards' top-k and argmax are computed only at the rows that can be
+    kept (acceptance.where_needed); the verdicts are those of computing every row, as on a GPU."""
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randn(17, VOCAB, generator=generator) * 0.5  # [k + 1, vocab]: the target is unsure
+    draft = logits[:16].argmax(-1)
+    # mismatches far enough apart for their windows to hold, each the target's second choice (in its top 3)
+    flips = torch.tensor([[2], [1, 8], [0, 7], [3, 5, 12]][seed % 4])
+    draft[flips] = logits[flips].topk(2, dim=-1).indices[:, 1]
+    ctx = context([ASK, ALICE, THE, CAT, SAT, DOT], [THE, CAT, SAT, ON, N42])
+    verifier = FlyVerifier(FlyConfig(entropy_threshold=0.3))
+    rows: list[int] = []
+    measured = acceptance.where_needed
+
+    def counted(needed, logits, measure, fill):  # type: ignore[no-untyped-def]
+        out = measured(needed, logits, lambda some, positions: rows.append(len(some)) or measure(some, positions), fill)
+        return out
+
+    monkeypatch.setattr(fly_module, "where_needed", counted)
+    monkeypatch.setattr(guard_module, "where_needed", counted)
+    verdicts = []
+    for devices in (frozenset(), frozenset({"cpu"})):  # every row, then the needed ones
+        monkeypatch.setattr(acceptance, "SELECT_ROWS_ON", devices)
+        rows.clear()
+        verdicts.append(verifier.verify(Draft(draft.clone()), logits, GREEDY, None, ctx))
+        if devices:
+            assert sum(rows) < 16 * 3  # fewer rows than entropy, top-k and argmax over all of them
+    assert verdicts[0] == verdicts[1]
 
 
 # --- every loose accept explained --------------------------------------------------------------

@@ -6,6 +6,7 @@ Float32 throughout where identity is claimed: the kernels change rounding, not t
 from __future__ import annotations
 
 import copy
+import types
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from conftest import make_tiny_gemma3, make_tiny_model
 from flyspec import DecodeConfig, NgramDrafter, PlainDecoder, SpeculativeDecoder, make_verifier
 from flyspec.cached_model import CachedModel
 from flyspec.config import ConfigError, SpeculationConfig
-from flyspec.kernels import GrowingLayer, PackedLinear, decode_attention
+from flyspec.kernels import GrowingLayer, PackedLinear, SharedLinear, SharedLinears, decode_attention
 from flyspec.models import LoadedModel
 
 PROMPT = "Once upon a time there was a small model that The capital of"
@@ -35,7 +36,7 @@ def with_kernels(loaded: LoadedModel) -> LoadedModel:
 def test_packed_linear_matches_linear(dtype: torch.dtype, bias: bool) -> None:
     torch.manual_seed(0)
     linear = torch.nn.Linear(48, 80, bias=bias).to(dtype)
-    packed = PackedLinear(linear)
+    packed = PackedLinear(linear.weight, linear.bias)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     for shape in [(1, 48), (1, 7, 48), (2, 3, 48)]:
         x = torch.randn(shape, dtype=dtype)
@@ -43,6 +44,77 @@ def test_packed_linear_matches_linear(dtype: torch.dtype, bias: bool) -> None:
             expected, got = linear(x), packed(x)
         assert got.shape == expected.shape and got.dtype == dtype
         torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
+
+
+def test_shared_linears_match_each_linear_however_they_are_called() -> None:
+    torch.manual_seed(0)
+    linears = [torch.nn.Linear(24, size, bias=True) for size in (16, 8, 8)]
+    group = SharedLinears(linears)
+    members = [SharedLinear(group, index) for index in range(3)]
+    x, y = torch.randn(1, 3, 24), torch.randn(1, 3, 24)
+    with torch.inference_mode():
+        expected = [[linear(inputs) for linear in linears] for inputs in (x, y)]
+        # in turn, out of turn (a new input before the others took theirs), and a member twice
+        calls = [(0, x), (1, x), (2, x), (1, y), (0, x), (0, y), (2, y), (2, y), (1, x), (2, x)]
+        for index, inputs in calls:
+            got = members[index](inputs)
+            assert got.shape == (1, 3, linears[index].out_features)
+            torch.testing.assert_close(got, expected[0 if inputs is x else 1][index], atol=1e-5, rtol=1e-5)
+    assert group._input is None or group._pending > 0  # all taken: no activation held
+
+
+def test_fused_model_holds_no_activations_between_steps(tiny_target: LoadedModel) -> None:
+    installed = with_kernels(tiny_target)
+    groups = {module.group for module in installed.model.modules() if isinstance(module, SharedLinear)}
+    assert groups
+    CachedModel(installed).forward([5, 6, 7])
+    assert all(group._input is None and group._outputs == [] for group in groups)
+
+
+def mutate_mlp_input(loaded: LoadedModel) -> None:
+    """Patch every MLP to change its input in place between its gate and up projections."""
+
+    def forward(mlp, x):
+        gate = mlp.gate_proj(x)
+        x.mul_(2.0)
+        return mlp.down_proj(mlp.act_fn(gate) * mlp.up_proj(x))
+
+    for layer in loaded.model.model.layers:  # bound methods: a deep copy binds them to the copied module
+        layer.mlp.forward = types.MethodType(forward, layer.mlp)
+
+
+def test_siblings_are_not_fused_where_sharing_would_change_the_logits(
+    tiny_target: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    mutated = LoadedModel(model=copy.deepcopy(tiny_target.model), tokenizer=tiny_target.tokenizer, name="mutated")
+    mutate_mlp_input(mutated)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.inference_mode():
+        expected = mutated.model(ids).logits
+    installed = with_kernels(mutated)
+    assert not any(isinstance(module, SharedLinear) for module in installed.model.modules())
+    with torch.inference_mode():
+        torch.testing.assert_close(installed.model(ids).logits, expected, atol=1e-4, rtol=1e-4)
+    # without the check, the shared outputs go stale and the logits change: the check is what kept them
+    monkeypatch.setattr(kernels, "_sharing_holds", lambda model, fused: True)
+    unchecked = with_kernels(mutated)
+    with torch.inference_mode():
+        assert not torch.allclose(unchecked.model(ids).logits, expected, atol=1e-3, rtol=1e-3)
+
+
+def test_a_linear_called_twice_is_not_fused(tiny_target: LoadedModel) -> None:
+    twice = LoadedModel(model=copy.deepcopy(tiny_target.model), tokenizer=tiny_target.tokenizer, name="twice")
+
+    def forward(mlp, x):
+        return mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x) + 0 * mlp.gate_proj(x))
+
+    for layer in twice.model.model.layers:
+        layer.mlp.forward = types.MethodType(forward, layer.mlp)
+    installed = with_kernels(twice)
+    shared = {
+        name.rsplit(".", 1)[-1] for name, module in installed.model.named_modules() if isinstance(module, SharedLinear)
+    }
+    assert shared == {"q_proj", "k_proj", "v_proj"}
 
 
 def attention_inputs(queries: int, keys: int, heads: int, kv_heads: int):
@@ -132,9 +204,16 @@ def test_install_swaps_linears_and_attention(tiny_target: LoadedModel) -> None:
     installed = with_kernels(tiny_target)
     linears = [module for module in installed.model.modules() if isinstance(module, torch.nn.Linear)]
     assert linears == []
-    packed = [module for module in installed.model.modules() if isinstance(module, PackedLinear)]
-    stock = [module for module in tiny_target.model.modules() if isinstance(module, torch.nn.Linear)]
-    assert len(packed) == len(stock) > 0
+    names = {
+        name for name, module in installed.model.named_modules() if isinstance(module, PackedLinear | SharedLinear)
+    }
+    stock = {name for name, module in tiny_target.model.named_modules() if isinstance(module, torch.nn.Linear)}
+    assert names == stock and stock
+    # attention's query/key/value and the MLP's gate/up share a packed weight per layer
+    shared = {
+        name.rsplit(".", 1)[-1] for name in names if isinstance(installed.model.get_submodule(name), SharedLinear)
+    }
+    assert shared == {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}
     assert installed.model.config._attn_implementation == kernels.ATTENTION
     assert tiny_target.model.config._attn_implementation == "sdpa"  # the original is untouched
 

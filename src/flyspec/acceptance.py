@@ -7,6 +7,8 @@ these live below both: drafters never import verifiers.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from flyspec.sampling import sample
@@ -18,6 +20,32 @@ def num_leading_true(mask: torch.Tensor) -> int:
     if mask.numel() == 0:
         return 0
     return int(mask.to(torch.int64).cumprod(0).sum())
+
+
+# Devices where where_needed finds the needed rows first (a host sync: free on a CPU, a stall on a GPU).
+SELECT_ROWS_ON = frozenset({"cpu"})
+
+
+def where_needed(
+    needed: torch.Tensor,  # [k] bool
+    logits: torch.Tensor,  # [k (+1), vocab]
+    measure: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],  # (logits [rows, vocab], positions [rows]) -> [rows]
+    fill: float | int | bool,
+) -> torch.Tensor:
+    """``[k]``: ``measure`` of the logits' rows where ``needed`` holds, ``fill`` elsewhere (its type
+    sets the result's: float32, int64 or bool).
+
+    A lossy rule needs its measure only at a few positions (the mismatches it might keep). On a CPU
+    only those rows are computed: a pass over every row's vocabulary costs more than finding them.
+    Elsewhere every row is (finding them would wait on the device)."""
+    k = needed.shape[0]
+    out = torch.full((k,), fill, device=logits.device)
+    if logits.device.type not in SELECT_ROWS_ON:
+        return torch.where(needed, measure(logits[:k], torch.arange(k, device=logits.device)).to(out.dtype), out)
+    positions = needed.nonzero().squeeze(-1)
+    if positions.numel():
+        out[positions] = measure(logits[positions], positions).to(out.dtype)
+    return out
 
 
 def exact_accept_mask(draft_tokens: torch.Tensor, target_tokens: torch.Tensor) -> torch.Tensor:

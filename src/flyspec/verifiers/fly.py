@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from flyspec.acceptance import where_needed
 from flyspec.config import FlyConfig, GuardConfig, SamplingConfig
 from flyspec.sampling import choose_tokens
 from flyspec.types import Draft, Verdict, VerifyContext
@@ -81,14 +82,18 @@ def fly_candidates(
     target_logits: torch.Tensor,  # [k (+1), vocab]
     config: FlyConfig,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``([k] bool, [k])``: the mismatches FLy would keep (before the trust guards), and the entropy.
+    """``([k] bool, [k])``: the mismatches FLy would keep (before the trust guards), and the entropy
+    at the mismatches whose deferred window holds (NaN at the other positions).
 
     The one implementation of the FLy rule: :class:`FlyVerifier` and the vLLM plugin
     (``integrations/vllm``) both call it, so the two cannot drift.
     """
-    k = base_accept.shape[0]
-    entropy = topk_entropy(target_logits[:k], config.entropy_top_k)  # [k]
-    return fly_loose_mask(base_accept, entropy, config.window_size, config.entropy_threshold), entropy
+    window = deferred_window_mask(base_accept, config.window_size)  # [k]
+    # the entropy only where the window holds (NaN elsewhere: not needed, and never >= a threshold)
+    entropy = where_needed(
+        window, target_logits, lambda rows, _: topk_entropy(rows, config.entropy_top_k), float("nan")
+    )
+    return window & (entropy >= config.entropy_threshold), entropy
 
 
 @dataclass(frozen=True)

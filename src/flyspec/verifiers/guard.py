@@ -48,6 +48,7 @@ from collections.abc import Sequence
 
 import torch
 
+from flyspec.acceptance import where_needed
 from flyspec.config import GuardConfig
 from flyspec.types import CACHE, Draft, VerifyContext
 from flyspec.verifiers.tokens import Vocabulary
@@ -206,13 +207,17 @@ def guard_loose_mask(
     the guards that need neither the generation so far nor the vocabulary apply (``cache``, ``top-k``).
     """
     kept = loose & ~base_accept
-    if config.top_k:
-        kept &= top_k_mask(draft.tokens, target_logits, config.top_k)
     k = draft.num_tokens
+    if config.top_k:  # judged at the candidates only (acceptance.where_needed), as is the argmax below
+
+        def in_top_k(rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            return top_k_mask(draft.tokens[positions], rows, config.top_k)
+
+        kept &= where_needed(kept, target_logits, in_top_k, False)
+    # the target's choices at the candidates, for the loop below (-1 elsewhere: never read)
+    target_tokens = where_needed(kept, target_logits, lambda rows, _: rows.argmax(-1), -1)
     # one device-to-host transfer for the loop below (indexing device tensors would sync per position)
-    host = torch.cat(
-        [base_accept.long(), loose.long(), kept.long(), draft.tokens, target_logits[:k].argmax(-1)]
-    ).tolist()
+    host = torch.cat([base_accept.long(), loose.long(), kept.long(), draft.tokens, target_tokens]).tolist()
     base_host, loose_host, kept_host = host[:k], host[k : 2 * k], host[2 * k : 3 * k]
     draft_ids, target_ids = host[3 * k : 4 * k], host[4 * k :]
     vetoes: Vetoes = {}
