@@ -60,7 +60,7 @@ def test_shared_linears_match_each_linear_however_they_are_called() -> None:
             got = members[index](inputs)
             assert got.shape == (1, 3, linears[index].out_features)
             torch.testing.assert_close(got, expected[0 if inputs is x else 1][index], atol=1e-5, rtol=1e-5)
-    assert group._input is None or group._pending > 0  # all taken: no activation held
+    assert group._last is None  # the last member took its slice: no activation held
 
 
 def test_fused_model_holds_no_activations_between_steps(tiny_target: LoadedModel) -> None:
@@ -68,7 +68,7 @@ def test_fused_model_holds_no_activations_between_steps(tiny_target: LoadedModel
     groups = {module.group for module in installed.model.modules() if isinstance(module, SharedLinear)}
     assert groups
     CachedModel(installed).forward([5, 6, 7])
-    assert all(group._input is None and group._outputs == [] for group in groups)
+    assert all(group._last is None for group in groups)
 
 
 def mutate_mlp_input(loaded: LoadedModel) -> None:

@@ -151,8 +151,9 @@ class SharedLinears:
 
     The first member called with a tensor computes every member's output; the others, called with
     that same tensor object, take their slice; a tensor not seen before is computed afresh, so a
-    member called out of turn is still right, only slower. Once every member has had its output
-    the slices are dropped."""
+    member called out of turn is still right, only slower. The last member (in the probe's order)
+    drops the slices, so no activations are held between steps. The input and its outputs are one
+    attribute, read once per call: threads sharing the model may recompute, never mix them up."""
 
     def __init__(self, linears: list[nn.Linear]) -> None:
         first = linears[0]
@@ -162,20 +163,16 @@ class SharedLinears:
         self.sizes = [linear.out_features for linear in linears]
         self.linear = PackedLinear(weight, bias)
         self.share = True  # False: every member computes the stacked output itself (the check in install)
-        self._input: torch.Tensor | None = None
-        self._outputs: list[torch.Tensor] = []
-        self._pending = 0
+        self._last: tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None = None  # an input and its outputs
 
     def output(self, x: torch.Tensor, index: int) -> torch.Tensor:
-        if not self.share or x is not self._input:
-            stacked = self.linear(x)
-            self._outputs = list(stacked.split(self.sizes, dim=-1))
-            self._input, self._pending = x, len(self.sizes)
-        out = self._outputs[index]
-        self._pending -= 1
-        if self._pending <= 0:  # all taken: hold no activations between steps
-            self._input, self._outputs = None, []
-        return out
+        last = self._last
+        if last is None or last[0] is not x or not self.share:
+            last = (x, self.linear(x).split(self.sizes, dim=-1))
+            self._last = last
+        if index == len(self.sizes) - 1:
+            self._last = None
+        return last[1][index]
 
 
 class SharedLinear(nn.Module):
