@@ -59,7 +59,8 @@ def add_model_options(parser: argparse.ArgumentParser, *, chat: bool = True) -> 
         default="auto",
         choices=KERNELS,
         help="auto (default): on the CPU in float32 or bfloat16, flyspec's kernels for the cached steps "
-        "(oneDNN-prepacked linears, a decode attention, an in-place KV cache; same math up to rounding); "
+        "(oneDNN-prepacked linears, siblings such as query/key/value sharing one, a decode attention, "
+        "an in-place KV cache; same math up to rounding); "
         "stock: transformers' modules as loaded. Plain decoding uses the same kernels (BENCHMARKS.md)",
     )
     models.add_argument(
