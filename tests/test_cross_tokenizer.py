@@ -31,6 +31,7 @@ from flyspec.config import SpeculationConfig
 from flyspec.detokenize import TextCodec
 from flyspec.drafters.cross_tokenizer import CrossTokenizerDrafter, tokenizers_match
 from flyspec.drafters.draft_model import multilevel_drafter
+from flyspec.kernels import SharedLinear
 from flyspec.models import LoadedModel
 from flyspec.types import Draft
 from flyspec.verifiers.registry import LOSSLESS_VERIFIERS, VERIFIERS
@@ -488,3 +489,13 @@ def test_real_pair_smollm2_and_gemma3(real_pair, target_name, draft_name, prompt
     ).generate(prompt, use_chat=use_chat)
     assert result.token_ids == plain_tokens(target, prompt, config, use_chat=use_chat)
     assert result.stats.num_accepted > 0, drafter.report()  # measured: about half the drafted tokens
+
+
+@pytest.mark.real_model
+def test_real_models_fuse_their_sibling_linears(real_pair) -> None:
+    """The kernels' probe finds query/key/value and gate/up on both packaged architectures (Llama, Gemma 3)."""
+    for loaded in real_pair.values():
+        shared = [name for name, module in loaded.model.named_modules() if isinstance(module, SharedLinear)]
+        layers = loaded.model.config.num_hidden_layers
+        assert loaded.kernels and len(shared) == 5 * layers, (loaded.name, len(shared))
+        assert {name.rsplit(".", 1)[-1] for name in shared} == {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}
