@@ -14,12 +14,14 @@ from transformers.cache_utils import DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import flyspec.kernels as kernels
+import flyspec.packed_linears as packed_linears
 from conftest import make_tiny_gemma3, make_tiny_model
 from flyspec import DecodeConfig, NgramDrafter, PlainDecoder, SpeculativeDecoder, make_verifier
 from flyspec.cached_model import CachedModel
 from flyspec.config import ConfigError, SpeculationConfig
-from flyspec.kernels import GrowingLayer, PackedLinear, SharedLinear, SharedLinears, decode_attention
+from flyspec.kernels import GrowingLayer, decode_attention
 from flyspec.models import LoadedModel
+from flyspec.packed_linears import PackedLinear, SharedLinear, SharedLinears
 
 PROMPT = "Once upon a time there was a small model that The capital of"
 
@@ -96,7 +98,7 @@ def test_siblings_are_not_fused_where_sharing_would_change_the_logits(
     with torch.inference_mode():
         torch.testing.assert_close(installed.model(ids).logits, expected, atol=1e-4, rtol=1e-4)
     # without the check, the shared outputs go stale and the logits change: the check is what kept them
-    monkeypatch.setattr(kernels, "_sharing_holds", lambda model, fused: True)
+    monkeypatch.setattr(packed_linears, "_sharing_holds", lambda model, fused: True)
     unchecked = with_kernels(mutated)
     with torch.inference_mode():
         assert not torch.allclose(unchecked.model(ids).logits, expected, atol=1e-3, rtol=1e-3)

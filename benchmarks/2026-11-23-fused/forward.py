@@ -2,7 +2,7 @@
 gate/up share one packed weight, the default) against unfused (every linear packed alone, as before),
 eager and compiled, measured interleaved in one process: SmolLM2-135M-Instruct, bf16 and float32,
 after 200 and 800 cached tokens. The unfused engine is made by turning the sibling probe off
-(``kernels._siblings`` returns no groups). Writes forward.json and prints a Markdown table.
+(``packed_linears._siblings`` returns no groups). Writes forward.json and prints a Markdown table.
 
 Usage: PYTHONPATH=src .venv/bin/python benchmarks/2026-11-23-fused/forward.py
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-import flyspec.kernels as kernels
+import flyspec.packed_linears as packed_linears
 from flyspec.models import load_model
 from flyspec.step_cost import measure
 
@@ -24,15 +24,15 @@ SIZES = (1, 2, 4, 8, 16)
 ROUNDS = 3  # per interleaved pass; 5 passes
 out = Path(__file__).with_name("forward.json")
 torch.set_num_threads(2)
-find_siblings = kernels._siblings
+find_siblings = packed_linears._siblings
 
 
 def load(dtype: str, engine: str):  # noqa: ANN201
-    kernels._siblings = find_siblings if engine.startswith("fused") else (lambda model: [])
+    packed_linears._siblings = find_siblings if engine.startswith("fused") else (lambda model: [])
     try:
         return load_model("smollm2-135m-instruct", dtype=dtype, compile=engine.endswith("+compile"))
     finally:
-        kernels._siblings = find_siblings
+        packed_linears._siblings = find_siblings
 
 
 rows = []

@@ -8,15 +8,15 @@ from __future__ import annotations
 
 import torch
 
-import flyspec.kernels as kernels
+import flyspec.packed_linears as packed_linears
 from flyspec.models import load_model
 from flyspec.step_cost import measure
 
 torch.set_num_threads(2)
-find_siblings = kernels._siblings
-kernels._siblings = lambda model: []
+find_siblings = packed_linears._siblings
+packed_linears._siblings = lambda model: []
 unfused = load_model("smollm2-135m-instruct", dtype="bfloat16", compile=True)
-kernels._siblings = find_siblings
+packed_linears._siblings = find_siblings
 fused = load_model("smollm2-135m-instruct", dtype="bfloat16", compile=True)
 SIZES = (1, 4)
 runs: dict[str, list[tuple[float, ...]]] = {"unfused+compile": [], "fused+compile": []}

@@ -2,7 +2,7 @@
 
 Distinct weights per layer, so they stream from memory as in a real step. Compares ``F.linear``
 with oneDNN-prepacked weights (``torch.ops.mkldnn._reorder_linear_weight``, batch-size hint 4, as
-``kernels.PackedLinear`` uses) for 1..16 rows; prints ms per pass (layers, head).
+``packed_linears.PackedLinear`` uses) for 1..16 rows; prints ms per pass (layers, head).
 Usage: .venv/bin/python benchmarks/2026-11-23-kernels/micro/linears.py
 """
 
