@@ -86,6 +86,45 @@ def test_compiling_happens_at_load_not_during_generation(models) -> None:
     assert (sum(counters["stats"].values()), dict(counters["frames"])) == before
 
 
+def test_the_in_place_cache_grows_under_compile_without_a_new_graph(models, monkeypatch) -> None:
+    """With the kernels, compiled steps write into GrowingLayer's buffers: steps and rollbacks past
+    several doublings of a (here tiny) capacity score like eager steps on transformers' cache and
+    compile nothing new, because the buffers grow outside the graph."""
+    eager, compiled = models
+    monkeypatch.setattr(kernels.GrowingLayer, "INITIAL_CAPACITY", 8)
+    fast, reference = CachedModel(compiled), CachedModel(dataclasses.replace(eager, kernels=False))
+    assert isinstance(fast.cache.layers[0], kernels.GrowingLayer) == compiled.kernels
+    rows: list[list[torch.Tensor]] = [[], []]
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for index, cached in enumerate((fast, reference)):
+            cached.forward(PROMPT[:5], logits_to_keep=1)
+            for size, rejected in ((1, 0), (6, 2), (1, 0), (9, 3), (16, 4), (2, 0), (16, 0), (1, 1)):
+                rows[index].append(cached.forward(list(range(size))))
+                cached.crop_to(cached.cached_length - rejected)
+    assert fast.cached_length == reference.cached_length == 5 + 52 - 10
+    torch.testing.assert_close(torch.cat(rows[0]), torch.cat(rows[1]), atol=1e-4, rtol=1e-4)
+    if compiled.kernels:
+        assert fast.cache.layers[0]._buffers[0].shape[-2] > 32  # grew through 8, 16 and 32
+
+
+def test_two_compiled_models_of_one_class_keep_their_own_weights(models, tokenizer) -> None:
+    """Each compiled model's graphs live on a code object of its own, so dropping the guards on its
+    modules cannot hand one model's graph (with the other's packed or frozen weights) to the other."""
+    eager, compiled = models
+    other = make_tiny_model(tokenizer, seed=12, name="compile-me-too")
+    if eager.kernels:
+        assert kernels.install(other.model, "auto")
+        other = dataclasses.replace(other, kernels=True)
+    other_compiled = compile_steps(other)
+    for pair in ((eager, compiled), (other, other_compiled), (eager, compiled)):
+        logits = []
+        for loaded in pair:
+            cached = CachedModel(loaded)
+            cached.forward(PROMPT[:-1], logits_to_keep=1)
+            logits.append(cached.forward(PROMPT[-1:]))
+        torch.testing.assert_close(logits[0], logits[1], atol=1e-4, rtol=1e-4)
+
+
 def test_a_speculative_generation_compiles_nothing_after_load(models) -> None:
     """The real loop — drafts made by the drafter outside inference mode, rollbacks after partial
     rejections, plain steps — runs on the graphs compiled at load: any recompile is an error."""

@@ -202,6 +202,25 @@ def test_growing_layer_matches_dynamic_layer(monkeypatch: pytest.MonkeyPatch) ->
     assert growing.get_seq_length() == 0 and not growing.is_initialized
 
 
+def test_growing_layer_reserve_makes_room_before_the_write(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After ``reserve(n)`` a write of n positions stays in the same buffers (a compiled step must not
+    grow them), and the buffers always hold more positions than are cached (a view's contiguity then
+    never changes); the keys are views, never assigned."""
+    monkeypatch.setattr(GrowingLayer, "INITIAL_CAPACITY", 4)
+    layer = GrowingLayer()
+    layer.update(torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8))
+    for size in (1, 1, 5, 2, 9, 1):
+        layer.reserve(size)
+        buffers = layer._buffers
+        assert buffers is not None and buffers[0].shape[-2] > layer.length + size
+        keys, values = layer.update(torch.randn(1, 2, size, 8), torch.randn(1, 2, size, 8))
+        assert layer._buffers is buffers
+        assert keys.data_ptr() == buffers[0].data_ptr() and not keys.is_contiguous()
+    assert layer.get_seq_length() == 22
+    with pytest.raises(AttributeError, match="view of its buffer"):
+        layer.keys = torch.zeros(1, 2, 3, 8)
+
+
 def test_install_swaps_linears_and_attention(tiny_target: LoadedModel) -> None:
     installed = with_kernels(tiny_target)
     linears = [module for module in installed.model.modules() if isinstance(module, torch.nn.Linear)]

@@ -32,9 +32,8 @@ class CachedModel:
         self.full_history = full_history
         self.model = model.model
         self.compiled = model.step_forward is not None
-        # flyspec's kernels, eager: the in-place cache (kernels.GrowingLayer); a compiled graph guards
-        # on the cache's shapes, so compiled steps keep transformers' layers
-        self.in_place = model.kernels and not self.compiled
+        # flyspec's kernels: the in-place cache (kernels.GrowingLayer), eager or compiled
+        self.in_place = model.kernels
         self.step_forward = model.step_forward or model.model  # compiled (models.compile_steps) or eager
         self.device = next(self.model.parameters()).device
         self.cache = self._new_cache()
@@ -79,6 +78,9 @@ class CachedModel:
             inputs = token_ids.clone()[None] if copy else token_ids.unsqueeze(0)  # [1, n]
         else:
             inputs = torch.tensor([token_ids], dtype=torch.long, device=self.device)
+        for layer in self.cache.layers:
+            if isinstance(layer, GrowingLayer):
+                layer.reserve(inputs.shape[1])  # outside the graph: a compiled step never grows a buffer
         forward = self.step_forward if logits_to_keep == 0 else self.model  # prefill stays eager
         output = forward(input_ids=inputs, past_key_values=self.cache, use_cache=True, logits_to_keep=logits_to_keep)
         return output.logits[0].float()
@@ -102,6 +104,8 @@ class CachedModel:
         concatenation copies the cache anyway. In inference mode, so the copies stay inference
         tensors like the rest of the cache (the graph guards on that too)."""
         for layer in self.cache.layers:
+            if isinstance(layer, GrowingLayer):
+                continue  # views of a buffer whose strides never change
             for name in ("keys", "values"):
                 tensor = getattr(layer, name, None)
                 if isinstance(tensor, torch.Tensor) and not tensor.is_contiguous():

@@ -144,14 +144,51 @@ class GrowingLayer(DynamicLayer):
 
     A step writes in place (the stock layer concatenates, copying the whole cache every step) and a
     rollback (``crop``) only shortens the length. ``keys``/``values`` are views of the first
-    ``length`` positions."""
+    ``length`` positions, made when read.
+
+    Under ``torch.compile`` the buffers are graph inputs: :meth:`reserve`, called before each step
+    outside the graph, makes room for it, so a compiled step never grows them, and the buffers keep
+    their strides from one step to the next (a graph guards on strides). A buffer always holds more
+    positions than are cached: a view is then never the whole buffer, so its contiguity never
+    changes either."""
 
     INITIAL_CAPACITY = 256
 
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        super().lazy_initialization(key_states, value_states)
+    def __init__(self, **kwargs: Any) -> None:
         self.length = 0
         self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+        super().__init__(**kwargs)
+
+    # transformers' layers assign ``keys``/``values``; here they are views of the buffers
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return None if self._buffers is None else self._buffers[0][..., : self.length, :]
+
+    @keys.setter
+    def keys(self, value: torch.Tensor | None) -> None:
+        if value is not None:
+            raise AttributeError("GrowingLayer's keys are a view of its buffer; use update or crop")
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return None if self._buffers is None else self._buffers[1][..., : self.length, :]
+
+    @values.setter
+    def values(self, value: torch.Tensor | None) -> None:
+        if value is not None:
+            raise AttributeError("GrowingLayer's values are a view of its buffer; use update or crop")
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.length = 0
+        self._buffers = self._grown(key_states, value_states, key_states.shape[-2])
+        self.is_initialized = True
+
+    def reserve(self, positions: int) -> None:
+        """Make room for ``positions`` more (and one spare, see the class doc); before a step, outside any graph."""
+        buffers = self._buffers
+        if buffers is not None and self.length + positions >= buffers[0].shape[-2]:
+            self._buffers = self._grown(buffers[0], buffers[1], self.length + positions)
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
@@ -160,48 +197,36 @@ class GrowingLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         start, end = self.length, self.length + key_states.shape[-2]
         buffers = self._buffers
-        if buffers is None or end > buffers[0].shape[-2]:
-            buffers = self._buffers = self._grown(key_states, value_states, end)
+        assert buffers is not None
+        if end >= buffers[0].shape[-2]:  # an eager step without reserve; a compiled one never gets here
+            buffers = self._buffers = self._grown(buffers[0], buffers[1], end)
         buffers[0][..., start:end, :] = key_states
         buffers[1][..., start:end, :] = value_states
-        return self._set_length(end)
+        self.length = end
+        return buffers[0][..., :end, :], buffers[1][..., :end, :]
 
-    def _grown(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, needed: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """New buffers of at least twice the old capacity (and ``needed``), holding the cached positions."""
+    def _grown(self, keys: torch.Tensor, values: torch.Tensor, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Buffers for more than ``needed`` positions (at least twice the old capacity), holding the cached ones."""
         old = self._buffers
-        capacity = max(self.INITIAL_CAPACITY, needed, 2 * old[0].shape[-2] if old is not None else 0)
-        new = tuple(
-            states.new_empty((*states.shape[:-2], capacity, states.shape[-1])) for states in (key_states, value_states)
-        )
+        capacity = max(self.INITIAL_CAPACITY, needed + 1, 2 * old[0].shape[-2] if old is not None else 0)
+        new = tuple(states.new_empty((*states.shape[:-2], capacity, states.shape[-1])) for states in (keys, values))
         if old is not None:
             for buffer, previous in zip(new, old, strict=True):
                 buffer[..., : self.length, :] = previous[..., : self.length, :]
         return new[0], new[1]
 
-    def _set_length(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views of the first ``length`` positions become ``keys`` and ``values`` (and are returned)."""
-        assert self._buffers is not None
-        self.length = length
-        keys, values = self._buffers[0][..., :length, :], self._buffers[1][..., :length, :]
-        self.keys, self.values = keys, values
-        return keys, values
-
     def get_seq_length(self) -> int:
-        return self.length if self.is_initialized else 0
+        return self.length
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove > 0:
             raise ValueError(f"crop takes a negative number of positions to remove (got {tokens_to_remove})")
-        if tokens_to_remove == 0 or not self.is_initialized:
-            return
-        self._set_length(max(0, self.length + tokens_to_remove))
+        self.length = max(0, self.length + tokens_to_remove)
 
     def reset(self) -> None:
         self.length = 0
         self._buffers = None
-        super().reset()
+        self.is_initialized = False
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         raise NotImplementedError("flyspec's in-place cache holds one sequence")

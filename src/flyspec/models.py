@@ -17,11 +17,13 @@ import dataclasses
 import functools
 import hashlib
 import importlib.util
+import itertools
 import logging
 import os
 import platform
 import shutil
 import tempfile
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -228,15 +230,46 @@ def compile_steps(loaded: LoadedModel) -> LoadedModel:
     which lets inductor prepack them for oneDNN on the CPU (BENCHMARKS.md, "A compiled forward").
     It compiles here, before returning (minutes on 2 cores), so that no
     generation stalls on a compile; prefill stays eager.
-    Plain decoding uses the same compiled forward, so speedups stay like for like. The weights
-    must not change afterwards. Any causal LM that ``torch.compile`` can trace works; one it
+    Plain decoding uses the same compiled forward, so speedups stay like for like. The model must
+    not change afterwards (weights, modules, hooks): its graphs skip dynamo's guards on its modules
+    (:func:`_private_step`). Any causal LM that ``torch.compile`` can trace works; one it
     cannot falls back to eager per graph break (``torch._dynamo`` decides; outputs are the same
     up to floating-point rounding).
     """
-    options: dict[str, Any] = {} if loaded.kernels else {"freezing": True}
-    forward = torch.compile(loaded.model.forward, dynamic=True, options=options)
-    _warm_up(loaded.model, forward)
-    return dataclasses.replace(loaded, step_forward=forward)
+    options: dict[str, Any] = {"guard_filter_fn": _skip_guards_on_the_model}
+    if not loaded.kernels:
+        options["freezing"] = True
+    step = torch.compile(_private_step(), dynamic=True, options=options)
+    compiled = dataclasses.replace(loaded, step_forward=functools.partial(step, loaded.model))
+    _warm_up(compiled)
+    return compiled
+
+
+# The compiled step's argument holding the model: it names the guards of the step's own frame.
+_STEP_MODEL = "flyspec_step_model"
+_private_steps = itertools.count()
+
+
+def _step(flyspec_step_model: PreTrainedModel, **kwargs: Any) -> Any:
+    return flyspec_step_model(**kwargs)
+
+
+def _private_step() -> Callable[..., Any]:
+    """:func:`_step` with a code object of its own, so dynamo's graphs for it (kept on the code
+    object) belong to one model. Their guards can then skip the model's modules
+    (:func:`_skip_guards_on_the_model`): most of dynamo's ~7,700 guards per SmolLM2 graph, and
+    most of the ~1.3 ms their check took per step (BENCHMARKS.md). With a shared code object, two
+    models of one class would share graphs that hold one model's weights."""
+    code = _step.__code__.replace(co_name=f"flyspec_step_{next(_private_steps)}")
+    return types.FunctionType(code, _step.__globals__, code.co_name)
+
+
+def _skip_guards_on_the_model(entries: list[Any]) -> list[bool]:
+    """Which of a frame's guards to keep (``torch.compile``'s ``guard_filter_fn``): in the private
+    step's frame, not those on the model's modules (attributes, hooks, parameters); every other
+    guard, and every guard of any other frame (one after a graph break, whose code is shared), stays."""
+    own_frame = any(entry.name.startswith((_STEP_MODEL, f"L['{_STEP_MODEL}']")) for entry in entries)
+    return [not (own_frame and entry.orig_guard.source.is_unspecialized_nn_module()) for entry in entries]
 
 
 # Step sizes of the warm-up, in order: 1-token steps at two cache lengths (torch specialises a size
@@ -245,24 +278,18 @@ def compile_steps(loaded: LoadedModel) -> LoadedModel:
 WARM_UP_STEPS = (1, 1, 2, 3, 2, 5)
 
 
-@torch.inference_mode()
-def _warm_up(model: PreTrainedModel, forward: Callable[..., Any]) -> None:
+def _warm_up(loaded: LoadedModel) -> None:
     """Compile now, not in the middle of a generation, every graph generation needs: the steps of
-    :data:`WARM_UP_STEPS` after a prefill, as ``CachedModel`` runs them (fresh inference tensors, a
-    contiguous cache). A graph guards on sizes, strides, storage offsets and inference-ness; a step
-    that differs in any of them compiles a new graph (tens of seconds), which
-    ``tests/test_compile.py`` checks never happens during a generation."""
-    device = next(model.parameters()).device
-    cache = transformers.DynamicCache(config=model.config)
-    model(
-        input_ids=torch.zeros((1, 6), dtype=torch.long, device=device),
-        past_key_values=cache,
-        use_cache=True,
-        logits_to_keep=1,
-    )
+    :data:`WARM_UP_STEPS` after a prefill, run by ``CachedModel`` as generation runs them (fresh
+    inference tensors, the same kind of cache). A graph guards on sizes, strides, storage offsets
+    and inference-ness; a step that differs in any of them compiles a new graph (tens of seconds),
+    which ``tests/test_compile.py`` checks never happens during a generation."""
+    from flyspec.cached_model import CachedModel  # it imports this module
+
+    cached = CachedModel(loaded)
+    cached.forward([0] * 6, logits_to_keep=1)
     for size in WARM_UP_STEPS:
-        ids = torch.zeros((1, size), dtype=torch.long, device=device)
-        forward(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=0)
+        cached.forward([0] * size)
 
 
 def _resolve_to_hf_source(name_or_path: str) -> str:
