@@ -177,6 +177,23 @@ def test_cost_limit_charges_each_step_its_actual_forward_size() -> None:
     assert figures["drafts_per_step"] == pytest.approx((3 + 2) / 4)  # 2 + 2 + 1 + 0 drafts over 4 forwards
 
 
+def test_cost_limit_counts_each_sides_prefill_as_timed_in_the_run() -> None:
+    """The speedup is over wall time, prefill included, so its bound charges the prefill too: with
+    equal steps the limit falls toward 1 as the prefill grows; without prefill times it is the
+    per-step bound."""
+    times = {1: 0.010, 2: 0.012, 3: 0.015, 16: 0.05}
+
+    def limit(prefill: float | None) -> float:
+        base = _record("plain", "c", 0, 10, 1.0, 10) | {"prefill_time_s": prefill}
+        fast = _record("ngram+exact", "c", 0, 10, 0.5, 4) | {"proposed_per_position": [3, 2], "prefill_time_s": prefill}
+        return summarize([base, fast], times, num_draft_tokens=15)[OVERALL]["ngram+exact"]["cost_limit"]
+
+    steps = 2 * 0.015 + 0.012 + 0.010
+    assert limit(None) == pytest.approx(10 * 0.010 / steps)
+    assert limit(0.2) == pytest.approx((10 / (0.2 + steps)) / (10 / (0.2 + 10 * 0.010)))
+    assert 1 < limit(5.0) < limit(0.2) < limit(None)
+
+
 # --- end to end -----------------------------------------------------------------------------------
 
 

@@ -15,8 +15,9 @@ to the stock path where it does not apply:
   dropout, soft-capping, attention sinks and anything else unusual go to ``sdpa`` unchanged.
 - **An in-place KV cache** (:class:`GrowingLayer`): a buffer that doubles when full, so a step
   writes its keys and values in place instead of copying the whole cache by concatenation, and a
-  rollback is a length change. ``cached_model.CachedModel`` uses it for eager steps (compiled
-  graphs guard on the cache's shapes, so ``--compile`` keeps transformers' cache).
+  rollback is a length change. ``cached_model.CachedModel`` uses it for eager and compiled steps:
+  it reserves room before each step, outside the graph, so a compiled step writes into buffers
+  whose strides do not change and never compiles a new graph.
 
 Only on a CPU, in float32 or bfloat16 (where oneDNN supports it). The math is the same up to
 floating-point rounding; plain decoding runs the same kernels, so speedups stay like for like.

@@ -109,11 +109,12 @@ def markdown_report(meta: dict[str, Any], summary: dict[str, Any]) -> str:
         f"lossy methods ({LOSSY_NOTE}) are marked lossless = no; their quality is measured by `flyspec eval`.",
         "- Drafts verified per step: the draft tokens scored per target forward (k under a fixed draft length, "
         "fewer under the cost-aware one or when the drafter found nothing). "
-        "τ-limit = τ × t(1)/t(k+1) (every step one full (k+1)-token forward); cost limit = the same with "
-        "each step charged the forward of its actual size t(1 + drafts proposed); in-run limit = the speedup if "
-        "drafting and engine work were free (tokens per second of prefill + target-forward time, measured inside "
-        "the run, relative to plain decoding's). Per-step times split the wall time into target verification "
-        "forwards, drafting, and the engine's own work (other = overhead).",
+        "τ-limit = τ × t(1)/t(k+1) (every step one full (k+1)-token forward, prefill left out); cost limit = "
+        "the speedup with each step charged the forward of its actual size t(1 + drafts proposed) and each "
+        "side's prefill as timed in the run (speedups are over wall time, prefill included); in-run limit = "
+        "the speedup if drafting and engine work were free (tokens per second of prefill + target-forward "
+        "time, measured inside the run, relative to plain decoding's). Per-step times split the wall time "
+        "into target verification forwards, drafting, and the engine's own work (other = overhead).",
         "",
         "## Overall",
         "",
