@@ -1,4 +1,4 @@
-"""The compiled step forward (``--compile``, ``models.compile_steps``): same tokens, same KV invariant.
+"""The compiled step forward (``--compile``, ``compiled_steps.compile_steps``): same tokens, same KV invariant.
 
 One tiny model is compiled once for the module (compiling takes tens of seconds on 2 cores).
 """
@@ -15,8 +15,9 @@ from conftest import make_tiny_model
 from flyspec.api import build_decoder
 from flyspec.baseline import PlainDecoder
 from flyspec.cached_model import CachedModel
+from flyspec.compiled_steps import compile_steps
 from flyspec.config import DecodeConfig, DraftLengthConfig, SpeculationConfig
-from flyspec.models import LoadedModel, compile_steps
+from flyspec.models import LoadedModel
 from flyspec.resources import Resources
 from test_reference import naive_greedy
 

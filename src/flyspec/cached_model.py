@@ -34,7 +34,7 @@ class CachedModel:
         self.compiled = model.step_forward is not None
         # flyspec's kernels: the in-place cache (kernels.GrowingLayer), eager or compiled
         self.in_place = model.kernels
-        self.step_forward = model.step_forward or model.model  # compiled (models.compile_steps) or eager
+        self.step_forward = model.step_forward or model.model  # compiled (compiled_steps.compile_steps) or eager
         self.device = next(self.model.parameters()).device
         self.cache = self._new_cache()
         model_layers = DynamicCache(config=self.model.config).layers  # the layer kinds the model's config asks for
@@ -78,7 +78,7 @@ class CachedModel:
             inputs = token_ids.clone()[None] if copy else token_ids.unsqueeze(0)  # [1, n]
         else:
             inputs = torch.tensor([token_ids], dtype=torch.long, device=self.device)
-        for layer in self.cache.layers:
+        for layer in self.cache.layers if self.in_place else ():
             if isinstance(layer, GrowingLayer):
                 layer.reserve(inputs.shape[1])  # outside the graph: a compiled step never grows a buffer
         forward = self.step_forward if logits_to_keep == 0 else self.model  # prefill stays eager

@@ -140,6 +140,19 @@ def decode_attention(
     return out.view(heads, queries, dim).transpose(0, 1).unsqueeze(0), None
 
 
+def _buffer_view(index: int, name: str) -> Any:
+    """A property: the first ``length`` positions of buffer ``index`` (None before the first write); read-only."""
+
+    def view(layer: GrowingLayer) -> torch.Tensor | None:
+        return None if layer._buffers is None else layer._buffers[index][..., : layer.length, :]
+
+    def refuse(layer: GrowingLayer, value: torch.Tensor | None) -> None:
+        if value is not None:  # transformers' base class sets them to None
+            raise AttributeError(f"GrowingLayer's {name} are a view of its buffer; use update or crop")
+
+    return property(view, refuse)
+
+
 class GrowingLayer(DynamicLayer):
     """A ``DynamicLayer`` whose keys and values live in a buffer that doubles when full.
 
@@ -161,23 +174,8 @@ class GrowingLayer(DynamicLayer):
         super().__init__(**kwargs)
 
     # transformers' layers assign ``keys``/``values``; here they are views of the buffers
-    @property
-    def keys(self) -> torch.Tensor | None:
-        return None if self._buffers is None else self._buffers[0][..., : self.length, :]
-
-    @keys.setter
-    def keys(self, value: torch.Tensor | None) -> None:
-        if value is not None:
-            raise AttributeError("GrowingLayer's keys are a view of its buffer; use update or crop")
-
-    @property
-    def values(self) -> torch.Tensor | None:
-        return None if self._buffers is None else self._buffers[1][..., : self.length, :]
-
-    @values.setter
-    def values(self, value: torch.Tensor | None) -> None:
-        if value is not None:
-            raise AttributeError("GrowingLayer's values are a view of its buffer; use update or crop")
+    keys = _buffer_view(0, "keys")
+    values = _buffer_view(1, "values")
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device

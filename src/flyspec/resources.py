@@ -42,7 +42,7 @@ class Resources:
     ) -> None:
         self.dtype = dtype
         self.device = device  # every model named here loads onto it: draft models sit beside the target
-        self.compile = compile  # every model named here compiles its cached steps (models.compile_steps)
+        self.compile = compile  # every model named here compiles its cached steps (compiled_steps.compile_steps)
         self.kernels = kernels  # ... and gets flyspec's CPU kernels where they apply (kernels.py)
         self._models: dict[str, LoadedModel] = {model.name: model for model in models}
         self._ngram_caches: dict[str, NgramCache] = {}

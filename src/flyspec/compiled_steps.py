@@ -1,0 +1,91 @@
+"""The cached-step forward compiled by ``torch.compile`` (``--compile``): :func:`compile_steps`.
+
+Loading stays in ``models.py``; this module turns a loaded model into one whose cached steps run
+through a compiled graph, compiled at load (the warm-up), with dynamo's guards on the model's
+modules skipped from a code object private to the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+
+from flyspec.cached_model import CachedModel
+from flyspec.models import LoadedModel
+
+
+def compile_steps(loaded: LoadedModel) -> LoadedModel:
+    """``loaded`` with its cached-step forward compiled by ``torch.compile`` (inductor).
+
+    ``dynamic=True``: one graph for every number of scored tokens and cache length, so a draft of
+    any length reuses it. With flyspec's kernels (``loaded.kernels``) the linears are already packed
+    and stay opaque operators; inductor fuses the rest (norms, rotary embeddings, activations) and
+    removes the per-operator Python cost. Without them, ``freezing`` makes the weights constants,
+    which lets inductor prepack them for oneDNN on the CPU (BENCHMARKS.md, "A compiled forward").
+    It compiles here, before returning (minutes on 2 cores), so that no
+    generation stalls on a compile; prefill stays eager.
+    Plain decoding uses the same compiled forward, so speedups stay like for like. The model must
+    not change afterwards (weights, modules, hooks): its graphs skip dynamo's guards on its modules
+    (:func:`_private_step`). Any causal LM that ``torch.compile`` can trace works; one it
+    cannot falls back to eager per graph break (``torch._dynamo`` decides; outputs are the same
+    up to floating-point rounding).
+    """
+    options: dict[str, Any] = {"guard_filter_fn": _skip_guards_on_the_model}
+    if not loaded.kernels:
+        options["freezing"] = True
+    step = torch.compile(_private_step(), dynamic=True, options=options)
+    compiled = dataclasses.replace(loaded, step_forward=functools.partial(step, loaded.model))
+    _warm_up(compiled)
+    return compiled
+
+
+# The compiled step's argument holding the model: it names the guards of the step's own frame.
+_STEP_MODEL = "flyspec_step_model"
+_private_steps = itertools.count()
+
+
+def _step(flyspec_step_model: PreTrainedModel, **kwargs: Any) -> Any:
+    return flyspec_step_model(**kwargs)
+
+
+def _private_step() -> Callable[..., Any]:
+    """:func:`_step` with a code object of its own, so dynamo's graphs for it (kept on the code
+    object) belong to one model. Their guards can then skip the model's modules
+    (:func:`_skip_guards_on_the_model`): most of dynamo's ~7,700 guards per SmolLM2 graph, and
+    most of the ~1.3 ms their check took per step (BENCHMARKS.md). With a shared code object, two
+    models of one class would share graphs that hold one model's weights."""
+    code = _step.__code__.replace(co_name=f"flyspec_step_{next(_private_steps)}")
+    return types.FunctionType(code, _step.__globals__, code.co_name)
+
+
+def _skip_guards_on_the_model(entries: list[Any]) -> list[bool]:
+    """Which of a frame's guards to keep (``torch.compile``'s ``guard_filter_fn``): in the private
+    step's frame, not those on the model's modules (attributes, hooks, parameters); every other
+    guard, and every guard of any other frame (one after a graph break, whose code is shared), stays."""
+    own_frame = any(entry.name.startswith((_STEP_MODEL, f"L['{_STEP_MODEL}']")) for entry in entries)
+    return [not (own_frame and entry.orig_guard.source.is_unspecialized_nn_module()) for entry in entries]
+
+
+# Step sizes of the warm-up, in order: 1-token steps at two cache lengths (torch specialises a size
+# of 1, so they get their own graph, and a second length makes it dynamic in the length), then
+# several-token steps at growing lengths (one graph, dynamic in both).
+WARM_UP_STEPS = (1, 1, 2, 3, 2, 5)
+
+
+def _warm_up(loaded: LoadedModel) -> None:
+    """Compile now, not in the middle of a generation, every graph generation needs: the steps of
+    :data:`WARM_UP_STEPS` after a prefill, run by ``CachedModel`` as generation runs them (fresh
+    inference tensors, the same kind of cache). A graph guards on sizes, strides, storage offsets
+    and inference-ness; a step that differs in any of them compiles a new graph (tens of seconds),
+    which ``tests/test_compile.py`` checks never happens during a generation."""
+    cached = CachedModel(loaded)
+    cached.forward([0] * 6, logits_to_keep=1)
+    for size in WARM_UP_STEPS:
+        cached.forward([0] * size)
