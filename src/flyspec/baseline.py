@@ -27,5 +27,5 @@ class PlainDecoder(Decoder):
             with generation.stats.timing("target", self.device):
                 logits = self.scorer.score(token_ids[-1], no_draft)  # [1, vocab]
             committed = generation.commit([int(choose_tokens(logits[0], sampling, generator))])
-            self.scorer.rollback(len(token_ids))
+            self.scorer.rollback(token_ids)
             yield committed, ()

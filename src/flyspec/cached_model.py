@@ -64,6 +64,12 @@ class CachedModel:
     def cached_length(self) -> int:
         return int(self.cache.get_seq_length())
 
+    @property
+    def rewindable(self) -> bool:
+        """Whether ``crop_to`` may go back to any length, not only past the last forwards: every
+        layer is a plain one (a sliding-window layer only drops what it added since its last crop)."""
+        return all(type(layer) in (DynamicLayer, GrowingLayer) for layer in self.cache.layers)
+
     @torch.inference_mode()
     def forward(self, token_ids: list[int] | torch.Tensor, logits_to_keep: int = 0) -> torch.Tensor:
         """Append ``token_ids`` (a list, or ``[n]`` int64 on the model's device) to the cache; return

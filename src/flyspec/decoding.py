@@ -108,7 +108,7 @@ class SpeculativeDecoder(Decoder):
                 verdict = self.verifier.verify(draft, target_logits, sampling, generator, context)
                 # commit up to the first stop condition, then roll both caches back to what was committed
                 committed = generation.commit(verdict.tokens, verdict, draft.num_tokens, requested)
-                self.scorer.rollback(len(token_ids))
+                self.scorer.rollback(token_ids)
                 self.drafter.rollback(len(token_ids))
                 yield committed, verdict.loose_positions
         finally:  # also when the stream is closed early: the committed tokens are still worth remembering

@@ -147,6 +147,7 @@ class Decoder:
         """Start the target on the prompt (the first step scores its last token)."""
         with generation.stats.timing("prefill", self.device):
             self.scorer.start(generation.prompt_ids)
+        generation.stats.num_reused_prompt_tokens = self.scorer.reused
 
     def _steps(self, generation: Generation) -> Iterator[Step]:
         raise NotImplementedError

@@ -26,6 +26,7 @@ class DecodeStats:
     accepted_per_position: list[int] = field(default_factory=list)
     wall_time_s: float = 0.0  # prefill included
     prefill_time_s: float = 0.0
+    num_reused_prompt_tokens: int = 0  # prompt tokens taken from the decoder's cache, not prefilled (target.py)
     target_time_s: float = 0.0  # in target verification forwards (after prefill)
     draft_time_s: float = 0.0  # in Drafter.propose (model forwards for model drafters, lookups for n-gram)
     requested_draft_lengths: dict[int, int] = field(default_factory=dict)  # draft length asked for → steps
@@ -132,6 +133,7 @@ class DecodeStats:
             "guard_vetoes": dict(sorted(self.guard_vetoes.items())),
             "wall_time_s": self.wall_time_s,
             "prefill_time_s": self.prefill_time_s,
+            "num_reused_prompt_tokens": self.num_reused_prompt_tokens,
             "target_time_s": self.target_time_s,
             "draft_time_s": self.draft_time_s,
             "other_time_s": self.other_time_s,

@@ -5,6 +5,13 @@ the last one, ``cached_length == num_committed - 1``. Each step scores
 ``[last committed token] + draft`` in one forward, giving ``[k + 1, vocab]`` logits, and then
 crops the cache back to the newly committed length (transformers 5 ``DynamicCache.crop`` takes
 a negative count).
+
+A new generation keeps the cached positions its prompt shares with the previous generation's
+committed tokens (prefix reuse): a chat's next turn, whose prompt repeats the conversation so far,
+prefills only what is new. The cache belongs to one decoder, so only that decoder's own earlier
+generation is reused (the server builds a decoder per request: nothing passes between requests).
+The reused keys and values were computed by the earlier generation's steps rather than by one
+prefill, so outputs equal a fresh start's up to floating-point rounding, as any two batch shapes do.
 """
 
 from __future__ import annotations
@@ -21,21 +28,40 @@ class Target:
 
     def __init__(self, target: LoadedModel) -> None:
         self.cached_model = CachedModel(target)
-        self.num_committed = 0
+        self.committed: list[int] = []  # the committed tokens; the cache holds all but the last
+        self.reused = 0  # prompt tokens the last start took from the cache instead of prefilling
 
     @property
     def device(self) -> torch.device:
         return self.cached_model.device
 
+    @property
+    def num_committed(self) -> int:
+        return len(self.committed)
+
     def start(self, prompt_ids: list[int]) -> None:
-        """Prefill everything but the last prompt token (which the first step scores)."""
+        """Prefill everything but the last prompt token (which the first step scores), keeping the
+        cached positions the prompt shares with the previous generation's committed tokens."""
         if not prompt_ids:
             raise ConfigError("the prompt encodes to no tokens; give some text")
-        self.cached_model.reset()
-        if len(prompt_ids) > 1:
-            self.cached_model.forward(prompt_ids[:-1], logits_to_keep=1)
-        self.num_committed = len(prompt_ids)
+        self.reused = self._shared_prefix(prompt_ids)
+        if self.reused:
+            self.cached_model.crop_to(self.reused)
+        else:
+            self.cached_model.reset()
+        if len(prompt_ids) - 1 > self.reused:
+            self.cached_model.forward(prompt_ids[self.reused : -1], logits_to_keep=1)
+        self.committed = list(prompt_ids)
         self.check_invariant()
+
+    def _shared_prefix(self, prompt_ids: list[int]) -> int:
+        """How many leading cached positions hold the same tokens as ``prompt_ids`` (0: start afresh)."""
+        cached = self.cached_model.cached_length
+        # a generation closed mid-step leaves unchecked positions; a sliding-window layer can't rewind far
+        if not cached or cached != len(self.committed) - 1 or not self.cached_model.rewindable:
+            return 0
+        limit = min(cached, len(prompt_ids) - 1)
+        return next((i for i in range(limit) if self.committed[i] != prompt_ids[i]), limit)
 
     def score(self, last_token: int, draft_tokens: torch.Tensor) -> torch.Tensor:
         """Logits ``[k + 1, vocab]`` for ``[last_token] + draft_tokens`` in one forward.
@@ -46,10 +72,11 @@ class Target:
         last = torch.full((1,), last_token, dtype=torch.long, device=self.device)
         return self.cached_model.forward(torch.cat([last, draft_tokens]))  # [k + 1, vocab]
 
-    def rollback(self, num_committed: int) -> None:
-        """Keep the cache of the committed tokens only (all but the last)."""
-        self.cached_model.crop_to(num_committed - 1)
-        self.num_committed = num_committed
+    def rollback(self, committed: list[int]) -> None:
+        """Keep the cache of the ``committed`` tokens only (all but the last). The list is kept, not
+        copied: it is the generation's, which only grows, and tells the next start what is cached."""
+        self.cached_model.crop_to(len(committed) - 1)
+        self.committed = committed
         self.check_invariant()
 
     def check_invariant(self) -> None:

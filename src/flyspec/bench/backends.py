@@ -42,6 +42,7 @@ class TurnOutput:
     accepted_per_position: list[int] = field(default_factory=list)
     proposed_per_position: list[int] = field(default_factory=list)
     prefill_time_s: float | None = None
+    num_reused_prompt_tokens: int | None = None  # prompt tokens the engine's cache held already (None: not known)
     target_time_s: float | None = None
     draft_time_s: float | None = None
     requested_draft_lengths: dict[int, int] = field(default_factory=dict)  # draft length asked → steps
@@ -113,6 +114,7 @@ class FlyspecBackend:
             accepted_per_position=list(stats.accepted_per_position) if speculative else [],
             proposed_per_position=list(stats.proposed_per_position) if speculative else [],
             prefill_time_s=stats.prefill_time_s,
+            num_reused_prompt_tokens=stats.num_reused_prompt_tokens,
             target_time_s=stats.target_time_s,
             draft_time_s=stats.draft_time_s,
             requested_draft_lengths=dict(stats.requested_draft_lengths) if speculative else {},

@@ -184,6 +184,7 @@ def make_record(
         "num_accepted",
         "num_loose_accepts",
         "prefill_time_s",
+        "num_reused_prompt_tokens",
         "target_time_s",
         "draft_time_s",
     ):

@@ -1,0 +1,94 @@
+"""Prefix reuse (target.py): a decoder's next generation keeps the cached positions its prompt shares
+with the previous generation's committed tokens, prefills only the rest, and decodes as a fresh start."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import make_tiny_gemma3
+from flyspec import DecodeConfig, PlainDecoder, SpeculativeDecoder, make_verifier
+from flyspec.config import SpeculationConfig
+from flyspec.drafters.ngram import NgramDrafter
+from flyspec.generation import Decoder
+from flyspec.models import LoadedModel
+from flyspec.target import Target
+from test_kernels import with_kernels
+
+CONFIG = DecodeConfig(max_new_tokens=24, ignore_eos=True)
+FIRST = "Once upon a time there was a small model that"
+
+
+def decoders(target: LoadedModel) -> list[Decoder]:
+    speculation = SpeculationConfig(num_draft_tokens=6)
+    return [
+        PlainDecoder(target, CONFIG),
+        SpeculativeDecoder(target, NgramDrafter(), make_verifier("exact"), CONFIG, speculation),
+    ]
+
+
+def prefilled(decoder: Decoder) -> list[int]:
+    """Records how many tokens each prefill forward of ``decoder``'s target is given."""
+    sizes: list[int] = []
+    cached_model = decoder.scorer.cached_model
+    forward = cached_model.forward
+
+    def spy(token_ids, logits_to_keep: int = 0):
+        if logits_to_keep:
+            sizes.append(len(token_ids))
+        return forward(token_ids, logits_to_keep)
+
+    cached_model.forward = spy  # type: ignore[method-assign]
+    return sizes
+
+
+@pytest.mark.parametrize("kernels", [False, True], ids=["stock-cache", "in-place-cache"])
+def test_the_next_turn_prefills_only_what_is_new_and_decodes_as_a_fresh_start(tiny_target, kernels) -> None:
+    target = with_kernels(tiny_target) if kernels else tiny_target
+    for decoder in decoders(target):
+        first = decoder.generate(FIRST, use_chat=False)
+        conversation = first.prompt_token_ids + first.token_ids
+        follow_up = conversation + target.encode_prompt(" The capital of", use_chat=False)
+        sizes = prefilled(decoder)
+        second = decoder.generate(follow_up)
+        fresh = type(decoder)(target, CONFIG) if isinstance(decoder, PlainDecoder) else decoders(target)[1]
+        assert second.token_ids == fresh.generate(follow_up).token_ids, type(decoder).__name__
+        # everything but the last committed token was cached; the rest is prefilled, the last one scored
+        reused = len(conversation) - 1
+        assert second.stats.num_reused_prompt_tokens == reused
+        assert sizes == [len(follow_up) - 1 - reused]
+
+
+def test_a_prompt_that_differs_keeps_only_the_shared_positions(tiny_target) -> None:
+    decoder = decoders(tiny_target)[1]
+    first = decoder.generate(FIRST, use_chat=False)
+    shared = 5
+    other = first.prompt_token_ids[:shared] + [(first.prompt_token_ids[shared] + 1) % 200] + [7, 8, 9]
+    second = decoder.generate(other)
+    assert second.stats.num_reused_prompt_tokens == shared
+    assert second.token_ids == decoders(tiny_target)[1].generate(other).token_ids
+    # the very same prompt again: all but its last token come from the cache
+    assert decoder.generate(other).stats.num_reused_prompt_tokens == len(other) - 1
+
+
+def test_a_step_left_unfinished_is_not_reused(tiny_target) -> None:
+    """A forward without its rollback (a generation stopped mid-step) leaves positions nobody checked:
+    the next start begins afresh."""
+    target = Target(tiny_target)
+    prompt = tiny_target.encode_prompt(FIRST, use_chat=False)
+    target.start(prompt)
+    target.score(prompt[-1], torch.tensor([11, 12, 13]))  # scored, never rolled back
+    target.start(prompt + [11, 12, 13, 14])
+    assert target.reused == 0
+    assert target.cached_model.cached_length == len(prompt) + 3
+
+
+def test_sliding_window_layers_start_afresh(tokenizer) -> None:
+    """A sliding-window layer can only drop what it added since its last crop: no reuse, same tokens."""
+    target = make_tiny_gemma3(tokenizer, layer_types=["sliding_attention", "full_attention"])
+    decoder = PlainDecoder(target, CONFIG)
+    first = decoder.generate(FIRST, use_chat=False)
+    follow_up = first.prompt_token_ids + first.token_ids + [7, 8]
+    second = decoder.generate(follow_up)
+    assert second.stats.num_reused_prompt_tokens == 0
+    assert second.token_ids == PlainDecoder(target, CONFIG).generate(follow_up).token_ids
