@@ -65,10 +65,13 @@ def test_a_prompt_that_differs_keeps_only_the_shared_positions(tiny_target) -> N
     shared = 5
     other = first.prompt_token_ids[:shared] + [(first.prompt_token_ids[shared] + 1) % 200] + [7, 8, 9]
     second = decoder.generate(other)
-    assert second.stats.num_reused_prompt_tokens == shared
+    assert second.stats.num_reused_prompt_tokens == shared  # 5 of 9: at least half
     assert second.token_ids == decoders(tiny_target)[1].generate(other).token_ids
     # the very same prompt again: all but its last token come from the cache
     assert decoder.generate(other).stats.num_reused_prompt_tokens == len(other) - 1
+    # a shared head shorter than half the prompt (a system prompt, say) is prefilled afresh
+    longer = other[:shared] + [7, 8, 9, 10, 11, 12]
+    assert decoder.generate(longer).stats.num_reused_prompt_tokens == 0
 
 
 def test_a_step_left_unfinished_is_not_reused(tiny_target) -> None:
