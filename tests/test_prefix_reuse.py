@@ -59,18 +59,22 @@ def test_the_next_turn_prefills_only_what_is_new_and_decodes_as_a_fresh_start(ti
         assert sizes == [len(follow_up) - 1 - reused]
 
 
-def test_a_prompt_that_differs_keeps_only_the_shared_positions(tiny_target) -> None:
+def test_only_a_continuation_of_the_conversation_is_reused(tiny_target) -> None:
     decoder = decoders(tiny_target)[1]
     first = decoder.generate(FIRST, use_chat=False)
-    shared = 5
-    other = first.prompt_token_ids[:shared] + [(first.prompt_token_ids[shared] + 1) % 200] + [7, 8, 9]
-    second = decoder.generate(other)
-    assert second.stats.num_reused_prompt_tokens == shared  # 5 of 9: at least half
-    assert second.token_ids == decoders(tiny_target)[1].generate(other).token_ids
+    prompt, output = first.prompt_token_ids, first.token_ids
+    # the conversation goes on, but differs from the cache after 3 tokens of the answer
+    detour = prompt + output[:3] + [(output[3] + 1) % 200, 7, 8]
+    second = decoder.generate(detour)
+    assert second.stats.num_reused_prompt_tokens == len(prompt) + 3
+    assert second.token_ids == decoders(tiny_target)[1].generate(detour).token_ids
     # the very same prompt again: all but its last token come from the cache
-    assert decoder.generate(other).stats.num_reused_prompt_tokens == len(other) - 1
-    # a shared head shorter than half the prompt (a system prompt, say) is prefilled afresh
-    longer = other[:shared] + [7, 8, 9, 10, 11, 12]
+    assert decoder.generate(detour).stats.num_reused_prompt_tokens == len(detour) - 1
+    # a new conversation sharing only a head, even most of the prompt, starts afresh
+    head = detour[: len(prompt) - 1] + [7, 8, 9]
+    assert decoder.generate(head).stats.num_reused_prompt_tokens == 0
+    # a continuation whose new part is longer than what is cached starts afresh too (a slower prefill)
+    longer = head + [(token % 150) + 2 for token in range(len(head) + 1)]
     assert decoder.generate(longer).stats.num_reused_prompt_tokens == 0
 
 

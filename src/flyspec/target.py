@@ -6,18 +6,19 @@ the last one, ``cached_length == num_committed - 1``. Each step scores
 crops the cache back to the newly committed length (transformers 5 ``DynamicCache.crop`` takes
 a negative count).
 
-A new generation keeps the cached positions its prompt shares with the previous generation's
-committed tokens (prefix reuse): a chat's next turn, whose prompt repeats the conversation so far,
-prefills only what is new. The cache belongs to one decoder, so only that decoder's own earlier
-generation is reused (the server builds a decoder per request: nothing passes between requests).
-The reused keys and values were computed by the earlier generation's steps rather than by one
-prefill, so outputs equal a fresh start's up to floating-point rounding, as any two batch shapes do.
+A new generation that continues the previous one's conversation (its prompt starts with that
+generation's whole prompt) keeps the cached positions the two share (prefix reuse): a chat's next
+turn, whose prompt repeats the conversation so far, prefills only what is new. A new conversation
+starts afresh, even when it shares a head such as a chat template's system prompt, so its output
+does not depend, by rounding, on what the decoder ran before. The cache belongs to one decoder, so
+only that decoder's own earlier generation is reused (the server builds a decoder per request:
+nothing passes between requests). The reused keys and values were computed by the earlier
+generation's steps rather than by one prefill, so outputs equal a fresh start's up to
+floating-point rounding, as any two batch shapes do.
 
-Only when at least half of the prompt is cached. A prefill that continues a cache attends with a
-mask, slower per token than a fresh causal prefill: on a 700-token SmolLM2 prompt in bf16, reusing
-24 tokens cost 4 % more than starting afresh, 100 saved 8 %, 350 saved 31 % (BENCHMARKS.md). A short
-shared head, such as a chat template's system prompt, would also make a new prompt's output depend,
-by that rounding, on what the decoder ran before; a conversation's next turn shares far more.
+And only when at least half of the prompt is cached. A prefill that continues a cache attends
+with a mask, slower per token than a fresh causal prefill: on a 700-token SmolLM2 prompt in bf16,
+reusing 24 tokens cost 4 % more than starting afresh, 100 saved 8 %, 350 saved 31 % (BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class Target:
     def __init__(self, target: LoadedModel) -> None:
         self.cached_model = CachedModel(target)
         self.committed: list[int] = []  # the committed tokens; the cache holds all but the last
+        self.prompt_length = 0  # of the generation that committed them
         self.reused = 0  # prompt tokens the last start took from the cache instead of prefilling
 
     @property
@@ -58,6 +60,7 @@ class Target:
         if len(prompt_ids) - 1 > self.reused:
             self.cached_model.forward(prompt_ids[self.reused : -1], logits_to_keep=1)
         self.committed = list(prompt_ids)
+        self.prompt_length = len(prompt_ids)
         self.check_invariant()
 
     def _shared_prefix(self, prompt_ids: list[int]) -> int:
@@ -68,7 +71,8 @@ class Target:
             return 0
         limit = min(cached, len(prompt_ids) - 1)
         shared = next((i for i in range(limit) if self.committed[i] != prompt_ids[i]), limit)
-        return shared if 2 * shared >= len(prompt_ids) else 0  # at least half: see the module doc
+        continues = shared >= min(self.prompt_length, limit)  # the previous prompt, all of it
+        return shared if continues and 2 * shared >= len(prompt_ids) else 0  # see the module doc
 
     def score(self, last_token: int, draft_tokens: torch.Tensor) -> torch.Tensor:
         """Logits ``[k + 1, vocab]`` for ``[last_token] + draft_tokens`` in one forward.
