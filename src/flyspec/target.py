@@ -17,8 +17,9 @@ generation's steps rather than by one prefill, so outputs equal a fresh start's 
 floating-point rounding, as any two batch shapes do.
 
 And only when at least half of the prompt is cached. A prefill that continues a cache attends
-with a mask, slower per token than a fresh causal prefill: on a 700-token SmolLM2 prompt in bf16,
-reusing 24 tokens cost 4 % more than starting afresh, 100 saved 8 %, 350 saved 31 % (BENCHMARKS.md).
+with a mask, and its tokens cost 4-48 % more than the same tokens prefilled afresh: on a 700-token
+SmolLM2 prompt in bf16, reusing 24 tokens saved 1 % of the prefill, 100 saved 10 %, 350 saved 42 %
+(BENCHMARKS.md, "prefix reuse").
 """
 
 from __future__ import annotations
