@@ -144,6 +144,30 @@ def test_what_a_request_may_change(
         assert_error(response, 403, "speculative_not_allowed")
 
 
+def test_no_kv_cache_prefix_passes_between_requests(tiny_target: LoadedModel, monkeypatch) -> None:
+    """A decoder reuses its own previous generation's cache (prefix reuse, target.py): how fast a prompt
+    starts would tell whether someone sent its head before. The server builds a decoder per request,
+    so even the very same conversation, sent again, is prefilled afresh."""
+    from flyspec.target import Target
+
+    reused: list[int] = []
+    start = Target.start
+
+    def recording(self: Target, prompt_ids: list[int]) -> None:
+        start(self, prompt_ids)
+        reused.append(self.reused)
+
+    monkeypatch.setattr(Target, "start", recording)
+    with serving(tiny_target) as url:
+        body = {**VICTIM_CHAT, "max_tokens": 8, "temperature": 0}
+        answer = post(url, "/v1/chat/completions", body).json()["choices"][0]["message"]["content"]
+        turn = {"role": "assistant", "content": answer}
+        follow_up = {**body, "messages": [*VICTIM_CHAT["messages"], turn, {"role": "user", "content": "Again"}]}
+        for request in (body, body, follow_up):
+            assert post(url, "/v1/chat/completions", request).status_code == 200
+    assert len(reused) == 4 and reused == [0, 0, 0, 0]
+
+
 # -- item 2: API keys, Host names, content types, CORS, warnings -------------------------------------------
 
 
