@@ -45,13 +45,13 @@ def prefilled(decoder: Decoder) -> list[int]:
 @pytest.mark.parametrize("kernels", [False, True], ids=["stock-cache", "in-place-cache"])
 def test_the_next_turn_prefills_only_what_is_new_and_decodes_as_a_fresh_start(tiny_target, kernels) -> None:
     target = with_kernels(tiny_target) if kernels else tiny_target
-    for decoder in decoders(target):
+    for index, decoder in enumerate(decoders(target)):
         first = decoder.generate(FIRST, use_chat=False)
         conversation = first.prompt_token_ids + first.token_ids
         follow_up = conversation + target.encode_prompt(" The capital of", use_chat=False)
         sizes = prefilled(decoder)
         second = decoder.generate(follow_up)
-        fresh = type(decoder)(target, CONFIG) if isinstance(decoder, PlainDecoder) else decoders(target)[1]
+        fresh = decoders(target)[index]
         assert second.token_ids == fresh.generate(follow_up).token_ids, type(decoder).__name__
         # everything but the last committed token was cached; the rest is prefilled, the last one scored
         reused = len(conversation) - 1
@@ -85,8 +85,7 @@ def test_a_step_left_unfinished_is_not_reused(tiny_target) -> None:
     prompt = tiny_target.encode_prompt(FIRST, use_chat=False)
     target.start(prompt)
     target.score(prompt[-1], torch.tensor([11, 12, 13]))  # scored, never rolled back
-    target.start(prompt + [11, 12, 13, 14])
-    assert target.reused == 0
+    assert target.start(prompt + [11, 12, 13, 14]) == 0
     assert target.cached_model.cached_length == len(prompt) + 3
 
 

@@ -153,9 +153,9 @@ def test_no_kv_cache_prefix_passes_between_requests(tiny_target: LoadedModel, mo
     reused: list[int] = []
     start = Target.start
 
-    def recording(self: Target, prompt_ids: list[int]) -> None:
-        start(self, prompt_ids)
-        reused.append(self.reused)
+    def recording(self: Target, prompt_ids: list[int]) -> int:
+        reused.append(start(self, prompt_ids))
+        return reused[-1]
 
     monkeypatch.setattr(Target, "start", recording)
     with serving(tiny_target) as url:

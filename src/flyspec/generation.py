@@ -146,8 +146,7 @@ class Decoder:
     def _prefill(self, generation: Generation) -> None:
         """Start the target on the prompt (the first step scores its last token)."""
         with generation.stats.timing("prefill", self.device):
-            self.scorer.start(generation.prompt_ids)
-        generation.stats.num_reused_prompt_tokens = self.scorer.reused
+            generation.stats.num_reused_prompt_tokens = self.scorer.start(generation.prompt_ids)
 
     def _steps(self, generation: Generation) -> Iterator[Step]:
         raise NotImplementedError

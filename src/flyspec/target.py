@@ -38,7 +38,6 @@ class Target:
         self.cached_model = CachedModel(target)
         self.committed: list[int] = []  # the committed tokens; the cache holds all but the last
         self.prompt_length = 0  # of the generation that committed them
-        self.reused = 0  # prompt tokens the last start took from the cache instead of prefilling
 
     @property
     def device(self) -> torch.device:
@@ -48,21 +47,23 @@ class Target:
     def num_committed(self) -> int:
         return len(self.committed)
 
-    def start(self, prompt_ids: list[int]) -> None:
+    def start(self, prompt_ids: list[int]) -> int:
         """Prefill everything but the last prompt token (which the first step scores), keeping the
-        cached positions the prompt shares with the previous generation's committed tokens."""
+        cached positions the prompt shares with the previous generation's committed tokens; return
+        how many were kept (0: prefilled afresh)."""
         if not prompt_ids:
             raise ConfigError("the prompt encodes to no tokens; give some text")
-        self.reused = self._shared_prefix(prompt_ids)
-        if self.reused:
-            self.cached_model.crop_to(self.reused)
+        reused = self._shared_prefix(prompt_ids)
+        if reused:
+            self.cached_model.crop_to(reused)
         else:
             self.cached_model.reset()
-        if len(prompt_ids) - 1 > self.reused:
-            self.cached_model.forward(prompt_ids[self.reused : -1], logits_to_keep=1)
+        if len(prompt_ids) - 1 > reused:
+            self.cached_model.forward(prompt_ids[reused:-1], logits_to_keep=1)
         self.committed = list(prompt_ids)
         self.prompt_length = len(prompt_ids)
         self.check_invariant()
+        return reused
 
     def _shared_prefix(self, prompt_ids: list[int]) -> int:
         """How many leading cached positions hold the same tokens as ``prompt_ids`` (0: start afresh)."""
