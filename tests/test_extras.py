@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "src" / "flyspec"
 ALL_EXTRA_MODULES = {module for modules in EXTRA_MODULES.values() for module in modules}
 # the package directory whose modules may use an extra's libraries
-EXTRA_OF_PACKAGE = {"server": "serve", "bench": "bench", "eval": "eval"}
+EXTRA_OF_PACKAGE = {"server": "serve", "bench": "bench", "eval": "eval", "calibration": "eval"}
 
 
 def test_extra_modules_match_pyproject() -> None:

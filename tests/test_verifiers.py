@@ -326,6 +326,21 @@ def test_fly_entropy_exactly_at_threshold_passes_the_gate() -> None:
     assert verdict == Verdict(tokens=draft[:4] + [targets[4]], num_accepted=4)
 
 
+def test_fly_draft_probability_floor_keeps_only_real_alternatives() -> None:
+    """``min_draft_prob``: the loose accept needs the target to give the draft token at least the floor."""
+    draft, logits, targets = scenario(15, {4}, uncertain_at={4})
+    draft_prob = float(torch.softmax(logits[4], -1)[draft[4]])  # the runner-up's probability
+    for floor, kept in ((draft_prob * 0.99, True), (draft_prob * 1.01, False)):
+        config = FlyConfig(6, 0.3, min_draft_prob=floor)
+        verdict = FlyVerifier(config, guard=BARE).verify(draft_of(draft), logits, GREEDY, None)
+        if kept:
+            assert verdict.loose_positions == (4,) and verdict.num_accepted == 15
+        else:
+            assert verdict == Verdict(tokens=draft[:4] + [targets[4]], num_accepted=4)
+    with pytest.raises(ConfigError, match="min_draft_prob"):
+        FlyConfig(min_draft_prob=1.0)
+
+
 def test_fly_ablation_no_window_keeps_every_gated_mismatch() -> None:
     # window_size=0: consecutive mismatches and the very last positions are all kept.
     draft, logits, targets = scenario(15, {3, 4, 13, 14}, uncertain_at={3, 4, 13, 14})

@@ -125,6 +125,33 @@ def test_request_options() -> None:
         request_fly_config({"rejection_sample_method": "fly", "fly_window_size": -1}, greedy=True, switch="request")
 
 
+def test_an_operator_profile_sets_fly_and_refuses_looser_requests(tmp_path) -> None:
+    from flyspec_vllm.options import PROFILE_VARIABLE, operator_profile
+
+    from conftest import make_tiny_model, make_tokenizer
+    from flyspec.profile import Profile
+    from test_profile import FLY_POINT, make_profile
+
+    target = make_tiny_model(make_tokenizer(), 0)
+    path = tmp_path / "profile.json"
+    Profile(make_profile(target)).save(path)
+    assert operator_profile({}) is None
+    limit = operator_profile({PROFILE_VARIABLE: str(path)})
+    assert limit is not None and limit.fly == FLY_POINT.fly and limit.guard == FLY_POINT.guard
+    fly = {"rejection_sample_method": "fly"}
+    assert request_fly_config(fly, greedy=True, switch="request", limit=limit) == FLY_POINT.fly
+    stricter = {**fly, "fly_entropy_threshold": 0.9, "fly_window_size": 5}
+    assert request_fly_config(stricter, greedy=True, switch="request", limit=limit).entropy_threshold == 0.9
+    for looser in ({"fly_entropy_threshold": 0.1}, {"fly_window_size": 2}):
+        with pytest.raises(ConfigError, match="looser than the operator's profile"):
+            request_fly_config({**fly, **looser}, greedy=True, switch="request", limit=limit)
+    with pytest.raises(ConfigError, match="sets the guards"):
+        operator_profile({PROFILE_VARIABLE: str(path), "FLYSPEC_VLLM_GUARDS": "bare"})
+    Profile(make_profile(target, chosen=None)).save(path)
+    with pytest.raises(ConfigError, match="no FLy setting"):
+        operator_profile({PROFILE_VARIABLE: str(path)})
+
+
 def _forward_calling_the_module_global(self):  # as vLLM's RejectionSampler.forward does
     return rejection_sample()  # type: ignore[name-defined]  # noqa: F821
 

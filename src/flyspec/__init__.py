@@ -25,6 +25,7 @@ __version__ = "0.1.0"
 if TYPE_CHECKING:  # the same names for type checkers and IDEs; at run time __getattr__ imports them
     from flyspec.api import build_decoder, generate, generate_plain
     from flyspec.baseline import PlainDecoder
+    from flyspec.calibration import Budget, CalibrationConfig, calibrate
     from flyspec.config import (
         ConfigError,
         DecodeConfig,
@@ -53,6 +54,7 @@ if TYPE_CHECKING:  # the same names for type checkers and IDEs; at run time __ge
     )
     from flyspec.hf_generate import custom_generate, from_transformers
     from flyspec.models import DEFAULT_MODEL, LoadedModel, ModelLoadError, load_model
+    from flyspec.profile import Profile
     from flyspec.resources import Resources
     from flyspec.result import GenerationResult
     from flyspec.sampling import make_generator
@@ -73,6 +75,7 @@ if TYPE_CHECKING:  # the same names for type checkers and IDEs; at run time __ge
 _SOURCES = {
     "flyspec.api": ("build_decoder", "generate", "generate_plain"),
     "flyspec.baseline": ("PlainDecoder",),
+    "flyspec.calibration": ("Budget", "CalibrationConfig", "calibrate"),
     "flyspec.config": (
         "ConfigError",
         "DecodeConfig",
@@ -101,6 +104,7 @@ _SOURCES = {
     ),
     "flyspec.hf_generate": ("custom_generate", "from_transformers"),
     "flyspec.models": ("DEFAULT_MODEL", "LoadedModel", "ModelLoadError", "load_model"),
+    "flyspec.profile": ("Profile",),
     "flyspec.resources": ("Resources",),
     "flyspec.result": ("GenerationResult",),
     "flyspec.sampling": ("make_generator",),
@@ -138,6 +142,10 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "DEFAULT_MODEL",
+    "Budget",
+    "CalibrationConfig",
+    "Profile",
+    "calibrate",
     "ConfigError",
     "DecodeConfig",
     "DecodeStats",

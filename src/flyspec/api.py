@@ -14,6 +14,7 @@ from flyspec.draft_length import resolve_policy
 from flyspec.drafters.registry import make_drafter
 from flyspec.generation import Prompt
 from flyspec.models import DEFAULT_MODEL, set_threads
+from flyspec.profile import resolution
 from flyspec.resources import ModelRef, Resources
 from flyspec.result import GenerationResult
 from flyspec.sampling import make_generator
@@ -41,7 +42,8 @@ def build_decoder(
 ) -> SpeculativeDecoder:
     """A :class:`SpeculativeDecoder` for ``target`` (the CLI, bench, eval and server use this).
 
-    ``spec`` says what to speculate with (default: n-gram drafter, exact verifier); ``decode`` the
+    ``spec`` says what to speculate with (default: n-gram drafter, exact verifier), its ``profile`` the
+    calibration profile that sets or limits its lossy settings (``profile.resolve``); ``decode`` the
     generation's length, stop strings and sampling. ``resources`` resolves model names (target,
     draft model, stack levels) and holds n-gram caches and layer-skip calibrations; by default a
     private one for this decoder, so nothing is shared unless the caller shares it.
@@ -50,13 +52,20 @@ def build_decoder(
     resources = resources or Resources()
     verifier = checked_verifier(spec)
     target_model = resources.model(target)
+    # a calibration profile (flyspec calibrate) sets the lossy settings, or refuses looser ones
+    draft_model = resources.model(spec.draft_model) if spec.draft_model and spec.models else None
+    resolved = resolution(spec, target_model, draft_model)
+    if resolved.spec != spec:
+        spec, verifier = resolved.spec, checked_verifier(resolved.spec)
     drafter = make_drafter(spec, target_model, resources)
     if not verifier.lossless:  # the trust guards' token-class masks, built before any timed step
         prepare_guards(target_model.vocabulary, spec.guard)
     # the cost-aware draft length weighs t(k + 1): measured once per model and machine, then cached
     costed = resolve_policy(spec.draft_length, verifier.lossless, spec.drafter) == "cost"
     cost = resources.step_cost(target_model, spec.num_draft_tokens + 1) if costed else None
-    return SpeculativeDecoder(target_model, drafter, verifier, decode or DecodeConfig(), spec, step_cost=cost)
+    decoder = SpeculativeDecoder(target_model, drafter, verifier, decode or DecodeConfig(), spec, step_cost=cost)
+    decoder.profile = resolved.profile
+    return decoder
 
 
 def generate(

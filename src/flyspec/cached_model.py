@@ -6,6 +6,8 @@ rollback is ``crop_to``. Caches that cannot be cropped are refused when it is ma
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
@@ -36,6 +38,9 @@ class CachedModel:
         self.in_place = model.kernels
         self.step_forward = model.step_forward or model.model  # compiled (compiled_steps.compile_steps) or eager
         self.device = next(self.model.parameters()).device
+        # transformers 5.2x renamed the forward's past_key_values to cache (the old name warns); older ones lack it
+        parameters = inspect.signature(self.model.forward).parameters
+        self._cache_argument = "cache" if "cache" in parameters else "past_key_values"
         self.cache = self._new_cache()
         model_layers = DynamicCache(config=self.model.config).layers  # the layer kinds the model's config asks for
         uncroppable = {type(layer).__name__ for layer in model_layers if type(layer) not in _CROPPABLE_LAYERS}
@@ -88,7 +93,8 @@ class CachedModel:
             if isinstance(layer, GrowingLayer):
                 layer.reserve(inputs.shape[1])  # outside the graph: a compiled step never grows a buffer
         forward = self.step_forward if logits_to_keep == 0 else self.model  # prefill stays eager
-        output = forward(input_ids=inputs, past_key_values=self.cache, use_cache=True, logits_to_keep=logits_to_keep)
+        cache = {self._cache_argument: self.cache}
+        output = forward(input_ids=inputs, use_cache=True, logits_to_keep=logits_to_keep, **cache)
         return output.logits[0].float()
 
     def crop_to(self, length: int) -> None:

@@ -46,7 +46,12 @@ def fail(message: str) -> NoReturn:
 
 
 # Subcommands beside `generate`: each module has ``add_parser(commands)``, which sets ``handler``.
-_COMMAND_MODULES = ("flyspec.bench.command", "flyspec.eval.command", "flyspec.server.command")
+_COMMAND_MODULES = (
+    "flyspec.bench.command",
+    "flyspec.eval.command",
+    "flyspec.calibration.command",
+    "flyspec.server.command",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -174,6 +179,9 @@ def _generate(args: argparse.Namespace) -> int:
     decode = DecodeConfig(max_new_tokens=args.max_new_tokens, stop_strings=tuple(args.stop), sampling=sampling)
     resources = Resources(**engine_options(args))
     decoder = build_decoder(args.target, spec, decode, resources=resources)
+    spec = decoder.speculation  # as it runs: a calibration profile may have set the lossy settings
+    if decoder.profile is not None and not args.json:
+        print(f"[profile] {decoder.profile.describe()}", file=sys.stderr)
     baseline = None
     device = decoder.device
     if args.compare:
@@ -187,6 +195,7 @@ def _generate(args: argparse.Namespace) -> int:
     result = stream.result
     assert result is not None
     record = _record(args, spec, decoder.target, result, baseline, decoder.draft_length_policy)
+    record["profile"] = decoder.profile.path if decoder.profile is not None else None
     if args.json:
         print(json.dumps(record, ensure_ascii=False))
     else:

@@ -106,6 +106,15 @@ def add_speculation_options(parser: argparse.ArgumentParser, *, components: bool
         "prompt_lookup_max/min, rejection_sample_method, fly_window_size, fly_entropy_threshold, fly_entropy_top_k); "
         "the flags below override it",
     )
+    spec.add_argument(
+        "--profile",
+        metavar="FILE",
+        help="a calibration profile (profile.json from flyspec calibrate): the lossy settings come from its chosen "
+        "point (with --verifier NAME, that rule's best point), and settings looser than it are refused; the "
+        "model, tokenizer, dtype and drafter must be the profile's. auto (default): a lossy verifier left at its "
+        "default settings runs at the profile flyspec ships for this packaged model, drafter and dtype, if any; "
+        "none: the papers' default settings",
+    )
     if components:
         spec.add_argument("--drafter", choices=DRAFTERS, help=f"draft source (default {_DEFAULT.drafter})")
         spec.add_argument(
@@ -260,6 +269,7 @@ FLAG_NAMES = (
     "draft_length",
     "min_draft_tokens",
     "draft_confidence",
+    "profile",
 )
 
 

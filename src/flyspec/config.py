@@ -154,9 +154,16 @@ class FlyConfig:
     entropy_threshold: float = 0.3
     entropy_top_k: int = 3
     temperature_rule: str = "rejection"
+    # a floor on the draft token's own target probability (temperature 1, full vocabulary): the FLy pull
+    # request on vLLM (#53987) asks for a non-zero one; a calibration may find a higher one worth its τ
+    min_draft_prob: float = 0.0
 
     def __post_init__(self) -> None:
         _require(self.window_size >= 0, f"window_size must be >= 0 (got {self.window_size}); 0 disables it")
+        _require(
+            0 <= self.min_draft_prob < 1,
+            f"min_draft_prob must be in [0, 1) (got {self.min_draft_prob}); 0 keeps the paper's rule",
+        )
         _require(
             math.isfinite(self.entropy_threshold) and self.entropy_threshold >= 0,
             f"entropy_threshold must be a finite number >= 0 (got {self.entropy_threshold}); 0 disables the gate",
@@ -281,6 +288,37 @@ class GuardConfig:
 
 
 @dataclass(frozen=True)
+class BreakerConfig:
+    """The online circuit breaker of a lossy rule (``breaker.py``); a calibration profile sets it.
+
+    Per generation: once it has made at least ``min_loose_accepts`` loose accepts and more than
+    ``max_loose_per_100`` per 100 committed tokens, far more than the rule made on the prompts it
+    was calibrated on, the prompt is taken to be outside that domain and the rest of the generation
+    is verified by the strict base rule (exact match when greedy). ``max_loose_per_100=0``: off.
+    """
+
+    max_loose_per_100: float = 0.0
+    min_loose_accepts: int = 3
+
+    def __post_init__(self) -> None:
+        _require(
+            math.isfinite(self.max_loose_per_100) and self.max_loose_per_100 >= 0,
+            f"breaker max_loose_per_100 must be a finite number >= 0 (got {self.max_loose_per_100}); 0 is off",
+        )
+        _require(
+            self.min_loose_accepts >= 1, f"breaker min_loose_accepts must be >= 1 (got {self.min_loose_accepts})"
+        )
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_loose_per_100 > 0
+
+
+PROFILE_AUTO = "auto"  # the profile flyspec ships for the model, drafter and dtype, if any (profile.py)
+PROFILE_NONE = "none"
+
+
+@dataclass(frozen=True)
 class DecodeConfig:
     """One generation: length limit, stop strings and sampling (what to draft with: :class:`SpeculationConfig`)."""
 
@@ -323,8 +361,16 @@ class SpeculationConfig:
     margin: MarginConfig = field(default_factory=MarginConfig)
     typical: TypicalConfig = field(default_factory=TypicalConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
+    breaker: BreakerConfig = field(default_factory=BreakerConfig)
+    # a calibration profile (``flyspec calibrate``, ``profile.py``): a JSON file, "auto" (the one flyspec ships
+    # for this model, drafter and dtype, used when a lossy verifier runs with its default settings) or "none"
+    profile: str = PROFILE_AUTO
 
     def __post_init__(self) -> None:
+        _require(
+            isinstance(self.profile, str) and bool(self.profile.strip()),
+            f"profile must be a profile file, {PROFILE_AUTO!r} or {PROFILE_NONE!r} (got {self.profile!r})",
+        )
         _require(
             self.num_draft_tokens >= 1,
             f"num_draft_tokens must be >= 1 (got {self.num_draft_tokens}); use plain decoding for 0",

@@ -43,6 +43,7 @@ FLAT_OPTIONS = {
     "draft_length": "draft_length.policy",
     "min_draft_tokens": "draft_length.min_tokens",
     "draft_confidence": "draft_length.confidence_threshold",
+    "profile": "profile",
 }
 
 # vLLM ``speculative_config`` key → flyspec field (dotted: a component's field). Names as in vLLM's

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator
+from typing import Any
 
+from flyspec.breaker import CircuitBreaker
 from flyspec.config import ConfigError, DecodeConfig, SpeculationConfig
 from flyspec.draft_length import DraftLength, new_draft_length, resolve_policy
 from flyspec.drafters.base import Drafter
@@ -55,6 +57,7 @@ class SpeculativeDecoder(Decoder):
         self.verifier = verifier
         self.speculation = speculation or SpeculationConfig()
         self.step_cost = step_cost
+        self.profile: Any = None  # the calibration profile that set the lossy settings (profile.py), if any
         self.validate(self.config)
 
     @property
@@ -89,7 +92,8 @@ class SpeculativeDecoder(Decoder):
         self.drafter.reset(generation.prompt_ids)
         self._prefill(generation)
         token_ids = generation.token_ids  # grows in place as tokens are committed
-        context = VerifyContext(token_ids, len(generation.prompt_ids), self.target.vocabulary)
+        breaker = CircuitBreaker.of(self.speculation.breaker, stats)  # a profile's: strict once loosening runs wild
+        context = VerifyContext(token_ids, len(generation.prompt_ids), self.target.vocabulary, breaker=breaker)
         try:
             while not generation.finished:
                 # draft: up to k tokens after the committed ones

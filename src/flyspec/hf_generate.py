@@ -54,7 +54,16 @@ from flyspec.sampling import make_generator
 SAMPLING_WARPERS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 STOPPING_CRITERIA = (MaxLengthCriteria, EosTokenCriteria, StopStringCriteria)
 # model kwargs transformers prepares for every decoder-only call (checked below where they matter)
-MODEL_KWARGS = ("attention_mask", "position_ids", "use_cache", "logits_to_keep", "past_key_values", "cache_position")
+# past_key_values: transformers < 5.2x; cache: its newer name
+MODEL_KWARGS = (
+    "attention_mask",
+    "position_ids",
+    "use_cache",
+    "logits_to_keep",
+    "past_key_values",
+    "cache",
+    "cache_position",
+)
 OUTPUT_FLAGS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
 
 
@@ -157,7 +166,7 @@ def _single_prompt(input_ids: torch.Tensor, model_kwargs: dict[str, Any]) -> lis
     positions = model_kwargs.get("position_ids")
     if positions is not None and not torch.equal(positions.flatten().cpu(), torch.arange(input_ids.shape[1])):
         raise ConfigError("flyspec.custom_generate does not support custom position_ids")
-    cache = model_kwargs.get("past_key_values")
+    cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
     if cache is not None and cache.get_seq_length() > 0:
         raise ConfigError(
             "flyspec.custom_generate starts from the prompt: a pre-filled past_key_values is not supported"

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.util
+import json
 import logging
 import os
 import platform
@@ -65,6 +66,13 @@ class LoadedModel:
     name: str
     step_forward: Callable[..., Any] | None = None
     kernels: bool = False
+    weights_fingerprint: str | None = None  # taken before the kernels pack the weights (see weights_fingerprint)
+
+    @functools.cached_property
+    def fingerprints(self) -> dict[str, str]:
+        """What identifies this model for a calibration profile (``profile.py``): its weights and tokenizer."""
+        weights = self.weights_fingerprint or weights_fingerprint(self.model)
+        return {"weights": weights, "tokenizer": tokenizer_fingerprint(self.tokenizer)}
 
     @property
     def dtype(self) -> torch.dtype:
@@ -116,6 +124,31 @@ class LoadedModel:
         return decode_text(self.tokenizer, token_ids)
 
 
+FINGERPRINT_SAMPLES = 64  # weight values hashed per tensor (evenly spaced)
+
+
+def weights_fingerprint(model: torch.nn.Module) -> str:
+    """SHA-256 of every floating-point tensor's name, shape and evenly spaced values rounded to bfloat16
+    (a float32 and a bfloat16 load of the same weights agree; a profile checks the dtype on its own)."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
+            continue
+        flat = tensor.detach().reshape(-1)
+        count = min(FINGERPRINT_SAMPLES, flat.numel())
+        index = torch.arange(count, device=flat.device) * (flat.numel() - 1) // max(count - 1, 1)
+        values = flat[index].to(torch.bfloat16).float().cpu().numpy().tobytes()
+        digest.update(f"{name}:{tuple(tensor.shape)}:".encode() + values)
+    return digest.hexdigest()[:32]
+
+
+def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
+    """SHA-256 of the vocabulary (token → id) and the special tokens."""
+    vocabulary = sorted(tokenizer.get_vocab().items())
+    special = sorted(str(token) for token in tokenizer.all_special_tokens)
+    return hashlib.sha256(json.dumps([vocabulary, special]).encode()).hexdigest()[:32]
+
+
 def cpu_name() -> str:
     """The CPU model name (for benchmark and evaluation reports)."""
     try:
@@ -125,6 +158,19 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown CPU"
+
+
+def cpu_isa() -> str:
+    """The widest instruction set for a model's matmuls this CPU has: ``AMX``, ``AVX512-BF16``, ``AVX512``,
+    ``AVX2`` or ``baseline`` (bf16 is native from AVX512-BF16 up; ``models.default_dtype``)."""
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return "unknown"
+    for flag, name in (("amx_bf16", "AMX"), ("avx512_bf16", "AVX512-BF16"), ("avx512f", "AVX512"), ("avx2", "AVX2")):
+        if flag in flags:
+            return name
+    return "baseline"
 
 
 def resolve_device(device: str | torch.device = DEFAULT_DEVICE) -> torch.device:
@@ -212,8 +258,11 @@ def load_model(
             f"a .gguf file, one of {', '.join(PACKAGED_MODELS)}, or a hub id with network access"
         ) from error
     model.to(torch_device).eval()  # type: ignore[arg-type]  # transformers wraps `.to`; its stub is wrong
+    fingerprint = weights_fingerprint(model)  # before packing: packed weights leave the state dict
     installed = install_kernels(model, kernels)
-    loaded = LoadedModel(model=model, tokenizer=tokenizer, name=name_or_path, kernels=installed)
+    loaded = LoadedModel(
+        model=model, tokenizer=tokenizer, name=name_or_path, kernels=installed, weights_fingerprint=fingerprint
+    )
     if not compile:
         return loaded
     from flyspec.compiled_steps import compile_steps  # it imports this module

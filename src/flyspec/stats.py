@@ -34,6 +34,7 @@ class DecodeStats:
     # every committed loose accept, explained (types.LooseAccept + "index" into the output; texts added at the end)
     loose_accepts: list[dict[str, Any]] = field(default_factory=list)
     guard_vetoes: dict[str, int] = field(default_factory=dict)  # trust guard → loose accepts it refused
+    breaker_tripped_at: int | None = None  # output index where the circuit breaker turned loose acceptance off
 
     @contextmanager
     def timing(
@@ -131,6 +132,7 @@ class DecodeStats:
             "loose_accepts": [dict(record) for record in self.loose_accepts],
             "loose_accepts_by_source": self.loose_accepts_by_source,
             "guard_vetoes": dict(sorted(self.guard_vetoes.items())),
+            "breaker_tripped_at": self.breaker_tripped_at,
             "wall_time_s": self.wall_time_s,
             "prefill_time_s": self.prefill_time_s,
             "num_reused_prompt_tokens": self.num_reused_prompt_tokens,

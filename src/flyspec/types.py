@@ -109,12 +109,14 @@ class VerifyContext:
     committed tokens (prompt, then output), so it is current at every step. ``vocabulary`` holds
     the target's per-model token facts (EOS ids, token classes; ``verifiers/tokens.py``).
     ``memo`` keeps values derived from the prompt once per generation (e.g. its names).
+    ``breaker``: the generation's circuit breaker (``breaker.py``), if its profile set one.
     """
 
     token_ids: list[int]
     prompt_length: int
     vocabulary: Any = None  # verifiers.tokens.Vocabulary, or None (then only vocabulary-free guards apply)
     memo: dict[str, Any] = field(default_factory=dict)
+    breaker: Any = None  # breaker.CircuitBreaker, or None: once it trips, every loose candidate is vetoed
 
     @property
     def prompt_ids(self) -> list[int]:

@@ -225,6 +225,15 @@ class CrossTokenizerDrafter:
     def rollback(self, num_committed: int) -> None:
         """Nothing to do now: the next ``propose`` re-syncs from the committed ids it is given."""
 
+    def path_state(self) -> tuple[int, int]:
+        """What this drafter carries from one step to the next besides what it re-syncs from the committed
+        ids: the draft-to-target token counts behind ``m`` (step 2 above). Replay restores it per path."""
+        draft_count, target_count = self._granularity
+        return draft_count, target_count
+
+    def restore_path_state(self, state: tuple[int, int]) -> None:
+        self._granularity = list(state)
+
     def finish(self, token_ids: list[int]) -> None:
         """Hand the inner drafter the committed text in its own vocabulary (it may learn from it)."""
         self._update_draft_side(token_ids)

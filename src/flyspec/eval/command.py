@@ -35,7 +35,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     work.add_argument(
         "--tasks",
         default=",".join(DEFAULT_TASKS),
-        help="comma-separated: humaneval, gsm8k, translation, summarization, rag, qa (fidelity only); "
+        help="comma-separated: humaneval, gsm8k, translation, summarization, rag; qa, mt_bench, math_reasoning "
+        "(fidelity only); "
         "generated, 200 items each, doable by a 135M model: extract, numbers, passage, arith, code, units, json; "
         f"adversarial (71 prompts, fidelity first); '' for none (default {','.join(DEFAULT_TASKS)})",
     )
@@ -184,6 +185,7 @@ def _evaluate(args: argparse.Namespace, config: Any, console: Any) -> int:
     target = resources.model(args.target)
     _write_meta(config, _meta(args, config, target, report.skipped))
     evaluation = Evaluation(config, target, items, resources)
+    evaluation.check_methods()  # a method a --profile refuses fails here, before the progress bar
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     interrupted = False
     with Progress(*columns, console=console, transient=False) as progress:

@@ -107,18 +107,22 @@ def load_spec_bench(
     return items
 
 
-def load_custom(path: Path, limit: int | None, skip: bool, report: LoadReport) -> list[EvalItem]:
-    """``{"prompt": str, "reference": str | [str, ...], "id"?: str}`` per line."""
+def load_custom(
+    path: Path, limit: int | None, skip: bool, report: LoadReport, *, needs_reference: bool = True
+) -> list[EvalItem]:
+    """``{"prompt": str, "reference": str | [str, ...], "id"?: str}`` per line (``reference`` optional
+    unless ``needs_reference``: an item without one gets no score, only fidelity to plain decoding)."""
     items: list[EvalItem] = []
+    names = ("prompt", "reference") if needs_reference else ("prompt",)
     for line_number, record in read_jsonl(path, skip_bad_lines=skip, report=report):
-        if not _require_fields(path, line_number, record, ("prompt", "reference"), skip, report):
+        if not _require_fields(path, line_number, record, names, skip, report):
             continue
-        reference = record["reference"]
-        if not _valid_reference(reference):
+        reference = record.get("reference")
+        if reference is not None and not _valid_reference(reference):
             _bad_line(path, line_number, "reference must be a string or a list of strings", skip, report)
             continue
-        if not isinstance(record["prompt"], str):
-            _bad_line(path, line_number, "prompt must be a string", skip, report)
+        if not isinstance(record["prompt"], str) or not record["prompt"].strip():
+            _bad_line(path, line_number, "prompt must be a non-empty string", skip, report)
             continue
         item_id = str(record.get("id", f"{path.stem}/{line_number}"))
         items.append(EvalItem(item_id, record["prompt"], reference))

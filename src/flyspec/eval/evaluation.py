@@ -29,6 +29,7 @@ from flyspec.generation import Decoder
 from flyspec.harness.data import JsonlWriter, read_records
 from flyspec.harness.methods import PLAIN, Method
 from flyspec.models import LoadedModel
+from flyspec.profile import resolve as resolve_profile
 from flyspec.resources import Resources
 from flyspec.result import GenerationResult
 from flyspec.sampling import make_generator
@@ -178,20 +179,31 @@ class Evaluation:
             if method.engine == "vllm":
                 decoders[method.name] = self._vllm_decoder(method, plain_config)
                 continue
-            assert method.verifier is not None, "plain decoding is not in config.methods"
-            spec = method.with_draft_length(
-                dataclasses.replace(
-                    self.config.speculation,
-                    drafter=method.drafter or self.config.speculation.drafter,
-                    verifier=method.verifier,
-                    guard=method.guard_config(task.kind),
-                )
-            )
             decode = DecodeConfig(max_new_tokens=max_new_tokens, stop_strings=task.stop)
+            spec = self.method_spec(method, task)
             decoders[method.name] = build_decoder(self.target, spec, decode, resources=self.resources[method.name])
         for decoder in decoders.values():  # warm-up: the first call pays one-off costs
             decoder.generate("Hello", config=DecodeConfig(max_new_tokens=2), use_chat=self.config.use_chat)
         return decoders
+
+    def method_spec(self, method: Method, task: Task) -> SpeculationConfig:
+        """What flyspec method ``method`` speculates with on ``task`` (its verifier, guards, draft length)."""
+        assert method.verifier is not None, "plain decoding is not in config.methods"
+        return method.with_draft_length(
+            dataclasses.replace(
+                self.config.speculation,
+                drafter=method.drafter or self.config.speculation.drafter,
+                verifier=method.verifier,
+                guard=method.guard_config(task.kind),
+            )
+        )
+
+    def check_methods(self) -> None:
+        """Refuse now, before any output, a method a calibration profile does not allow (``profile.resolve``)."""
+        for task in self.config.tasks:
+            for method in self.config.methods:
+                if method.engine != "vllm":
+                    resolve_profile(self.method_spec(method, task), self.target)
 
     def _vllm_decoder(self, method: Method, config: DecodeConfig) -> Any:
         from flyspec.eval.vllm import VllmDecoder, start_engine  # only with vllm-* methods

@@ -1,25 +1,27 @@
 """Evaluation tasks: which items, how each is prompted, how an output is scored.
 
-=============  ==========================================  =========================  ========
-task           prompt (chat template applied)              metrics (first = primary)  kind
-=============  ==========================================  =========================  ========
-humaneval      instruction + the function stub, fenced     pass@1 (sandboxed tests)   code
-gsm8k          question + "step by step ... The answer is"  numeric (final number)     text
-translation    Spec-Bench prompt (de→en)                   chrf, bleu                 text
-summarization  Spec-Bench prompt ("Summarize: ...")        rouge-l (vs highlights)    text
-rag            Spec-Bench prompt (passages + question)     contains (any answer)      text
-qa             Spec-Bench prompt (Natural Questions)       none: fidelity only        text
-extract        generated record, one field asked           value (first mention)      text
-numbers        generated numbers, rewrite comma-separated  number-list                text
-passage        generated story, one fact asked             value (first mention)      text
-arith          generated ``a + b`` / ``a - b``             numeric                    text
-code           generated Python function, a name asked     value (first mention)      code
-units          generated ``7 km = 7 x 1000 m = ?``          numeric                    text
-json           generated keys and values → JSON object     json                       text
-adversarial    the file's prompt (written for flyspec)     contains, where a          text
-                                                           reference exists
-custom         the file's ``prompt``                       ``--metric``               text
-=============  ==========================================  =========================  ========
+==============  ==========================================  =========================  ========
+task            prompt (chat template applied)              metrics (first = primary)  kind
+==============  ==========================================  =========================  ========
+humaneval       instruction + the function stub, fenced     pass@1 (sandboxed tests)   code
+gsm8k           question + "step by step ... The answer is"  numeric (final number)     text
+translation     Spec-Bench prompt (de→en)                   chrf, bleu                 text
+summarization   Spec-Bench prompt ("Summarize: ...")        rouge-l (vs highlights)    text
+rag             Spec-Bench prompt (passages + question)     contains (any answer)      text
+qa              Spec-Bench prompt (Natural Questions)       none: fidelity only        text
+mt_bench        Spec-Bench prompt (first turn)              none: fidelity only        text
+math_reasoning  Spec-Bench prompt (GSM8K-style)             none: fidelity only        text
+extract         generated record, one field asked           value (first mention)      text
+numbers         generated numbers, rewrite comma-separated  number-list                text
+passage         generated story, one fact asked             value (first mention)      text
+arith           generated ``a + b`` / ``a - b``             numeric                    text
+code            generated Python function, a name asked     value (first mention)      code
+units           generated ``7 km = 7 x 1000 m = ?``          numeric                    text
+json            generated keys and values → JSON object     json                       text
+adversarial     the file's prompt (written for flyspec)     contains, where a          text
+                                                            reference exists
+custom          the file's ``prompt``                       ``--metric``               text
+==============  ==========================================  =========================  ========
 
 The generated tasks (``synthetic.py``) have 200 seeded items each, short answers (≤ 32 new
 tokens) and exact or near-exact scoring, so a small model scores well above zero and a corrupted
@@ -173,6 +175,8 @@ def builtin_tasks(sandbox: SandboxLimits | None = None) -> dict[str, Task]:
         ),
         Task("rag", "text", ("contains",), 64, _spec_bench("rag", True), _as_is, _metric_scorer(("contains",))),
         Task("qa", "text", (), 96, _spec_bench("qa", False), _as_is, _no_score),
+        Task("mt_bench", "text", (), 96, _spec_bench("mt_bench", False), _as_is, _no_score),
+        Task("math_reasoning", "text", (), 96, _spec_bench("math_reasoning", False), _as_is, _no_score),
         *(_synthetic(task) for task in SYNTHETIC_TASKS.values()),
         Task(
             "adversarial",
@@ -194,18 +198,24 @@ def _as_is(item: EvalItem) -> str:
     return item.prompt
 
 
-def custom_task(path: Path, metric: str, max_new_tokens: int = 256) -> Task:
-    """A JSONL file of ``{"prompt", "reference"}`` records scored with ``metric``."""
+def custom_task(path: Path, metric: str, max_new_tokens: int = 256, *, needs_reference: bool = True) -> Task:
+    """A JSONL file of ``{"prompt", "reference"}`` records scored with ``metric`` (without
+    ``needs_reference``, records may leave the reference out: those get fidelity only)."""
     if metric not in METRICS:
         raise ConfigError(f"unknown metric {metric!r}; choose one of: {', '.join(METRICS)}")
+    scorer = _metric_scorer((metric,))
+
+    def score(item: EvalItem, output: str) -> Score:
+        return Score({}) if item.reference is None else scorer(item, output)
+
     return Task(
         path.stem,
         "text",
         (metric,),
         max_new_tokens,
-        lambda limit, skip, report: data.load_custom(path, limit, skip, report),
+        lambda limit, skip, report: data.load_custom(path, limit, skip, report, needs_reference=needs_reference),
         _as_is,
-        _metric_scorer((metric,)),
+        score,
     )
 
 

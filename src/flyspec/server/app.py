@@ -195,6 +195,8 @@ class Generations:
         )
         speculation = self.planner.check(body)  # 4xx before a place in the queue is taken
         described = describe(speculation)
+        if self.planner.profile is not None:
+            described["profile"] = self.planner.profile.name
         if body.ignored_fields:
             described["ignored_fields"] = body.ignored_fields
         builder = ResponseBuilder(kind, self.served_model, described, body.include_usage)

@@ -220,7 +220,9 @@ def run(args: argparse.Namespace) -> int:
     )
     planner = app.state.planner
     build_decoder(target, planner.defaults, resources=planner.caches.resources)
-    described = ", ".join(f"{name}={value}" for name, value in describe(defaults).items())
+    described = ", ".join(f"{name}={value}" for name, value in describe(planner.defaults).items())
+    if planner.profile is not None:
+        logger.info("calibration profile: %s", planner.profile.describe())
     logger.info(
         "serving %s (%s, %s on %s) at http://%s:%d/v1",
         args.served_model_name or target.name,
@@ -230,7 +232,7 @@ def run(args: argparse.Namespace) -> int:
         args.host,
         args.port,
     )
-    log_exposure(args.host, defaults, security)
+    log_exposure(args.host, planner.defaults, security)
     config = server_config(app, host=args.host, port=args.port, log_level=args.log_level)
     GracefulServer(config, app.state.lifecycle).run()
     return 0

@@ -32,6 +32,7 @@ from flyspec.config import MODEL_DRAFTERS, ConfigError, DecodeConfig, SamplingCo
 from flyspec.decoding import SpeculativeDecoder
 from flyspec.generation import context_room
 from flyspec.models import LoadedModel
+from flyspec.profile import looser, resolution
 from flyspec.resources import Resources
 from flyspec.server.caches import TenantCaches
 from flyspec.server.errors import (
@@ -127,7 +128,11 @@ class Planner:
         self.target = target
         if draft_model is not None and defaults.draft_model is None:
             defaults = dataclasses.replace(defaults, draft_model=draft_model.name)
-        self.defaults = defaults
+        # a calibration profile (--profile, or the one flyspec ships) sets the lossy defaults once, here, and
+        # stays the limit of every request's lossy settings (they are the caller's, so untrusted)
+        resolved = resolution(defaults, target, draft_model if defaults.models else None)
+        self.defaults = resolved.spec
+        self.profile = resolved.profile
         self.limits = limits
         self.security = security
         self.draft_model = draft_model
@@ -241,8 +246,21 @@ class Planner:
         Under ``lossless`` a request may choose any lossless verifier, with any drafter and draft
         settings: the output is then the target's own, whatever the drafts. With a lossy verifier
         the drafts change the output, so a request may not change anything from a lossy default.
+        Whatever the policy, a server with a calibration profile refuses lossy settings looser than
+        the profile's (``profile.looser``): its quality bounds hold only for settings at least as strict.
         """
         policy = self.security.allow_request_speculative
+        if self.profile is not None and resolved != self.defaults:
+            reasons = looser(self.defaults, resolved)
+            if reasons:
+                raise APIError(
+                    403,
+                    f"these speculative settings are looser than this server's calibration profile "
+                    f"{self.profile.name} allows: {'; '.join(reasons)}; leave them out to use its settings, "
+                    "or choose stricter ones or a lossless verifier",
+                    param="speculative",
+                    code="speculative_not_allowed",
+                )
         if policy == "all" or resolved == self.defaults or (policy == "lossless" and is_lossless(resolved)):
             return
         changed = ", ".join(changed_fields(self.defaults, resolved))

@@ -14,6 +14,11 @@ token ``d_j`` when both hold:
    draft positions are never loosely accepted, i.e. loose acceptance needs ``j <= k - W - 1``.
    (The paper's text allows one more position; we follow the code.) Mismatches that cannot be
    judged are treated strictly. Two mismatches closer than ``W`` therefore reject the first.
+3. **Draft probability floor** (``min_draft_prob``, default 0: off) — the target gives the draft
+   token at least this probability (softmax of the raw logits over the full vocabulary). The FLy
+   pull request on vLLM (#53987) keeps only draft tokens of non-zero target probability; a floor
+   above zero is a calibration's knob (``flyspec calibrate``): a 135M target is "uncertain" nearly
+   everywhere, and the floor keeps only the alternatives it gave real weight to.
 
 Ablations are values: ``window_size=0`` drops the window (every gated mismatch is kept,
 anywhere), ``entropy_threshold=0`` drops the gate. The committed tokens are the draft up to the
@@ -29,6 +34,7 @@ either, the recovered token is the first sample.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -81,6 +87,7 @@ def fly_candidates(
     base_accept: torch.Tensor,  # [k] bool, the strict base rule's acceptance
     target_logits: torch.Tensor,  # [k (+1), vocab]
     config: FlyConfig,
+    draft_tokens: torch.Tensor | None = None,  # [k]; needed only with config.min_draft_prob
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``([k] bool, [k])``: the mismatches FLy would keep (before the trust guards), and the entropy
     at the mismatches whose deferred window holds (NaN at the other positions).
@@ -93,7 +100,18 @@ def fly_candidates(
     entropy = where_needed(
         window, target_logits, lambda rows, _: topk_entropy(rows, config.entropy_top_k), float("nan")
     )
-    return window & (entropy >= config.entropy_threshold), entropy
+    candidates = window & (entropy >= config.entropy_threshold)
+    if config.min_draft_prob > 0:
+        if draft_tokens is None:
+            raise ValueError("fly_candidates needs the draft tokens to apply min_draft_prob")
+        tokens, log_floor = draft_tokens, math.log(config.min_draft_prob)
+
+        def above_floor(rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            log_probs = torch.log_softmax(rows.float(), dim=-1)  # [rows, vocab]
+            return log_probs.gather(-1, tokens[positions].unsqueeze(-1)).squeeze(-1) >= log_floor
+
+        candidates &= where_needed(candidates, target_logits, above_floor, False)
+    return candidates, entropy
 
 
 @dataclass(frozen=True)
@@ -127,5 +145,5 @@ class FlyVerifier:
             base_accept = (samples[:, :k] == draft.tokens).any(0)  # [k]
             next_token = samples[0]  # [k + 1]: the recovered token is the first sample
 
-        candidates, entropy = fly_candidates(base_accept, target_logits, self.config)
+        candidates, entropy = fly_candidates(base_accept, target_logits, self.config, draft.tokens)
         return loose_verdict(draft, target_logits, base_accept, candidates, entropy, next_token, self.guard, context)

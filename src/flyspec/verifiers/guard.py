@@ -33,6 +33,10 @@ On by default (``GuardConfig()``), off in ``GuardConfig.bare()``:
     while the target's own choice there would not have repeated it. n-gram drafts are copies, and
     once a copy of the output is committed the target tends to follow it, so the deferred window
     is satisfied by the very repetition it should judge.
+``breaker``
+    The generation's circuit breaker has tripped (``breaker.py``; only with a ``BreakerConfig``,
+    which a calibration profile sets, in bare rules too): it made far more loose accepts than its
+    profile's calibration saw, so every later candidate is refused.
 ``copy``
     The candidate is part of a copy of the prompt (an n-gram containing it occurs in the prompt)
     and the target does not agree enough: ``p_target(draft token) < copy_ratio · p_target(top)``
@@ -221,6 +225,7 @@ def guard_loose_mask(
     base_host, loose_host, kept_host = host[:k], host[k : 2 * k], host[2 * k : 3 * k]
     draft_ids, target_ids = host[3 * k : 4 * k], host[4 * k :]
     vetoes: Vetoes = {}
+    tripped = context is not None and context.breaker is not None and context.breaker.tripped
     for position in range(k):
         if base_host[position]:
             continue
@@ -228,7 +233,11 @@ def guard_loose_mask(
             if loose_host[position]:
                 vetoes[position] = ("top-k",)
             break  # the accepted prefix ends here
-        reasons = _vetoes_at(position, draft, draft_ids, target_ids[position], target_logits, config, context)
+        reasons = (
+            ["breaker"]
+            if tripped
+            else _vetoes_at(position, draft, draft_ids, target_ids[position], target_logits, config, context)
+        )
         if reasons:
             kept_host[position] = 0
             vetoes[position] = tuple(reasons)

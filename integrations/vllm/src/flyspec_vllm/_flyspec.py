@@ -1,8 +1,10 @@
 """Everything the plugin takes from flyspec, imported in this one place (the core API may move)."""
 
 from flyspec.acceptance import num_leading_true
-from flyspec.config import ConfigError, FlyConfig, GuardConfig, NgramConfig
+from flyspec.config import ConfigError, FlyConfig, GuardConfig, NgramConfig, SpeculationConfig
 from flyspec.drafters.ngram import ngram_lookup
+from flyspec.models import tokenizer_fingerprint
+from flyspec.profile import Profile, looser
 from flyspec.types import Draft, VerifyContext
 from flyspec.verifiers.fly import fly_candidates
 from flyspec.verifiers.guard import guard_loose_mask
@@ -14,10 +16,14 @@ __all__ = [
     "FlyConfig",
     "GuardConfig",
     "NgramConfig",
+    "Profile",
+    "SpeculationConfig",
     "VerifyContext",
     "Vocabulary",
     "fly_candidates",
     "guard_loose_mask",
+    "looser",
     "ngram_lookup",
     "num_leading_true",
+    "tokenizer_fingerprint",
 ]

@@ -26,8 +26,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flyspec_vllm import metrics
-from flyspec_vllm._flyspec import ConfigError, GuardConfig, VerifyContext, Vocabulary
-from flyspec_vllm.options import operator_guards, operator_switch, request_fly_config
+from flyspec_vllm._flyspec import ConfigError, GuardConfig, VerifyContext, Vocabulary, tokenizer_fingerprint
+from flyspec_vllm.options import (
+    OperatorProfile,
+    operator_guards,
+    operator_profile,
+    operator_switch,
+    request_fly_config,
+)
 from flyspec_vllm.rule import RequestRule, fly_batch, keep_draft_tokens
 
 logger = logging.getLogger(__name__)
@@ -64,6 +70,7 @@ class Internals:
 class PluginState:
     switch: str
     guard: GuardConfig
+    profile: OperatorProfile | None = None  # the operator's calibration profile (options.py)
     enabled: bool = True
     vocabularies: dict[int, Vocabulary] = field(default_factory=dict)  # per model runner
     memos: dict[str, dict[str, Any]] = field(default_factory=dict)  # per request id: the guards' memo
@@ -114,7 +121,8 @@ def install(import_module: Callable[[str], Any] = importlib.import_module) -> bo
     """Check vLLM's internals and wrap them; ``False`` (one warning, nothing patched) when a check fails."""
     global STATE
     try:
-        switch, guard = operator_switch(), operator_guards()
+        switch, profile = operator_switch(), operator_profile()
+        guard = profile.guard if profile is not None else operator_guards()
     except ConfigError as error:
         logger.warning("flyspec-vllm: FLy disabled, every request gets vLLM's lossless rule: %s", error)
         return False
@@ -135,7 +143,7 @@ def install(import_module: Callable[[str], Any] = importlib.import_module) -> bo
             "flyspec-vllm: this vLLM has a built-in FLy; requests that ask the plugin for FLy get flyspec's "
             "guarded rule, an engine-wide rejection_sample_method='fly' is vLLM's own (without the guards)"
         )
-    STATE = PluginState(switch=switch, guard=guard)
+    STATE = PluginState(switch=switch, guard=guard, profile=profile)
     _wrap(internals.sampler_module, "rejection_sample", _wrap_rejection_sample)
     _wrap(internals.runner_class, "_sample", _wrap_sample)
     logger.info("flyspec-vllm: FLy installed (switch=%s, guards=%s)", switch, guard)
@@ -208,7 +216,8 @@ def batch_rules(runner: Any, state: PluginState) -> list[RequestRule]:
         params = runner.requests[req_id].sampling_params
         greedy = params is not None and params.temperature < GREEDY_TEMPERATURE_EPSILON
         try:
-            fly = request_fly_config(getattr(params, "extra_args", None), greedy, state.switch)
+            fly = request_fly_config(getattr(params, "extra_args", None), greedy, state.switch, state.profile)
+            vocabulary = vocabulary_of(runner, state) if fly is not None else None
         except ConfigError as error:
             logger.warning("flyspec-vllm: request %s gets vLLM's lossless rule: %s", req_id, error)
             fly = None
@@ -219,7 +228,7 @@ def batch_rules(runner: Any, state: PluginState) -> list[RequestRule]:
         context = VerifyContext(
             token_ids=[int(t) for t in batch.token_ids_cpu[index, :num_tokens]],
             prompt_length=int(batch.num_prompt_tokens[index]),
-            vocabulary=vocabulary_of(runner, state),
+            vocabulary=vocabulary,
             memo=state.memos.setdefault(req_id, {}),
         )
         rules.append(RequestRule(fly=fly, guard=state.guard, context=context))
@@ -246,5 +255,7 @@ def vocabulary_of(runner: Any, state: PluginState) -> Vocabulary:
         elif generation_eos:
             eos.update(int(token) for token in generation_eos)
         vocab_size = int(model_config.get_vocab_size())
+        if state.profile is not None and tokenizer_fingerprint(tokenizer) != state.profile.tokenizer:
+            raise ConfigError(f"the profile {state.profile.name} was calibrated for another tokenizer")
         state.vocabularies[key] = Vocabulary(tokenizer, frozenset(eos), vocab_size)
     return state.vocabularies[key]

@@ -57,7 +57,7 @@ def loose_accepts(
     assert rule.fly is not None
     target_tokens = target_logits.argmax(-1)  # [k]
     base_accept = draft_tokens == target_tokens  # greedy: exact match on the target's argmax
-    candidates, _ = fly_candidates(base_accept, target_logits, rule.fly)
+    candidates, _ = fly_candidates(base_accept, target_logits, rule.fly, draft_tokens)
     # only candidates before the first position neither rule accepts could ever be committed
     reachable = int(candidates[: num_leading_true(base_accept | candidates)].sum())
     if not reachable:

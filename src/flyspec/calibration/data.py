@@ -1,0 +1,86 @@
+"""Calibration prompts: the packaged tasks, Spec-Bench, or the user's own JSONL, interleaved.
+
+``--data`` is a comma-separated list of sources:
+
+``generated``
+    flyspec eval's generated tasks (``eval/synthetic.py``: extract, numbers, passage, arith, code,
+    units, json; 200 seeded items each, short answers scored exactly).
+``adversarial``
+    the 71 prompts written to make a loose accept change a number, copy the prompt or loop.
+``spec-bench``
+    Spec-Bench's six categories (translation, summarization and rag scored, qa, mt_bench and
+    math_reasoning fidelity only).
+``PATH.jsonl``
+    the user's prompts, one ``{"prompt", "reference"?, "id"?}`` per line: a prompt alone is scored
+    for fidelity to plain decoding (meaning change, loops), one with a reference for retention too
+    (``--metric``).
+
+Items are taken round-robin across the tasks (one of each, then the next of each, ...), so any
+prefix of the list is balanced: a point stopped early has seen every task, and ``--limit N`` keeps
+the mix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from flyspec.config import ConfigError
+from flyspec.eval.data import EvalItem, LoadReport
+from flyspec.eval.synthetic import SYNTHETIC_TASKS
+from flyspec.eval.tasks import Task, builtin_tasks, custom_task, load_items
+
+SOURCES = {
+    "generated": tuple(SYNTHETIC_TASKS),
+    "adversarial": ("adversarial",),
+    "spec-bench": ("translation", "summarization", "rag", "qa", "mt_bench", "math_reasoning"),
+}
+DEFAULT_DATA = "generated,adversarial"
+DEFAULT_LIMIT = 400
+CUSTOM_MAX_NEW_TOKENS = 96
+
+
+@dataclass(frozen=True)
+class CalibrationItem:
+    """One calibration prompt: its task (prompt format, scorer, length limit) and the item."""
+
+    task: Task
+    item: EvalItem
+
+    @property
+    def key(self) -> str:
+        return f"{self.task.name}:{self.item.id}"
+
+
+def resolve_tasks(data: str, metric: str = "contains") -> list[Task]:
+    """The tasks ``data`` names (see the module docstring); a ``.jsonl`` path is a custom task."""
+    names = [part.strip() for part in data.split(",") if part.strip()]
+    if not names:
+        raise ConfigError(f"no calibration data given; use --data with {', '.join(SOURCES)} or a .jsonl file")
+    builtin = builtin_tasks()
+    tasks: list[Task] = []
+    for name in names:
+        if name in SOURCES:
+            tasks.extend(builtin[task] for task in SOURCES[name])
+        elif name.endswith(".jsonl"):
+            path = Path(name)
+            if not path.is_file():
+                raise ConfigError(f"calibration data file {name} does not exist; give a JSONL file of {{prompt}} lines")
+            tasks.append(custom_task(path, metric, CUSTOM_MAX_NEW_TOKENS, needs_reference=False))
+        else:
+            raise ConfigError(f"unknown calibration data {name!r}; use {', '.join(SOURCES)} or a .jsonl file")
+    return list({task.name: task for task in tasks}.values())
+
+
+def load(tasks: list[Task], limit: int | None = DEFAULT_LIMIT, skip_bad_lines: bool = False) -> list[CalibrationItem]:
+    """Every task's items, round-robin, the first ``limit`` of them. A task without items is an error."""
+    if limit is not None and limit < 1:
+        raise ConfigError(f"--limit must be >= 1 (got {limit})")
+    report = LoadReport()
+    per_task = [
+        [CalibrationItem(task, item) for item in load_items(task, None, skip_bad_lines, report)] for task in tasks
+    ]
+    items: list[CalibrationItem] = []
+    for index in range(max(len(group) for group in per_task)):
+        items.extend(group[index] for group in per_task if index < len(group))
+    return items[:limit] if limit is not None else items

@@ -1,0 +1,136 @@
+"""Records → one summary per point (τ, loose accepts, quality bounds, projected speed) and the choice.
+
+Every measure of a point is over the prompts it ran; its τ gain is against the lossless baseline on
+those same prompts (a point stopped early is compared like for like). See ``budget.py`` for the
+bounds and the choice, ``projection.py`` for the speed.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+from flyspec.calibration.budget import Budget, judge, lower_bound, retention_lower_bound, upper_bound
+from flyspec.calibration.projection import CostModel
+from flyspec.calibration.space import Point
+
+BASELINE = "exact"  # the lossless point every τ gain is measured against
+PLAIN = "plain"
+
+
+def _rate(count: int, total: int, confidence: float) -> dict[str, Any]:
+    return {
+        "count": count,
+        "n": total,
+        "rate": count / total if total else None,
+        "low": lower_bound(count, total, confidence),
+        "high": upper_bound(count, total, confidence),
+    }
+
+
+def summarize_point(
+    point: Point,
+    records: list[dict[str, Any]],
+    baseline: dict[str, dict[str, Any]],  # item key → the baseline's record
+    plain: dict[str, dict[str, Any]],  # item key → plain decoding's record
+    cost: CostModel | None,
+    budget: Budget,
+    status: str,
+    reasons: Sequence[str],
+) -> dict[str, Any]:
+    """One point's measures over its records (one per prompt it ran)."""
+    stats = [record["stats"] for record in records]
+    tokens = sum(s["num_new_tokens"] for s in stats)
+    forwards = sum(s["num_target_forwards"] for s in stats)
+    loose = sum(s["num_loose_accepts"] for s in stats)
+    keys = [record["item"] for record in records]
+    base_stats = [baseline[key]["stats"] for key in keys if key in baseline]
+    base_tokens = sum(s["num_new_tokens"] for s in base_stats)
+    base_forwards = sum(s["num_target_forwards"] for s in base_stats)
+    tau = tokens / forwards if forwards else None
+    base_tau = base_tokens / base_forwards if base_forwards else None
+    scored = [(plain[r["item"]]["score"], r["score"]) for r in records if r["score"] is not None and r["item"] in plain]
+    plain_scores = [p for p, _ in scored if p is not None]
+    method_scores = [m for p, m in scored if p is not None]
+    retention = sum(method_scores) / sum(plain_scores) if plain_scores and sum(plain_scores) > 0 else None
+    per_item_loose = [100 * s["num_loose_accepts"] / s["num_new_tokens"] for s in stats if s["num_new_tokens"]]
+    speedup = cost.speedup(stats) if cost else None
+    base_speedup = cost.speedup(base_stats) if cost and base_stats else None
+    return {
+        "name": point.name,
+        "rule": point.rule,
+        "family": point.family,
+        "order": point.order,
+        "lossless": point.lossless,
+        "settings": dict(point.settings),
+        "speculation": point.speculation.to_dict(),
+        "status": status,
+        "reasons": list(reasons),
+        "n": len(records),
+        "tokens": tokens,
+        "target_forwards": forwards,
+        "tau": tau,
+        "tau_gain": tau / base_tau - 1 if tau and base_tau else None,
+        "loose_accepts": loose,
+        "loose_per_100_tokens": 100 * loose / tokens if tokens else 0.0,
+        "loose_per_100_p99": _quantile(per_item_loose, 0.99),
+        "identical": sum(bool(r["identical"]) for r in records),
+        "meaning_changed": _rate(sum(bool(r["meaning_changed"]) for r in records), len(records), budget.confidence),
+        "loop": _rate(sum(bool(r["loop"]) for r in records), len(records), budget.confidence),
+        "retention": {
+            "n": len(plain_scores),
+            "value": retention,
+            "low": retention_lower_bound(method_scores, plain_scores, budget.confidence) if plain_scores else None,
+        },
+        "projected_speedup": speedup,
+        "projected_gain": speedup / base_speedup - 1 if speedup and base_speedup else None,
+    }
+
+
+def _quantile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def final_verdict(summary: dict[str, Any], budget: Budget, total_items: int) -> tuple[str, list[str]]:
+    """A point that ran every prompt: inside or outside the budget (retention included)."""
+    verdict = judge(
+        budget,
+        changed=summary["meaning_changed"]["count"],
+        looped=summary["loop"]["count"],
+        total=summary["n"],
+        retention_low=summary["retention"]["low"],
+        finished=summary["n"] >= total_items,
+    )
+    return verdict.status, list(verdict.reasons)
+
+
+MIN_GAIN = 0.01  # a lossy point must be projected this much faster than the best lossless one to be worth it
+
+
+def choose(
+    summaries: list[dict[str, Any]], min_gain: float = MIN_GAIN
+) -> tuple[dict[str, Any] | None, dict[str, dict[str, Any] | None]]:
+    """(the fastest in-budget lossy point projected at least ``min_gain`` faster than the best lossless one,
+    or None; the same per rule). A lossy point that is faster by a rounding error is not worth its risk."""
+    lossless = [s for s in summaries if s["lossless"] and s["projected_speedup"]]
+    floor = (1 + min_gain) * max((s["projected_speedup"] for s in lossless), default=0.0)
+    winners = [s for s in summaries if not s["lossless"] and s["status"] == "inside" and s["projected_speedup"]]
+    winners = [s for s in winners if s["projected_speedup"] >= floor]
+
+    def fastest(candidates: list[dict[str, Any]]) -> dict[str, Any] | None:
+        return max(candidates, key=lambda s: (s["projected_speedup"], s["tau"] or 0), default=None)
+
+    by_rule: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for summary in winners:
+        by_rule[summary["rule"]].append(summary)
+    rules = sorted({s["rule"] for s in summaries if not s["lossless"]})
+    return fastest(winners), {rule: fastest(by_rule[rule]) for rule in rules}
+
+
+def best_lossless(summaries: list[dict[str, Any]]) -> dict[str, Any] | None:
+    lossless = [s for s in summaries if s["lossless"] and s["projected_speedup"]]
+    return max(lossless, key=lambda s: s["projected_speedup"], default=None)

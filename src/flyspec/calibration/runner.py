@@ -1,0 +1,253 @@
+"""The calibration loop: every point on every prompt, replayed, scored against plain decoding as it goes.
+
+Prompt-major: for each prompt the lossless baseline runs first (its target forwards fill the
+replay store along the greedy path), plain decoding is replayed from those rows (free: it asks
+only what the baseline already asked), then every point still running is replayed, and each output
+is scored against plain decoding's with ``flyspec eval``'s scorers (task score, meaning change,
+new loop: ``eval/trust.py``) and appended to ``records.jsonl`` at once.
+
+After each prompt every point is judged against the budget (``budget.judge``): a point whose
+lower bound on a rate is already above the budget stops, and so do the looser points of its
+family (``space.py``). ``resume=True`` reads the records back and skips what is in them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from flyspec.api import build_decoder
+from flyspec.baseline import PlainDecoder
+from flyspec.calibration.budget import Budget, judge
+from flyspec.calibration.data import CalibrationItem
+from flyspec.calibration.frontier import BASELINE, PLAIN
+from flyspec.calibration.replay import DraftStore, ReplayDrafter, ReplayTarget, ScoreStore
+from flyspec.calibration.space import Point
+from flyspec.config import ConfigError, DecodeConfig, SpeculationConfig
+from flyspec.decoding import SpeculativeDecoder
+from flyspec.drafters.registry import make_drafter
+from flyspec.eval import trust
+from flyspec.generation import Decoder
+from flyspec.harness.data import JsonlWriter, read_records
+from flyspec.models import LoadedModel
+from flyspec.resources import Resources
+from flyspec.result import GenerationResult
+
+logger = logging.getLogger(__name__)
+
+RECORDS_FILE = "records.jsonl"
+Progress = Callable[[int, int, str], None]  # (prompts done, points running, description)
+_KEPT_STATS = (
+    "num_new_tokens",
+    "num_target_forwards",
+    "num_proposed",
+    "num_accepted",
+    "num_loose_accepts",
+    "proposed_per_position",
+    "guard_vetoes",
+)
+
+
+@dataclass
+class PointState:
+    """A point's running counts and standing (``open`` while it runs; ``inside``/``outside``/``pruned``)."""
+
+    status: str = "open"
+    reasons: tuple[str, ...] = ()
+    total: int = 0
+    changed: int = 0
+    looped: int = 0
+
+    def add(self, record: dict[str, Any]) -> None:
+        self.total += 1
+        self.changed += bool(record["meaning_changed"])
+        self.looped += bool(record["loop"])
+
+
+@dataclass
+class Calibrator:
+    """Runs ``points`` on ``items`` with ``target`` by replay, writing ``out_dir/records.jsonl``."""
+
+    target: LoadedModel
+    base: SpeculationConfig  # the drafter, as every point shares it (its skip layers pinned)
+    points: list[Point]
+    items: list[CalibrationItem]
+    budget: Budget
+    out_dir: Path
+    resources: Resources
+    use_chat: bool | None = None
+    resume: bool = False
+    states: dict[str, PointState] = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.points[0].name != BASELINE:
+            raise ValueError("the first point must be the lossless baseline")
+        self.scores = ScoreStore(self.target)
+        self.drafts = DraftStore(make_drafter(self.base, self.target, self.resources))
+        self.decoders: dict[str, Decoder] = {PLAIN: self._replayed(PlainDecoder(self.target))}
+        for point in self.points:
+            decoder = build_decoder(self.target, point.speculation, resources=self.resources)
+            self.decoders[point.name] = self._replayed(decoder)
+        self.states = {point.name: PointState() for point in self.points}
+        path = self.out_dir / RECORDS_FILE
+        self.records: dict[tuple[str, str], dict[str, Any]] = {}
+        if self.resume:
+            for record in read_records(path):
+                self.records[(record["item"], record["point"])] = record
+        self.writer = JsonlWriter(path, append=self.resume)
+        self._replay_states()
+
+    def _replayed(self, decoder: Decoder) -> Decoder:
+        decoder.scorer = ReplayTarget(self.scores)  # type: ignore[assignment]
+        if isinstance(decoder, SpeculativeDecoder):
+            decoder.drafter = ReplayDrafter(self.drafts, decoder.drafter.name)
+        return decoder
+
+    def _replay_states(self) -> None:
+        """Counts and standings from the records already written (``resume``), in prompt order."""
+        for item in self.items:
+            for point in self.points:
+                record = self.records.get((item.key, point.name))
+                if record is not None and self.states[point.name].status == "open":
+                    self.states[point.name].add(record)
+            self._judge()
+
+    @property
+    def running(self) -> list[Point]:
+        return [point for point in self.points if self.states[point.name].status == "open"]
+
+    def run(self, progress: Progress | None = None) -> None:
+        try:
+            for index, item in enumerate(self.items):
+                pending = [p for p in self.running if (item.key, p.name) not in self.records]
+                if pending:
+                    self._run_item(item, pending)
+                    self._judge()
+                if progress:
+                    progress(index + 1, len(self.running), item.key)
+        finally:
+            self.writer.close()
+
+    def _run_item(self, item: CalibrationItem, pending: list[Point]) -> None:
+        prompt = item.task.prompt(item.item)
+        try:
+            prompt_ids = self.target.encode_prompt(prompt, self.use_chat)
+        except ConfigError as error:
+            raise ConfigError(f"calibration prompt {item.key}: {error}") from error
+        decode = DecodeConfig(max_new_tokens=item.task.max_new_tokens, stop_strings=item.task.stop)
+        self.scores.begin(prompt_ids)
+        self.drafts.begin(prompt_ids)
+        baseline = self._generate(BASELINE, prompt_ids, decode)  # fills the store along the greedy path
+        plain = self._plain_record(item, prompt, prompt_ids, decode)
+        for point in pending:
+            result = baseline if point.name == BASELINE else self._generate(point.name, prompt_ids, decode)
+            self._write(self._record(item, point, prompt, result, plain))
+
+    def _generate(self, name: str, prompt_ids: list[int], decode: DecodeConfig) -> GenerationResult:
+        return self.decoders[name].generate(prompt_ids, config=decode)
+
+    def _plain_record(
+        self, item: CalibrationItem, prompt: str, prompt_ids: list[int], decode: DecodeConfig
+    ) -> dict[str, Any]:
+        record = self.records.get((item.key, PLAIN))
+        if record is not None:
+            return record
+        result = self._generate(PLAIN, prompt_ids, decode)
+        record = {
+            "item": item.key,
+            "task": item.task.name,
+            "point": PLAIN,
+            "prompt_tokens": len(prompt_ids),
+            "text": result.text,
+            "token_ids": result.token_ids,
+            "finish_reason": result.finish_reason,
+            "score": self._primary_score(item, result.text),
+            "num_new_tokens": result.stats.num_new_tokens,
+        }
+        self._write(record)
+        return record
+
+    @staticmethod
+    def _primary_score(item: CalibrationItem, text: str) -> float | None:
+        metric = item.task.primary_metric
+        values = item.task.score(item.item, text).values
+        return values.get(metric) if metric else None
+
+    def _record(
+        self, item: CalibrationItem, point: Point, prompt: str, result: GenerationResult, plain: dict[str, Any]
+    ) -> dict[str, Any]:
+        identical = result.token_ids == plain["token_ids"]
+        change = trust.meaning_change(
+            result.text,
+            plain["text"],
+            prompt,
+            method_truncated=result.finish_reason == "length",
+            plain_truncated=plain["finish_reason"] == "length",
+        )
+        stats = result.stats.to_dict()
+        record: dict[str, Any] = {
+            "item": item.key,
+            "task": item.task.name,
+            "point": point.name,
+            "stats": {key: stats[key] for key in _KEPT_STATS},
+            "score": self._primary_score(item, result.text),
+            "identical": identical,
+            "meaning_changed": change.changed,
+            "loop": trust.new_loop(result.token_ids, plain["token_ids"]) is not None,
+            "loose_accepts": [_loose(entry) for entry in stats["loose_accepts"]],
+        }
+        if not identical:
+            record.update(text=result.text, token_ids=result.token_ids, meaning_diff=change.to_dict())
+        return record
+
+    def _write(self, record: dict[str, Any]) -> None:
+        self.records[(record["item"], record["point"])] = record
+        self.writer.write(record)
+        if record["point"] in self.states and self.states[record["point"]].status == "open":
+            self.states[record["point"]].add(record)
+
+    def _judge(self) -> None:
+        """Stop the points already decisively outside the budget, and the looser points of their families."""
+        for point in self.points:
+            state = self.states[point.name]
+            if state.status != "open" or point.lossless:
+                continue
+            verdict = judge(
+                self.budget,
+                changed=state.changed,
+                looped=state.looped,
+                total=state.total,
+                retention_low=None,
+                finished=False,
+            )
+            if verdict.status == "outside":
+                state.status, state.reasons = "outside", verdict.reasons
+                self._prune_looser(point)
+
+    def _prune_looser(self, point: Point) -> None:
+        for other in self.points:
+            state = self.states[other.name]
+            if other.family == point.family and other.order > point.order and state.status == "open":
+                state.status = "pruned"
+                state.reasons = (f"looser than {point.name}, which is outside the budget",)
+
+
+def _loose(entry: dict[str, Any]) -> dict[str, Any]:
+    """A loose accept as the report needs it: where, what was kept instead of what, and the rule's evidence."""
+    return {
+        key: entry.get(key)
+        for key in ("index", "draft_token", "target_token", "evidence", "source", "draft_text", "target_text")
+    }
+
+
+def pinned(spec: SpeculationConfig, calibration_skip_layers: tuple[int, ...] | None) -> SpeculationConfig:
+    """``spec`` with the layer-skip drafter's skip set fixed (chosen on the first prompt, kept for all)."""
+    if calibration_skip_layers is None or spec.layer_skip.skip_layers is not None:
+        return spec
+    return dataclasses.replace(
+        spec, layer_skip=dataclasses.replace(spec.layer_skip, skip_layers=calibration_skip_layers)
+    )

@@ -1,0 +1,159 @@
+"""The operating points a calibration measures: lossless baselines and the lossy rules' settings.
+
+A point is a whole :class:`SpeculationConfig`: the drafter the user calibrates, with one verifier
+setting. Points come in *families*, ordered from strict to loose along one knob (FLy's entropy
+threshold, MARS's margin, typical acceptance's epsilon) with everything else fixed. Within a
+family a looser point keeps every loose accept a stricter one would keep at the same place, so
+when a point is decisively outside the budget the looser ones of its family are pruned
+(``runner.py``) instead of being run to the same verdict.
+
+The default grid (``grid="default"``):
+
+- ``exact`` — the lossless baseline every gain is measured against (for copy drafters also at the
+  cost-aware draft length, the lossless default).
+- ``fly`` — the entropy gate from 1.08 nats (open only where the target's top three are nearly tied:
+  top-3 entropy is at most ln 3 = 1.0986) down to 0.15, window 6 (the paper's); and from 1.04 to 0.3
+  with windows 8 and 4; with flyspec's trust guards. The strict end is dense on purpose: on small models
+  nearly every loose accept changes the answer, so the budget is decided there.
+- ``fly floor`` — the gate from 0.8 down to 0 with a floor on the draft token's own target
+  probability (FLy's vLLM pull request asks for a non-zero one; 0.1 to 0.3 keep only real
+  alternatives).
+- ``margin`` — MARS: z2/z1 from 0.995 down to 0.7, guarded.
+- ``typical`` — typical acceptance: epsilon from 0.8 down to 0.09 (Medusa's), guarded.
+- ``fly bare`` — the paper's bare rule (threshold 0.3, window 6, no guards): the reference point
+  that shows what the guards buy.
+
+``grid="quick"`` keeps a handful (the tests' and a first look's).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from flyspec.config import (
+    PROFILE_NONE,
+    ConfigError,
+    DraftLengthConfig,
+    FlyConfig,
+    GuardConfig,
+    MarginConfig,
+    SpeculationConfig,
+    TypicalConfig,
+)
+from flyspec.names import COPY_DRAFTERS
+
+GRIDS = ("default", "quick")
+RULES = ("fly", "margin", "typical")  # the lossy rules a calibration can compare
+# top-3 entropy is at most ln 3 = 1.0986 nats: the gate at 1.08 opens only where the top three are nearly tied
+FLY_THRESHOLDS = (1.08, 1.06, 1.04, 1.02, 1.0, 0.95, 0.9, 0.8, 0.6, 0.45, 0.3, 0.15)
+FLY_WINDOW_THRESHOLDS = (1.04, 1.0, 0.9, 0.8, 0.6, 0.3)  # the other windows' families
+FLY_WINDOWS = (6, 8, 4)  # the paper's first; 8 is stricter (more tokens must match after), 4 looser
+FLY_FLOORS = (0.3, 0.2, 0.1)
+FLY_FLOOR_THRESHOLDS = (0.8, 0.6, 0.3, 0.0)
+MARGIN_RATIOS = (0.995, 0.99, 0.98, 0.95, 0.9, 0.8, 0.7)
+TYPICAL_EPSILONS = (0.8, 0.5, 0.3, 0.2, 0.09)
+
+
+@dataclass(frozen=True)
+class Point:
+    """One operating point: a name, its rule, its family (strict → loose by ``order``) and its config."""
+
+    name: str
+    rule: str  # "exact" (lossless) or one of RULES
+    family: str
+    order: int
+    speculation: SpeculationConfig
+    settings: dict[str, Any] = field(default_factory=dict, compare=False)  # what distinguishes it, for reports
+
+    @property
+    def lossless(self) -> bool:
+        return self.rule == "exact"
+
+
+def base_speculation(spec: SpeculationConfig) -> SpeculationConfig:
+    """The drafter part of ``spec`` every point shares: lossy settings reset, the draft length pinned.
+
+    Copy drafters run at the cost-aware length (their fastest); model drafters at a fixed length,
+    since a cost-aware model drafter's length depends on timings that a replayed run does not have.
+    """
+    policy = "cost" if spec.drafter in COPY_DRAFTERS else "fixed"
+    return dataclasses.replace(
+        spec,
+        profile=PROFILE_NONE,  # every point runs as given, never a shipped profile's settings
+        verifier="exact",
+        fly=FlyConfig(),
+        margin=MarginConfig(),
+        typical=TypicalConfig(),
+        guard=GuardConfig(),
+        draft_length=dataclasses.replace(spec.draft_length, policy=policy),
+    )
+
+
+def _point(
+    base: SpeculationConfig, rule: str, family: str, order: int, name: str, settings: dict[str, Any], **changes: Any
+) -> Point:
+    return Point(name, rule, family, order, dataclasses.replace(base, verifier=rule, **changes), settings)
+
+
+def fly_point(
+    base: SpeculationConfig,
+    family: str,
+    order: int,
+    threshold: float,
+    window: int,
+    floor: float = 0.0,
+    bare: bool = False,
+) -> Point:
+    settings: dict[str, Any] = {"entropy_threshold": threshold, "window_size": window}
+    name = f"fly H>={threshold:g} W{window}"
+    if floor:
+        settings["min_draft_prob"] = floor
+        name += f" p>={floor:g}"
+    if bare:
+        settings["guards"] = "bare"
+        name += " bare"
+    fly = FlyConfig(window_size=window, entropy_threshold=threshold, min_draft_prob=floor)
+    guard = GuardConfig.bare() if bare else GuardConfig()
+    return _point(base, "fly", family, order, name, settings, fly=fly, guard=guard)
+
+
+def points(spec: SpeculationConfig, grid: str = "default", rules: tuple[str, ...] = RULES) -> list[Point]:
+    """The grid's points for ``spec``'s drafter (lossless baselines first)."""
+    if grid not in GRIDS:
+        raise ConfigError(f"unknown grid {grid!r}; choose from: {', '.join(GRIDS)}")
+    unknown = [rule for rule in rules if rule not in RULES]
+    if unknown or not rules:
+        raise ConfigError(f"unknown rule {(unknown or [''])[0]!r}; choose from: {', '.join(RULES)}")
+    base = base_speculation(spec)
+    found = [Point("exact", "exact", "exact", 0, base, {"draft_length": base.draft_length.policy})]
+    if base.draft_length.policy == "cost":
+        fixed = dataclasses.replace(base, draft_length=DraftLengthConfig(policy="fixed"))
+        found.append(Point("exact fixed", "exact", "exact", 1, fixed, {"draft_length": "fixed"}))
+    quick = grid == "quick"
+    windows = [window for window in FLY_WINDOWS if window < base.num_draft_tokens]
+    if "fly" in rules and windows:
+        for index, window in enumerate(windows[:1] if quick else windows):
+            thresholds = (0.6, 0.3) if quick else FLY_THRESHOLDS if index == 0 else FLY_WINDOW_THRESHOLDS
+            for order, threshold in enumerate(thresholds):
+                found.append(fly_point(base, f"fly W{window}", order, threshold, window))
+        if not quick:
+            for floor in FLY_FLOORS:
+                for order, threshold in enumerate(FLY_FLOOR_THRESHOLDS):
+                    found.append(
+                        fly_point(base, f"fly W{windows[0]} p>={floor:g}", order, threshold, windows[0], floor)
+                    )
+        found.append(fly_point(base, "fly bare", 0, 0.3, windows[0], bare=True))
+    if "margin" in rules:
+        for order, ratio in enumerate((0.9,) if quick else MARGIN_RATIOS):
+            name = f"margin z2/z1>{ratio:g}"
+            found.append(
+                _point(base, "margin", "margin", order, name, {"logit_ratio": ratio}, margin=MarginConfig(ratio))
+            )
+    if "typical" in rules:
+        for order, epsilon in enumerate((0.3,) if quick else TYPICAL_EPSILONS):
+            name = f"typical eps={epsilon:g}"
+            typical = TypicalConfig(epsilon=epsilon)
+            found.append(_point(base, "typical", "typical", order, name, {"epsilon": epsilon}, typical=typical))
+    return found

@@ -1,0 +1,314 @@
+"""Calibration profiles: the operating point ``flyspec calibrate`` measured inside a quality budget.
+
+A profile is a JSON file: the model's identity (name, a fingerprint of its weights, a fingerprint of
+its tokenizer), the dtype, the drafter (with a layer-skip set pinned, and the draft model's identity),
+the budget, the data and its size, the date, the flyspec version and the machine, the chosen point
+(None when no lossy point beat the lossless baseline inside the budget), the best point of each
+rule, the circuit breaker's limit, and the whole frontier. ``profile.json`` in a calibration's output
+directory is one; flyspec ships one per packaged model pair in ``flyspec/profiles/``.
+
+How a :class:`SpeculationConfig` uses one (its ``profile`` field; ``--profile``, the server's
+``--profile``, vLLM's ``speculative_config`` key ``profile``), by :func:`resolve`, when the decoder is
+built and the model is known:
+
+- ``"none"``: the config as given (the papers' default settings).
+- a file: the model, tokenizer, dtype, drafter and draft model must be the profile's, else a
+  :class:`ConfigError` says which differs. The verifier's settings come from the profile: its chosen
+  point (a lossless verifier where it chose none), or with a lossy verifier named, that rule's best
+  point (an error where it has none). Settings the caller changed from the defaults are kept when
+  they are no looser than the profile's point (:func:`looser`), else refused: a profile is a limit.
+- ``"auto"`` (the default): a lossy verifier left at its default settings runs at the best point of
+  its rule in the profile flyspec ships for this model, drafter and dtype, if there is one; where
+  that profile found no point of the rule inside its budget, the verifier falls back to ``exact``
+  (logged). Anything else is left as given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from flyspec.config import PROFILE_AUTO, PROFILE_NONE, BreakerConfig, ConfigError, GuardConfig, SpeculationConfig
+from flyspec.models import LoadedModel
+from flyspec.names import LOSSLESS_VERIFIERS
+
+logger = logging.getLogger(__name__)
+
+PROFILE_FORMAT = 1
+SHIPPED = Path(__file__).parent / "profiles"
+# what a profile's point decides (the rest of a SpeculationConfig is the drafter, which must match)
+RULE_FIELDS = ("verifier", "fly", "margin", "typical", "guard", "breaker", "num_draft_tokens", "draft_length")
+DRAFT_FIELDS = ("drafter", "draft_model", "stack", "num_proposal_tokens", "ngram", "layer_skip")
+
+
+def identity(model: LoadedModel) -> dict[str, str]:
+    """What a profile records of a model: its name and fingerprints (``LoadedModel.fingerprints``)."""
+    return {"name": model.name, **model.fingerprints}
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    """A calibration profile as read from its file (``record``: the JSON; ``path``: where it came from)."""
+
+    record: dict[str, Any]
+    path: str = ""
+
+    @staticmethod
+    def load(path: str | Path) -> Profile:
+        return _load(str(Path(path).expanduser()))
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.record, indent=1) + "\n")
+
+    @property
+    def name(self) -> str:
+        return Path(self.path).name if self.path else "profile"
+
+    @property
+    def model(self) -> dict[str, str]:
+        return self.record["model"]
+
+    @property
+    def dtype(self) -> str:
+        return self.record["dtype"]
+
+    @property
+    def drafter(self) -> str:
+        return self.record["drafter"]["drafter"]
+
+    @property
+    def chosen(self) -> dict[str, Any] | None:
+        return self.record["chosen"]
+
+    def point(self, rule: str | None = None) -> dict[str, Any] | None:
+        """The chosen point, or with ``rule`` that rule's best in-budget point (None: none)."""
+        return self.chosen if rule is None else self.record["by_rule"].get(rule)
+
+    def speculation(self, spec: SpeculationConfig, rule: str | None = None) -> SpeculationConfig | None:
+        """``spec`` (its drafter) at the profile's point for ``rule`` (None: the chosen point); with no such
+        point, ``spec`` verified by ``exact``, or None when a ``rule`` was asked for."""
+        point = self.point(rule)
+        if point is None:
+            return None if rule is not None else dataclasses.replace(spec, verifier="exact")
+        settings = SpeculationConfig.from_dict(point["speculation"])
+        return dataclasses.replace(spec, **{name: getattr(settings, name) for name in RULE_FIELDS})
+
+    def describe(self) -> str:
+        """One line: the chosen point and what it measured (or that none was chosen)."""
+        budget = self.record["budget"]
+        data = self.record["data"]
+        where = f"{self.model['name']} {self.dtype} {self.drafter}, n={data['n']}"
+        where += f", budget {budget['max_meaning_change']:.0%}"
+        chosen = self.chosen
+        if chosen is None:
+            return f"{self.name} ({where}): no lossy point beat exact inside the budget: exact"
+        return (
+            f"{self.name} ({where}): {chosen['name']}, τ {chosen['tau_gain']:+.0%} over exact, projected "
+            f"{chosen['projected_speedup']:.2f}x over plain, meaning changed in {chosen['meaning_changed']['count']} "
+            f"of {chosen['n']} (bound {chosen['meaning_changed']['high']:.2%})"
+        )
+
+    def check(self, target: LoadedModel, spec: SpeculationConfig, draft: LoadedModel | None = None) -> None:
+        """Refuse, naming what differs, a model, tokenizer, dtype, drafter or draft model other than the profile's."""
+        problems = _identity_problems(self.model, target, "model")
+        dtype = str(target.dtype).removeprefix("torch.")
+        if dtype != self.dtype:
+            problems.append(f"it was calibrated in {self.dtype}, this model runs in {dtype} (use --dtype {self.dtype})")
+        drafter = self.record["drafter"]
+        if spec.drafter != drafter["drafter"]:
+            problems.append(
+                f"it was calibrated with drafter {drafter['drafter']!r} (use --drafter {drafter['drafter']})"
+            )
+        elif draft is not None and drafter.get("draft_model"):
+            problems += _identity_problems(drafter["draft_model"], draft, "draft model")
+        if problems:
+            raise ConfigError(f"profile {self.path or self.name} does not fit: {'; '.join(problems)}")
+
+    def matches(self, target: LoadedModel, spec: SpeculationConfig, draft: LoadedModel | None) -> bool:
+        try:
+            self.check(target, spec, draft)
+        except ConfigError:
+            return False
+        return True
+
+
+def _identity_problems(expected: dict[str, str], model: LoadedModel, what: str) -> list[str]:
+    found = model.fingerprints
+    problems = []
+    if found["tokenizer"] != expected["tokenizer"]:
+        problems.append(f"its {what} {expected['name']!r} has another tokenizer than {model.name!r}")
+    elif found["weights"] != expected["weights"]:
+        problems.append(f"its {what} is {expected['name']!r}, not {model.name!r} (the weights differ)")
+    return problems
+
+
+@functools.lru_cache(maxsize=64)
+def _load_cached(path: str, mtime: float) -> Profile:
+    try:
+        record = json.loads(Path(path).read_text())
+    except OSError as error:
+        raise ConfigError(f"cannot read profile {path}: {error.strerror or error}; give a profile.json file") from error
+    except json.JSONDecodeError as error:
+        raise ConfigError(
+            f"profile {path} is not JSON ({error}); give a profile.json from flyspec calibrate"
+        ) from error
+    if not isinstance(record, dict) or record.get("flyspec_profile") != PROFILE_FORMAT:
+        raise ConfigError(f"{path} is not a flyspec profile (format {PROFILE_FORMAT}); make one with flyspec calibrate")
+    missing = [key for key in ("model", "dtype", "drafter", "chosen", "by_rule", "budget", "data") if key not in record]
+    if missing:
+        raise ConfigError(f"profile {path} lacks {', '.join(missing)}; make it again with flyspec calibrate")
+    return Profile(record, path)
+
+
+def _load(path: str) -> Profile:
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"profile {path} does not exist; give a profile.json written by flyspec calibrate")
+    return _load_cached(path, file.stat().st_mtime)
+
+
+def shipped() -> list[Profile]:
+    """The profiles flyspec ships (``flyspec/profiles/*.json``)."""
+    return [_load(str(path)) for path in sorted(SHIPPED.glob("*.json"))]
+
+
+def find_shipped(target: LoadedModel, spec: SpeculationConfig, draft: LoadedModel | None = None) -> Profile | None:
+    """The shipped profile for this model, tokenizer, dtype, drafter (and draft model), if any."""
+    for profile in shipped():
+        if profile.model["name"] == target.name and profile.matches(target, spec, draft):
+            return profile
+    return None
+
+
+def lossy_settings_are_defaults(spec: SpeculationConfig) -> bool:
+    """The caller left every setting a profile decides at its default (any verifier)."""
+    defaults = SpeculationConfig()
+    return all(getattr(spec, name) == getattr(defaults, name) for name in RULE_FIELDS if name != "verifier")
+
+
+@dataclasses.dataclass(frozen=True)
+class Resolution:
+    """A config with its profile applied (``profile="none"``), and the profile that decided it (None: none did)."""
+
+    spec: SpeculationConfig
+    profile: Profile | None = None
+
+
+def resolve(spec: SpeculationConfig, target: LoadedModel, draft: LoadedModel | None = None) -> SpeculationConfig:
+    """``spec`` with its profile applied (see the module docstring); ``profile="none"`` afterwards."""
+    return resolution(spec, target, draft).spec
+
+
+def resolution(spec: SpeculationConfig, target: LoadedModel, draft: LoadedModel | None = None) -> Resolution:
+    """:func:`resolve`, also saying which profile decided (a server keeps it as the limit of its requests)."""
+    if spec.profile == PROFILE_NONE:
+        return Resolution(spec)
+    done = dataclasses.replace(spec, profile=PROFILE_NONE)
+    lossy = spec.verifier not in LOSSLESS_VERIFIERS
+    if spec.profile == PROFILE_AUTO:
+        profile = find_shipped(target, spec, draft) if lossy and lossy_settings_are_defaults(spec) else None
+        if profile is None:
+            return Resolution(done)
+        resolved = profile.speculation(done, spec.verifier)
+        if resolved is None:
+            logger.warning(
+                "%s: no %s setting stayed inside its %.0f%% budget on %s; %s runs as exact (lossless). "
+                "Pass --profile none for the paper's settings.",
+                profile.name, spec.verifier, 100 * profile.record["budget"]["max_meaning_change"], target.name,
+                spec.verifier,
+            )  # fmt: skip
+            resolved = dataclasses.replace(done, verifier="exact")
+        return Resolution(resolved, profile)
+    profile = Profile.load(spec.profile)
+    profile.check(target, spec, draft)
+    if lossy_settings_are_defaults(spec):
+        resolved = profile.speculation(done, spec.verifier if lossy else None)
+        if resolved is None:
+            raise ConfigError(
+                f"profile {profile.path} found no {spec.verifier} setting inside its budget; leave out --verifier "
+                "to use its chosen point, or choose a lossless verifier"
+            )
+        return Resolution(resolved, profile)
+    limit = profile.speculation(done, spec.verifier if lossy else None) or dataclasses.replace(done, verifier="exact")
+    reasons = looser(limit, done)
+    if reasons:
+        raise ConfigError(f"these settings are looser than profile {profile.path} allows: {'; '.join(reasons)}")
+    return Resolution(done, profile)
+
+
+def looser(limit: SpeculationConfig, spec: SpeculationConfig) -> list[str]:
+    """How ``spec`` loosens more than ``limit`` (empty: it does not; a lossless verifier never does)."""
+    if spec.verifier in LOSSLESS_VERIFIERS:
+        return []
+    if limit.verifier in LOSSLESS_VERIFIERS:
+        return [
+            f"the profile allows no loose acceptance here (its point is {limit.verifier}), and {spec.verifier} is lossy"
+        ]
+    if spec.verifier != limit.verifier:
+        return [f"verifier {spec.verifier!r} was not calibrated inside the budget ({limit.verifier!r} was)"]
+    reasons = [
+        f"{name} differs from the calibrated drafts"
+        for name in (*DRAFT_FIELDS, "num_draft_tokens", "draft_length")
+        if getattr(spec, name) != getattr(limit, name)
+    ]
+    rule_check = {"fly": _looser_fly, "margin": _looser_margin, "typical": _looser_typical}[spec.verifier]
+    return reasons + rule_check(limit, spec) + _looser_guard(limit.guard, spec.guard) + _looser_breaker(limit, spec)
+
+
+def _below(name: str, value: float, floor: float) -> list[str]:
+    return [f"{name} {value:g} is below the profile's {floor:g}"] if value < floor else []
+
+
+def _looser_fly(limit: SpeculationConfig, spec: SpeculationConfig) -> list[str]:
+    mine, theirs = spec.fly, limit.fly
+    reasons = _below("entropy_threshold", mine.entropy_threshold, theirs.entropy_threshold)
+    reasons += _below("window_size", mine.window_size, theirs.window_size)
+    reasons += _below("min_draft_prob", mine.min_draft_prob, theirs.min_draft_prob)
+    for name in ("entropy_top_k", "temperature_rule"):
+        if getattr(mine, name) != getattr(theirs, name):
+            reasons.append(f"fly {name} differs from the profile's")
+    return reasons
+
+
+def _looser_margin(limit: SpeculationConfig, spec: SpeculationConfig) -> list[str]:
+    return _below("margin logit_ratio", spec.margin.logit_ratio, limit.margin.logit_ratio)
+
+
+def _looser_typical(limit: SpeculationConfig, spec: SpeculationConfig) -> list[str]:
+    mine, theirs = spec.typical, limit.typical
+    return _below("typical epsilon", mine.epsilon, theirs.epsilon) + _below("typical delta", mine.delta, theirs.delta)
+
+
+def _looser_guard(limit: GuardConfig, guard: GuardConfig) -> list[str]:
+    reasons = []
+    missing = sorted(set(limit.protect) - set(guard.protect))
+    if missing:
+        reasons.append(f"protect leaves out {', '.join(missing)}")
+    for name in ("top_k", "repeat_ngram"):  # 0 is off (loosest); otherwise a smaller value refuses more
+        mine, theirs = getattr(guard, name), getattr(limit, name)
+        if theirs and (mine == 0 or mine > theirs):
+            reasons.append(f"guard {name} {mine} is looser than the profile's {theirs}")
+    reasons += _below("guard copy_ratio", guard.copy_ratio, limit.copy_ratio)
+    return reasons
+
+
+def _looser_breaker(limit: SpeculationConfig, spec: SpeculationConfig) -> list[str]:
+    mine, theirs = spec.breaker, limit.breaker
+    if not theirs.enabled:
+        return []
+    if not mine.enabled or mine.max_loose_per_100 > theirs.max_loose_per_100:
+        return [f"the circuit breaker trips later than the profile's {theirs.max_loose_per_100:g} per 100 tokens"]
+    return []
+
+
+def breaker_for(summary: dict[str, Any], factor: float = 3.0) -> BreakerConfig:
+    """The breaker of a chosen point: trip above ``factor`` × its calibrated loose accepts per 100 tokens,
+    or the 99th percentile of its prompts' own rates, whichever is higher (off for a lossless point)."""
+    if summary["lossless"] or not summary["loose_per_100_tokens"]:
+        return BreakerConfig()
+    limit = max(factor * summary["loose_per_100_tokens"], summary.get("loose_per_100_p99") or 0.0)
+    return BreakerConfig(max_loose_per_100=round(limit, 2))

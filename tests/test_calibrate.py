@@ -1,0 +1,409 @@
+"""flyspec calibrate: replay against live runs, the budget's bounds, the chooser, the projection, the runner.
+
+Tiny random models (conftest) stand in for real ones; ``test_profile.py`` covers profiles, the
+server's limit and the circuit breaker.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import make_tiny_model, make_tokenizer, noisy_copy
+from flyspec.api import build_decoder
+from flyspec.baseline import PlainDecoder
+from flyspec.calibration import budget as budget_module
+from flyspec.calibration.api import CalibrationConfig, calibrate
+from flyspec.calibration.budget import Budget, decisively_above, judge, min_items, upper_bound
+from flyspec.calibration.frontier import choose
+from flyspec.calibration.projection import CostModel, verified_lengths
+from flyspec.calibration.replay import DraftStore, ReplayDrafter, ReplayTarget, ScoreStore
+from flyspec.calibration.space import points
+from flyspec.config import (
+    PROFILE_NONE,
+    ConfigError,
+    DecodeConfig,
+    DraftLengthConfig,
+    FlyConfig,
+    GuardConfig,
+    LayerSkipConfig,
+    MarginConfig,
+    SpeculationConfig,
+)
+from flyspec.drafters.cross_tokenizer import CrossTokenizerDrafter
+from flyspec.drafters.draft_model import DraftModelDrafter
+from flyspec.resources import Resources
+from flyspec.step_cost import StepCost
+from server_helpers import one_torch_thread  # noqa: F401 - autouse fixture: tiny models run faster on one thread
+
+PROMPTS = ["The capital of France is", "def add(a, b):", "Once upon a time there was", "Speculative decoding drafts"]
+FIXED = DraftLengthConfig(policy="fixed")
+
+
+@pytest.fixture(scope="module")
+def models():
+    tokenizer = make_tokenizer()
+    target = make_tiny_model(tokenizer, 0, layers=4, name="replay-target")
+    return {"target": target, "draft": noisy_copy(target, 0.3, 1), "other": make_tiny_model(tokenizer, 9, name="other")}
+
+
+def _verifier_specs(drafter: str, **extra) -> list[SpeculationConfig]:
+    """Lossless and loose rules, bare so that they loosen often on random models."""
+    base = SpeculationConfig(
+        drafter=drafter, num_draft_tokens=8, draft_length=FIXED, guard=GuardConfig.bare(), profile=PROFILE_NONE, **extra
+    )
+    return [
+        dataclasses.replace(base, verifier="exact"),
+        dataclasses.replace(base, verifier="fly", fly=FlyConfig(window_size=2, entropy_threshold=0.0)),
+        dataclasses.replace(base, verifier="fly", fly=FlyConfig(window_size=3, entropy_threshold=0.2)),
+        dataclasses.replace(base, verifier="fly", fly=FlyConfig(window_size=2, min_draft_prob=0.05)),
+        dataclasses.replace(base, verifier="margin", margin=MarginConfig(0.5)),
+        dataclasses.replace(base, verifier="typical"),
+        dataclasses.replace(base, verifier="fly", guard=GuardConfig(), fly=FlyConfig(window_size=2)),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("drafter", "extra"),
+    [
+        ("ngram", {}),
+        ("draft-model", {"draft_model": "draft"}),
+        ("multilevel", {"draft_model": "draft"}),
+        ("layer-skip", {"layer_skip": LayerSkipConfig(skip_layers=(1, 2))}),
+    ],
+)
+def test_replayed_generations_equal_live_ones_for_every_drafter_and_rule(models, drafter, extra) -> None:
+    """Replay answers from shared stores, live runs compute everything: same tokens, forwards and loose accepts."""
+    target, draft = models["target"], models["draft"]
+    extra = {key: (draft.name if value == "draft" else value) for key, value in extra.items()}
+    resources = Resources("float32", models=(target, draft))
+    specs = _verifier_specs(drafter, **extra)
+    decode = DecodeConfig(max_new_tokens=40)
+    scores = ScoreStore(target)
+    drafts = DraftStore(build_decoder(target, specs[0], decode, resources=resources).drafter)
+    live = [build_decoder(target, spec, decode, resources=resources) for spec in specs]
+    replayed = [build_decoder(target, spec, decode, resources=resources) for spec in specs]
+    for decoder in replayed:
+        decoder.scorer = ReplayTarget(scores)
+        decoder.drafter = ReplayDrafter(drafts, decoder.drafter.name)
+    loose = live_forwards = replay_forwards = 0
+    for prompt in PROMPTS:
+        prompt_ids = target.encode_prompt(prompt, False)
+        scores.begin(prompt_ids)
+        drafts.begin(prompt_ids)
+        for live_decoder, replay_decoder in zip(live, replayed, strict=True):
+            expected, got = live_decoder.generate(prompt_ids), replay_decoder.generate(prompt_ids)
+            assert got.token_ids == expected.token_ids
+            assert got.stats.num_target_forwards == expected.stats.num_target_forwards
+            assert got.stats.num_loose_accepts == expected.stats.num_loose_accepts
+            assert got.stats.proposed_per_position == expected.stats.proposed_per_position
+            loose += expected.stats.num_loose_accepts
+            live_forwards += expected.stats.num_target_forwards + 1  # + its prefill
+        replay_forwards += scores.num_forwards
+    assert loose > 20  # the rules really loosened, so the paths really diverged
+    assert replay_forwards < 0.8 * live_forwards  # and the shared questions were asked once
+
+
+def test_replay_with_a_draft_model_of_another_tokenizer(models) -> None:
+    """Cross-tokenizer drafting rewinds by re-syncing its text: replay still equals a live run."""
+    from test_cross_tokenizer import make_metaspace_tokenizer
+
+    target = models["target"]
+    draft = make_tiny_model(make_metaspace_tokenizer(), 3, name="meta-draft")
+    spec = SpeculationConfig(drafter="draft-model", draft_model=draft.name, num_draft_tokens=6, draft_length=FIXED)
+    resources = Resources("float32", models=(target, draft))
+    specs = [
+        dataclasses.replace(spec, verifier="exact", profile=PROFILE_NONE),
+        dataclasses.replace(
+            spec, verifier="fly", fly=FlyConfig(window_size=1, entropy_threshold=0.0), guard=GuardConfig.bare()
+        ),
+    ]
+    decode = DecodeConfig(max_new_tokens=30)
+    drafter = build_decoder(target, specs[0], decode, resources=resources).drafter
+    assert isinstance(drafter, CrossTokenizerDrafter)
+    scores, drafts = ScoreStore(target), DraftStore(drafter)
+    for prompt in PROMPTS[:3]:
+        prompt_ids = target.encode_prompt(prompt, False)
+        scores.begin(prompt_ids)
+        drafts.begin(prompt_ids)
+        for spec in specs:
+            live = build_decoder(target, spec, decode, resources=resources).generate(prompt_ids)
+            decoder = build_decoder(target, spec, decode, resources=resources)
+            decoder.scorer, decoder.drafter = ReplayTarget(scores), ReplayDrafter(drafts, "draft-model")
+            assert decoder.generate(prompt_ids).token_ids == live.token_ids
+
+
+def test_plain_decoding_replayed_after_exact_needs_no_forward(models) -> None:
+    target = models["target"]
+    scores = ScoreStore(target)
+    prompt_ids = target.encode_prompt(PROMPTS[0], False)
+    scores.begin(prompt_ids)
+    exact = build_decoder(target, SpeculationConfig(draft_length=FIXED), DecodeConfig(max_new_tokens=30))
+    exact.scorer = ReplayTarget(scores)
+    drafts = DraftStore(exact.drafter)
+    drafts.begin(prompt_ids)
+    exact.drafter = ReplayDrafter(drafts, "ngram")
+    expected = exact.generate(prompt_ids)
+    forwards = scores.num_forwards
+    plain = PlainDecoder(target, DecodeConfig(max_new_tokens=30))
+    plain.scorer = ReplayTarget(scores)
+    assert plain.generate(prompt_ids).token_ids == expected.token_ids
+    assert scores.num_forwards == forwards  # every row it asked for was there
+    live = PlainDecoder(target, DecodeConfig(max_new_tokens=30)).generate(prompt_ids)
+    assert live.token_ids == expected.token_ids
+
+
+def test_replay_refuses_another_prompt_and_sampling(models) -> None:
+    target = models["target"]
+    scores = ScoreStore(target)
+    scores.begin(target.encode_prompt(PROMPTS[0], False))
+    replay = ReplayTarget(scores)
+    with pytest.raises(RuntimeError, match="begin"):
+        replay.start(target.encode_prompt(PROMPTS[1], False))
+    drafts = DraftStore(DraftModelDrafter(models["draft"]))
+    drafts.begin([1, 2, 3])
+    from flyspec.config import SamplingConfig
+
+    with pytest.raises(RuntimeError, match="greedy"):
+        drafts.propose([1, 2, 3], 4, SamplingConfig(temperature=1.0), None)
+
+
+# --- the budget ----------------------------------------------------------------------------------------------
+
+
+def test_min_items_is_where_no_event_first_fits_the_budget() -> None:
+    needed = min_items(0.01)
+    assert needed == 268
+    assert upper_bound(0, needed) <= 0.01 < upper_bound(0, needed - 1)
+    assert upper_bound(0, 200) > 0.01  # 200 prompts cannot show 1 %: the issue's n >= 200 is not enough alone
+
+
+@pytest.mark.parametrize("rate", [0.0, 1.0, -0.1, 2, float("nan"), "0.01"])
+def test_a_budget_outside_0_1_is_refused(rate) -> None:
+    with pytest.raises(ConfigError, match=r"\(0, 1\)"):
+        Budget.of(rate)
+
+
+def test_judge_accepts_only_finished_points_whose_bounds_fit() -> None:
+    budget = Budget()
+    assert judge(budget, changed=0, looped=0, total=400, retention_low=0.995, finished=True).status == "inside"
+    assert judge(budget, changed=0, looped=0, total=200, retention_low=1.0, finished=True).status == "outside"
+    assert judge(budget, changed=1, looped=0, total=400, retention_low=1.0, finished=True).status == "outside"
+    assert judge(budget, changed=0, looped=0, total=400, retention_low=0.98, finished=True).status == "outside"
+    assert judge(budget, changed=0, looped=0, total=50, retention_low=None, finished=False).status == "open"
+    stopped = judge(budget, changed=3, looped=0, total=10, retention_low=None, finished=False)
+    assert stopped.status == "outside" and "surely above" in stopped.reasons[0]
+    assert judge(budget, changed=2, looped=0, total=3, retention_low=None, finished=False).status == "open"
+
+
+def test_early_stops_rarely_drop_a_point_below_the_budget() -> None:
+    """Simulated over 400 prompts: the early stop's false alarms stay rare for a point at half the budget."""
+    rng = np.random.default_rng(0)
+
+    def stopped_share(rate: float, trials: int = 600) -> float:
+        stops = 0
+        for _ in range(trials):
+            events = np.cumsum(rng.random(400) < rate)
+            stops += any(decisively_above(int(events[i]), i + 1, 0.01) for i in range(400))
+        return stops / trials
+
+    assert stopped_share(0.005) < 0.03
+    assert stopped_share(0.05) > 0.95  # and a point at five times the budget is nearly always stopped
+    assert budget_module.DECISIVE_EVENTS == 3
+
+
+# --- the chooser and the projection ----------------------------------------------------------------------------
+
+
+def _summary(name: str, rule: str, status: str, speedup: float, tau: float = 2.0) -> dict:
+    return {
+        "name": name,
+        "rule": rule,
+        "lossless": rule == "exact",
+        "status": status,
+        "projected_speedup": speedup,
+        "tau": tau,
+    }
+
+
+def test_chooser_picks_the_fastest_point_inside_the_budget() -> None:
+    frontier = [
+        _summary("exact", "exact", "lossless", 1.30),
+        _summary("fly a", "fly", "inside", 1.40),
+        _summary("fly b", "fly", "inside", 1.55),
+        _summary("fly c", "fly", "outside", 1.90),
+        _summary("margin a", "margin", "inside", 1.35),
+        _summary("typical a", "typical", "pruned", 2.00),
+    ]
+    chosen, by_rule = choose(frontier)
+    assert chosen["name"] == "fly b"
+    assert by_rule == {"fly": frontier[2], "margin": frontier[4], "typical": None}
+
+
+def test_chooser_refuses_when_nothing_inside_the_budget_beats_exact() -> None:
+    outside = [_summary("exact", "exact", "lossless", 1.3), _summary("fly", "fly", "outside", 1.9)]
+    assert choose(outside) == (None, {"fly": None})
+    slower = [_summary("exact", "exact", "lossless", 1.3), _summary("fly", "fly", "inside", 1.29)]
+    assert choose(slower) == (None, {"fly": None})
+
+
+def test_verified_lengths_and_projection_from_counted_steps() -> None:
+    # 5 forwards: lengths 0, 3, 3, 7, 7 -> proposed_per_position counts forwards reaching each position
+    stats = {
+        "num_target_forwards": 5,
+        "proposed_per_position": [4, 4, 4, 2, 2, 2, 2],
+        "num_proposed": 20,
+        "num_new_tokens": 15,
+    }
+    assert verified_lengths(stats) == {0: 1, 3: 2, 7: 2}
+    cost = CostModel(StepCost((1, 4, 8), (0.010, 0.013, 0.016)), draft_seconds_per_token=0.001)
+    decode = 1 * 0.010 + 2 * 0.013 + 2 * 0.016 + 20 * 0.001
+    assert cost.decode_seconds([stats]) == pytest.approx(decode)
+    assert cost.speedup([stats]) == pytest.approx(15 * 0.010 / decode)
+
+
+# --- the whole calibration on a tiny model -----------------------------------------------------------------------
+
+
+def test_points_cover_the_rules_and_run_as_given(models) -> None:
+    grid = points(SpeculationConfig(drafter="ngram", verifier="fly", profile="auto"))
+    assert grid[0].name == "exact" and grid[0].lossless
+    assert {point.rule for point in grid} == {"exact", "fly", "margin", "typical"}
+    assert all(point.speculation.profile == PROFILE_NONE for point in grid)
+    assert len(grid) >= 30
+    families: dict[str, list] = {}
+    for point in grid:
+        families.setdefault(point.family, []).append(point.order)
+    assert all(orders == sorted(orders) for orders in families.values())
+    with pytest.raises(ConfigError, match="unknown rule"):
+        points(SpeculationConfig(), rules=("fly", "bogus"))
+
+
+@pytest.fixture(scope="module")
+def calibrated(models, tmp_path_factory) -> tuple[Path, object]:
+    """One quick calibration of the tiny target's n-gram drafter on a prompt file."""
+    directory = tmp_path_factory.mktemp("calibration")
+    data = directory / "prompts.jsonl"
+    lines = [{"prompt": text, "reference": text.split()[-1]} for text in PROMPTS] + [{"prompt": "Hello there"}]
+    data.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    target = models["target"]
+    config = CalibrationConfig(
+        speculation=SpeculationConfig(num_draft_tokens=8),
+        data=str(data),
+        grid="quick",
+        out_dir=directory / "out",
+        live_check=2,
+        use_chat=False,
+    )
+    result = calibrate(target, config, resources=Resources("float32", models=(target,)))
+    return directory, result
+
+
+def test_a_calibration_writes_its_records_profile_report_and_plot(calibrated) -> None:
+    directory, result = calibrated
+    out = directory / "out"
+    for name in ("records.jsonl", "profile.json", "report.md", "frontier.png", "calibration.json"):
+        assert (out / name).is_file(), name
+    record = json.loads((out / "profile.json").read_text())
+    assert record["flyspec_profile"] == 1 and record["data"]["n"] == 5
+    assert record["model"]["weights"] and record["model"]["tokenizer"]
+    assert [summary["name"] for summary in record["frontier"]] == [point["name"] for point in result.frontier]
+    exact = record["frontier"][0]
+    assert exact["status"] == "lossless" and exact["tau_gain"] == 0.0 and exact["n"] == 5
+    assert record["chosen"] is None  # 5 prompts can never show a rate below 1 %
+    assert record["live_check"]["plain"] == {"checked": 2, "identical": 2}
+    report = (out / "report.md").read_text()
+    assert "Choice: none" in report and "rerun with more" in report
+    lines = (out / "records.jsonl").read_text().splitlines()
+    assert sum(json.loads(line)["point"] == "plain" for line in lines) == 5
+
+
+def test_resume_adds_nothing_to_a_finished_calibration(calibrated, models) -> None:
+    directory, _ = calibrated
+    out = directory / "out"
+    before = (out / "records.jsonl").read_text()
+    config = CalibrationConfig(
+        speculation=SpeculationConfig(num_draft_tokens=8),
+        data=str(directory / "prompts.jsonl"),
+        grid="quick",
+        out_dir=out,
+        resume=True,
+        live_check=0,
+        use_chat=False,
+    )
+    target = models["target"]
+    calibrate(target, config, resources=Resources("float32", models=(target,)))
+    assert (out / "records.jsonl").read_text() == before
+    other = dataclasses.replace(config, speculation=SpeculationConfig(num_draft_tokens=6))
+    with pytest.raises(ConfigError, match="--resume"):
+        calibrate(target, other, resources=Resources("float32", models=(target,)))
+
+
+def test_calibrate_refuses_a_drafter_that_remembers_other_prompts() -> None:
+    with pytest.raises(ConfigError, match="ngram-cache"):
+        CalibrationConfig(speculation=SpeculationConfig(drafter="ngram-cache"))
+
+
+# --- the command line ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--budget", "0"], "(0, 1)"),
+        (["--budget", "1.5"], "(0, 1)"),
+        (["--budget", "-0.01"], "(0, 1)"),
+        (["--confidence", "1"], "--confidence"),
+        (["--drafter", "bogus"], "invalid choice"),
+        (["--drafter", "ngram-cache"], "ngram-cache"),
+        (["--rules", "fly,loose"], "unknown rule 'loose'"),
+        (["--limit", "0"], "--limit"),
+        (["--data", "everything"], "unknown calibration data"),
+        (["--data", "missing.jsonl"], "does not exist"),
+        (["--grid", "huge"], "invalid choice"),
+    ],
+)
+def test_bad_calibrate_input_is_one_line_and_exit_2(capsys, tiny_model_dir, options, message) -> None:
+    from test_cli import usage_error
+
+    line = usage_error(capsys, ["calibrate", "--target", str(tiny_model_dir), "--dtype", "float32", *options])
+    assert message in line
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("", "no usable items"),
+        ('{"prompt": "fine"}\n{"prompt": \n', "line 2"),
+        ('{"prompt": ""}\n', "missing field(s) prompt"),
+        ('{"reference": "x"}\n', "prompt"),
+    ],
+)
+def test_an_empty_or_malformed_prompt_file_is_one_line_and_exit_2(
+    capsys, tiny_model_dir, tmp_path, content, message
+) -> None:
+    from test_cli import usage_error
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(content)
+    argv = ["calibrate", "--target", str(tiny_model_dir), "--dtype", "float32", "--data", str(path)]
+    assert message in usage_error(capsys, [*argv, "--out", str(tmp_path / "out")])
+
+
+def test_the_calibrate_command_end_to_end(capsys, tiny_model_dir, tmp_path) -> None:
+    from flyspec.cli import main
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt": text}) for text in PROMPTS) + "\n")
+    out = tmp_path / "out"
+    argv = ["calibrate", "--target", str(tiny_model_dir), "--dtype", "float32", "--no-chat", "--data", str(path)]
+    assert main([*argv, "--grid", "quick", "-k", "8", "--out", str(out), "--live-check", "1"]) == 0
+    printed = capsys.readouterr().out
+    assert "no lossy point beat exact inside the budget" in printed and str(out / "profile.json") in printed
+    profile = json.loads((out / "profile.json").read_text())
+    assert profile["data"]["n"] == len(PROMPTS) and profile["drafter"]["drafter"] == "ngram"
+    assert profile["dtype"] == "float32" and profile["command"].startswith("flyspec calibrate")
