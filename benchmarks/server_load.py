@@ -34,7 +34,7 @@ from typing import Any
 
 import httpx
 
-from flyspec.models import cpu_name
+from flyspec.runtime.loading import cpu_name
 
 PROMPTS = (
     "Name three colors.",

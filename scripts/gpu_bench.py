@@ -49,8 +49,9 @@ from flyspec.baseline import PlainDecoder
 from flyspec.bench.data import load_prompts
 from flyspec.bench.loop import forward_times
 from flyspec.config import ConfigError, DecodeConfig, SpeculationConfig
-from flyspec.models import LoadedModel, cpu_name, device_name, resolve_device, resolve_dtype
 from flyspec.resources import Resources
+from flyspec.runtime.loaded_model import LoadedModel
+from flyspec.runtime.loading import cpu_name, device_name, resolve_device, resolve_dtype
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG_DIR = REPO / "benchmarks" / "gpu-configs"

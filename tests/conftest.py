@@ -22,7 +22,7 @@ import torch
 from tokenizers import ByteLevelBPETokenizer
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from flyspec.models import LoadedModel
+from flyspec.runtime.loaded_model import LoadedModel
 
 DEVICES = ("cpu", *(("cuda",) if torch.cuda.is_available() else ()))
 on_devices = pytest.mark.parametrize("device", DEVICES)

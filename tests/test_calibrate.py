@@ -20,7 +20,7 @@ from flyspec.calibration import budget as budget_module
 from flyspec.calibration.api import CalibrationConfig, calibrate
 from flyspec.calibration.budget import Budget, decisively_above, judge, min_items, upper_bound
 from flyspec.calibration.frontier import choose
-from flyspec.calibration.projection import CostModel, verified_lengths
+from flyspec.calibration.projection import CostModel, measure_draft_cost, verified_lengths
 from flyspec.calibration.replay import DraftStore, ReplayDrafter, ReplayTarget, ScoreStore
 from flyspec.calibration.space import points
 from flyspec.config import (
@@ -37,7 +37,7 @@ from flyspec.config import (
 from flyspec.drafters.cross_tokenizer import CrossTokenizerDrafter
 from flyspec.drafters.draft_model import DraftModelDrafter
 from flyspec.resources import Resources
-from flyspec.step_cost import StepCost
+from flyspec.runtime.step_cost import StepCost
 from server_helpers import one_torch_thread  # noqa: F401 - autouse fixture: tiny models run faster on one thread
 
 PROMPTS = ["The capital of France is", "def add(a, b):", "Once upon a time there was", "Speculative decoding drafts"]
@@ -264,6 +264,22 @@ def test_verified_lengths_and_projection_from_counted_steps() -> None:
     decode = 1 * 0.010 + 2 * 0.013 + 2 * 0.016 + 20 * 0.001
     assert cost.decode_seconds([stats]) == pytest.approx(decode)
     assert cost.speedup([stats]) == pytest.approx(15 * 0.010 / decode)
+
+
+def test_draft_cost_is_measured_in_units_of_a_target_step_taken_beside_it(models) -> None:
+    # a busy machine slows drafts and target steps alike; the ratio to a step timed beside each draft is what
+    # the projection needs (scaled by the cached t(1)), so a target step reported twice as slow halves it
+    drafter = DraftModelDrafter(models["draft"])
+    prompts = [[1, 2, 3, 4, 5, 6]]
+    steps: list[int] = []
+
+    def slow_step(context: list[int]) -> float:
+        steps.append(len(context))
+        return 1e9
+
+    assert 0 < measure_draft_cost(drafter, prompts, 4, slow_step) < 1e-9
+    assert steps and all(length >= 6 for length in steps)  # timed beside each draft, after its context
+    assert measure_draft_cost(drafter, prompts, 4) > 0  # without a target step: seconds
 
 
 # --- the whole calibration on a tiny model -----------------------------------------------------------------------

@@ -164,8 +164,8 @@ def test_piped_prompt_through_the_console_entry(capsys: pytest.CaptureFixture[st
 def test_serve_checks_the_draft_length_before_loading(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, no_loading: None
 ) -> None:
-    import flyspec.models
+    import flyspec.runtime.loading
 
-    monkeypatch.setattr(flyspec.models, "load_model", flyspec.resources.load_model)  # the refusing one
+    monkeypatch.setattr(flyspec.runtime.loading, "load_model", flyspec.resources.load_model)  # the refusing one
     message = _error(capsys, ["serve", "--target", "never-loaded", "--verifier", "fly", "-k", "4"])
     assert "num_draft_tokens (4) is too short for verifier 'fly'" in message

@@ -10,15 +10,15 @@ import dataclasses
 import pytest
 import torch
 
-import flyspec.kernels as kernels
+import flyspec.runtime.kernels as kernels
 from conftest import make_tiny_model
 from flyspec.api import build_decoder
 from flyspec.baseline import PlainDecoder
-from flyspec.cached_model import CachedModel
-from flyspec.compiled_steps import compile_steps
 from flyspec.config import DecodeConfig, DraftLengthConfig, SpeculationConfig
-from flyspec.models import LoadedModel
 from flyspec.resources import Resources
+from flyspec.runtime.cached_model import CachedModel
+from flyspec.runtime.compiled_steps import compile_steps
+from flyspec.runtime.loaded_model import LoadedModel
 from test_reference import naive_greedy
 
 PROMPT = [5, 9, 12, 7, 5, 9, 12, 7, 5, 9]  # repeats, so n-gram drafts have something to copy

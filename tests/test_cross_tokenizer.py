@@ -31,8 +31,8 @@ from flyspec.config import SpeculationConfig
 from flyspec.detokenize import TextCodec
 from flyspec.drafters.cross_tokenizer import CrossTokenizerDrafter, tokenizers_match
 from flyspec.drafters.draft_model import multilevel_drafter
-from flyspec.models import LoadedModel
-from flyspec.packed_linears import SharedLinear
+from flyspec.runtime.loaded_model import LoadedModel
+from flyspec.runtime.packed_linears import SharedLinear
 from flyspec.types import Draft
 from flyspec.verifiers.registry import LOSSLESS_VERIFIERS, VERIFIERS
 

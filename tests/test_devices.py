@@ -35,10 +35,11 @@ from flyspec.config import (
 )
 from flyspec.decoding import SpeculativeDecoder
 from flyspec.drafters.ngram import NgramDrafter
-from flyspec.models import LoadedModel, default_dtype, load_model, resolve_device, resolve_dtype
 from flyspec.resources import Resources
+from flyspec.runtime.loaded_model import LoadedModel
+from flyspec.runtime.loading import default_dtype, load_model, resolve_device, resolve_dtype
+from flyspec.runtime.target import Target
 from flyspec.sampling import make_generator
-from flyspec.target import Target
 from flyspec.types import Draft
 from flyspec.verifiers.registry import make_verifier
 

@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from flyspec import DecodeConfig, PlainDecoder, SpeculativeDecoder, build_decoder, make_verifier
-from flyspec import step_cost as step_cost_module
 from flyspec.config import ConfigError, DraftLengthConfig, SpeculationConfig
 from flyspec.draft_length import (
     AcceptanceModel,
@@ -26,9 +25,10 @@ from flyspec.draft_length import (
     resolve_policy,
 )
 from flyspec.drafters import NgramDrafter
-from flyspec.models import LoadedModel
 from flyspec.resources import Resources
-from flyspec.step_cost import StepCost, measure, sizes_up_to, step_cost
+from flyspec.runtime import step_cost as step_cost_module
+from flyspec.runtime.loaded_model import LoadedModel
+from flyspec.runtime.step_cost import StepCost, measure, sizes_up_to, step_cost
 from flyspec.types import MODEL, OUTPUT_COPY, PROMPT_COPY, Draft
 
 COST = DraftLengthConfig(policy="cost")
@@ -113,7 +113,7 @@ def test_an_unreadable_cache_file_is_measured_again_and_replaced(
     monkeypatch.setenv("FLYSPEC_STEP_COSTS", str(tmp_path / "step-costs.json"))
     (tmp_path / "step-costs.json").write_text("{not json")
     monkeypatch.setattr(step_cost_module, "measure", lambda model, max_tokens: linear_cost(0.1, max_tokens))
-    with caplog.at_level(logging.WARNING, logger="flyspec.step_cost"):
+    with caplog.at_level(logging.WARNING, logger="flyspec.runtime.step_cost"):
         step_cost(tiny_target, 4)
     assert "unreadable step-cost cache" in caplog.text
     assert len(json.loads((tmp_path / "step-costs.json").read_text())) == 1

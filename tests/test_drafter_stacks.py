@@ -14,8 +14,8 @@ from flyspec.config import ConfigError, DraftLengthConfig, LayerSkipConfig, Samp
 from flyspec.draft_length import DraftLength
 from flyspec.drafters import CrossTokenizerDrafter, DraftModelDrafter, NgramDrafter, make_drafter
 from flyspec.drafters.draft_model import first_unsure
-from flyspec.models import LoadedModel
 from flyspec.resources import Resources
+from flyspec.runtime.loaded_model import LoadedModel
 
 PROMPTS = ("The capital of", "def add(a, b):\n    return", "Once upon a time there was a small model that")
 

@@ -28,7 +28,7 @@ from flyspec import (
 from flyspec.config import ConfigError, SpeculationConfig
 from flyspec.drafters.draft_model import check_proposal
 from flyspec.drafters.ngram import ngram_lookup
-from flyspec.models import LoadedModel
+from flyspec.runtime.loaded_model import LoadedModel
 from flyspec.types import Draft
 
 LOSSLESS = ("exact", "rejection")

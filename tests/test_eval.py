@@ -30,7 +30,7 @@ from flyspec.eval.stats import bootstrap_ratio_ci, retention
 from flyspec.eval.tasks import builtin_tasks, custom_task, resolve_tasks
 from flyspec.harness.data import DataError, read_records
 from flyspec.harness.methods import parse_method, parse_methods
-from flyspec.models import LoadedModel
+from flyspec.runtime.loaded_model import LoadedModel
 
 LIMITS = SandboxLimits(timeout_s=5.0, cpu_s=1, memory_bytes=512 << 20)
 

@@ -345,7 +345,7 @@ def test_smollm2_can_do_the_numbers_task_and_exact_changes_nothing(tmp_path: Pat
     from flyspec.eval.evaluation import EvalConfig, Evaluation, load_all_items
     from flyspec.harness.data import read_records
     from flyspec.harness.methods import parse_methods
-    from flyspec.models import load_model
+    from flyspec.runtime.loading import load_model
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

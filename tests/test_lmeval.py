@@ -20,7 +20,7 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 from conftest import on_device, on_devices  # noqa: E402
 from flyspec.config import ConfigError  # noqa: E402
 from flyspec.lmeval import FlyspecLM, main, speculation_from_args  # noqa: E402
-from flyspec.models import LoadedModel  # noqa: E402
+from flyspec.runtime.loaded_model import LoadedModel  # noqa: E402
 
 TASK_DIR = Path(__file__).resolve().parent.parent / "examples" / "lm_eval"
 TASK = "flyspec_arithmetic"

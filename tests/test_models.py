@@ -16,14 +16,14 @@ import pytest
 import torch
 import transformers
 
-import flyspec.cached_model
-import flyspec.models
+import flyspec.runtime.cached_model
+import flyspec.runtime.loading
 from conftest import make_tokenizer
 from flyspec import generate, generate_plain
 from flyspec.config import ConfigError
 from flyspec.drafters.draft_model import DraftModelDrafter
-from flyspec.models import (
-    LoadedModel,
+from flyspec.runtime.loaded_model import LoadedModel
+from flyspec.runtime.loading import (
     ModelLoadError,
     cache_root,
     gguf_cache_key,
@@ -32,7 +32,7 @@ from flyspec.models import (
     resolve_dtype,
     set_threads,
 )
-from flyspec.target import Target
+from flyspec.runtime.target import Target
 
 PROMPT = "Speculative decoding drafts"
 
@@ -254,7 +254,7 @@ def test_empty_prompt_is_config_error(tiny_target: LoadedModel, prompt: str, use
 
 
 def test_uncroppable_cache_is_refused(tiny_target: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(flyspec.cached_model, "_CROPPABLE_LAYERS", ())
+    monkeypatch.setattr(flyspec.runtime.cached_model, "_CROPPABLE_LAYERS", ())
     with pytest.raises(ConfigError, match="cannot be rolled back") as error:
         Target(tiny_target)
     assert "DynamicLayer" in str(error.value)
@@ -312,10 +312,10 @@ def test_packaged_model_is_served_from_the_conversion_cache(
     assert (converted / "flyspec-complete").is_file()
     assert (converted / "config.json").is_file()
     assert (converted / "model.safetensors").is_file()
-    model_class = _NoDequantizing(flyspec.models.AutoModelForCausalLM)
-    tokenizer_class = _NoDequantizing(flyspec.models.AutoTokenizer)
-    monkeypatch.setattr(flyspec.models, "AutoModelForCausalLM", model_class)
-    monkeypatch.setattr(flyspec.models, "AutoTokenizer", tokenizer_class)
+    model_class = _NoDequantizing(flyspec.runtime.loading.AutoModelForCausalLM)
+    tokenizer_class = _NoDequantizing(flyspec.runtime.loading.AutoTokenizer)
+    monkeypatch.setattr(flyspec.runtime.loading, "AutoModelForCausalLM", model_class)
+    monkeypatch.setattr(flyspec.runtime.loading, "AutoTokenizer", tokenizer_class)
     assert gguf_to_hf_dir(_smollm2_gguf()) == converted
     again = load_model("smollm2-135m-instruct", dtype="float32")
     assert model_class.sources == [str(converted)]
@@ -342,7 +342,7 @@ def test_saved_weights_keep_a_tied_embedding_under_its_own_name(tmp_path: Path) 
     from safetensors import safe_open
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from flyspec.models import save_weights
+    from flyspec.runtime.loading import save_weights
 
     config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True)  # fmt: skip

@@ -15,8 +15,8 @@ from flyspec import DecodeConfig, DraftModelDrafter, PlainDecoder, SpeculativeDe
 from flyspec.config import ConfigError, NgramCacheConfig, NgramConfig, SamplingConfig, SpeculationConfig
 from flyspec.drafters.base import Drafter
 from flyspec.drafters.ngram_cache import NgramCache, NgramCacheDrafter
-from flyspec.models import LoadedModel
 from flyspec.resources import Resources
+from flyspec.runtime.loaded_model import LoadedModel
 
 torch.set_num_threads(1)
 

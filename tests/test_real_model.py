@@ -19,7 +19,7 @@ from flyspec import (
     multilevel_drafter,
 )
 from flyspec.config import SpeculationConfig
-from flyspec.models import LoadedModel
+from flyspec.runtime.loaded_model import LoadedModel
 
 pytestmark = [
     pytest.mark.real_model,

@@ -19,7 +19,7 @@ from flyspec import (
     SpeculationConfig,
     build_decoder,
 )
-from flyspec.models import LoadedModel
+from flyspec.runtime.loaded_model import LoadedModel
 
 PROMPTS = ("The capital of France is", "def add(a, b):", "Once upon a time there was")
 MAX_NEW_TOKENS = 24

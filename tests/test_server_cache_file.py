@@ -12,10 +12,11 @@ from fastapi.testclient import TestClient
 
 from flyspec.cli import main
 from flyspec.config import ConfigError, SpeculationConfig
-from flyspec.models import LoadedModel
 from flyspec.resources import Resources
+from flyspec.runtime.loaded_model import LoadedModel
 from flyspec.server.app import create_app
-from flyspec.server.caches import FILE_FORMAT, SHARED_TENANT
+from flyspec.server.cache_file import FILE_FORMAT, CacheFile, read_secret
+from flyspec.server.caches import SHARED_TENANT
 from flyspec.server.security import tenant_of
 from flyspec.server.settings import ServerSecurity
 
@@ -36,8 +37,13 @@ def ask(client: TestClient, key: str, prompt: str = PROMPT) -> dict[str, Any]:
     return response.json()
 
 
+def tenant(path: Path, key: str) -> str:
+    """The key's tenant id in the cache file at ``path`` (keyed with the secret made beside it)."""
+    return tenant_of(key, read_secret(Path(f"{path}.key")))
+
+
 def cache_entries(app: Any, key: str) -> dict[str, list]:
-    view = app.state.planner.caches.resources_for(tenant_of(key))
+    view = app.state.planner.caches.resources_for(tenant(app.state.cache_file.path, key))
     return {name: cache.entries() for name, cache in view.ngram_caches_by_vocabulary().items()}
 
 
@@ -48,7 +54,7 @@ def test_caches_round_trip_and_stay_with_their_tenant(tiny_target: LoadedModel, 
         before = ask(client, KEYS[0])
         assert before["usage"]["drafter"]["cache_hits"] == 0  # nothing cached yet
     saved = json.loads(path.read_text())
-    assert saved["format"] == FILE_FORMAT and list(saved["tenants"]) == [tenant_of(KEYS[0])]
+    assert saved["format"] == FILE_FORMAT and list(saved["tenants"]) == [tenant(path, KEYS[0])]
     assert KEYS[0] not in path.read_text()  # tenants are named by a hash, never by the key
     alice_entries = cache_entries(first, KEYS[0])
     assert sum(len(entries) for entries in alice_entries.values()) > 0
@@ -61,7 +67,7 @@ def test_caches_round_trip_and_stay_with_their_tenant(tiny_target: LoadedModel, 
     assert bob["usage"]["drafter"]["cache_hits"] == 0  # alice's text is never drafted for bob
     assert alice["usage"]["drafter"]["cache_hits"] > 0  # alice drafts from what she generated before
     assert alice["choices"][0]["text"] == before["choices"][0]["text"]  # exact verifier: same output
-    assert set(json.loads(path.read_text())["tenants"]) == {tenant_of(KEYS[0]), tenant_of(KEYS[1])}
+    assert set(json.loads(path.read_text())["tenants"]) == {tenant(path, KEYS[0]), tenant(path, KEYS[1])}
 
 
 def test_a_shared_cache_never_takes_a_tenants_entries(tiny_target: LoadedModel, tmp_path: Path) -> None:
@@ -73,7 +79,7 @@ def test_a_shared_cache_never_takes_a_tenants_entries(tiny_target: LoadedModel, 
     with TestClient(shared_app, base_url="http://127.0.0.1") as client:
         assert ask(client, KEYS[1])["usage"]["drafter"]["cache_hits"] == 0
     tenants = json.loads(path.read_text())["tenants"]
-    assert tenants[tenant_of(KEYS[0])] == per_tenant[tenant_of(KEYS[0])]  # kept in the file, not restored
+    assert tenants[tenant(path, KEYS[0])] == per_tenant[tenant(path, KEYS[0])]  # kept in the file, not restored
     assert SHARED_TENANT in tenants
     per_tenant_again = make_app(tiny_target, path)  # and the shared cache is not given to a tenant either
     caches = per_tenant_again.state.planner.caches
@@ -118,9 +124,13 @@ def test_caches_are_also_saved_while_serving(tiny_target: LoadedModel, tmp_path:
     with TestClient(app, base_url="http://127.0.0.1") as client:
         ask(client, KEYS[0])
         deadline = time.monotonic() + 10
-        while not path.exists() and time.monotonic() < deadline:
+
+        def saved_tenants() -> dict[str, Any]:
+            return json.loads(path.read_text())["tenants"] if path.exists() else {}
+
+        while tenant(path, KEYS[0]) not in saved_tenants() and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert tenant_of(KEYS[0]) in json.loads(path.read_text())["tenants"]  # before shutdown
+        assert tenant(path, KEYS[0]) in saved_tenants()  # before shutdown
 
 
 def test_a_save_in_flight_never_overwrites_a_newer_one(tiny_target: LoadedModel, tmp_path: Path) -> None:
@@ -145,15 +155,16 @@ def test_a_save_in_flight_never_overwrites_a_newer_one(tiny_target: LoadedModel,
         return taken
 
     cache.entries = slow_entries  # type: ignore[method-assign]
-    periodic = threading.Thread(target=caches.save, args=(path,), name="periodic")
+    file = CacheFile(path, b"secret")
+    periodic = threading.Thread(target=caches.save, args=(file,), name="periodic")
     periodic.start()
     assert in_snapshot.wait(5)
     cache.add_entries([((4, 5), 6)])  # generated after the periodic snapshot
-    final = threading.Thread(target=caches.save, args=(path,), name="shutdown")
+    final = threading.Thread(target=caches.save, args=(file,), name="shutdown")
     final.start()
     final.join(0.5)
     release.set()
     periodic.join(5)
     final.join(5)
-    saved = json.loads(path.read_text())["tenants"]["default"]["tiny"]
+    saved = json.loads(path.read_text())["tenants"]["default"]["caches"]["tiny"]
     assert [[4, 5], 6] in saved

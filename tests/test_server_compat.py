@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 
 from flyspec.api import build_decoder
 from flyspec.config import DecodeConfig, SamplingConfig, SpeculationConfig
-from flyspec.models import LoadedModel
+from flyspec.runtime.loaded_model import LoadedModel
 from flyspec.server.app import create_app
 from flyspec.server.schemas import MAX_STOP_STRINGS, VLLM_EXTRAS
 

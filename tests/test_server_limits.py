@@ -27,7 +27,7 @@ from flyspec.api import build_decoder
 from flyspec.cli import build_parser
 from flyspec.config import ConfigError, DecodeConfig, SamplingConfig, SpeculationConfig
 from flyspec.drafters.ngram_cache import NgramCacheCounters
-from flyspec.models import LoadedModel
+from flyspec.runtime.loaded_model import LoadedModel
 from flyspec.server.app import create_app
 from flyspec.server.command import settings_from_args
 from flyspec.server.engine import Engine, Job, QueueFullError
@@ -321,9 +321,8 @@ def test_errors_never_have_a_null_code(tiny_target: LoadedModel) -> None:
 
 
 def test_usage_drafter_is_documented() -> None:
-    """Every per-request counter a drafter reports in ``usage.drafter`` is named in the README's server section."""
-    readme = (Path(__file__).parent.parent / "README.md").read_text(encoding="utf-8")
-    section = readme.split("## Server: `flyspec serve`", 1)[1].split("\n## ", 1)[0]
+    """Every per-request counter a drafter reports in ``usage.drafter`` is named in the server guide."""
+    section = (Path(__file__).parent.parent / "docs" / "guides" / "serve.md").read_text(encoding="utf-8")
     fields = [item.name for item in dataclasses.fields(NgramCacheCounters)]
     fields += ["draft_forwards", "proposal_tokens_offered", "proposal_tokens_kept", "proposer", "skip_layers"]
     assert [name for name in fields if f"`{name}`" not in section] == []

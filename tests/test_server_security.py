@@ -21,7 +21,7 @@ from transformers import PreTrainedTokenizerFast
 from conftest import make_tiny_model
 from flyspec.cli import build_parser
 from flyspec.config import SpeculationConfig
-from flyspec.models import LoadedModel
+from flyspec.runtime.loaded_model import LoadedModel
 from flyspec.server.app import create_app
 from flyspec.server.command import api_keys_from, log_exposure, security_from_args, settings_from_args
 from flyspec.server.settings import ServerLimits, ServerSecurity
@@ -145,10 +145,10 @@ def test_what_a_request_may_change(
 
 
 def test_no_kv_cache_prefix_passes_between_requests(tiny_target: LoadedModel, monkeypatch) -> None:
-    """A decoder reuses its own previous generation's cache (prefix reuse, target.py): how fast a prompt
+    """A decoder reuses its own previous generation's cache (prefix reuse, runtime/target.py): how fast a prompt
     starts would tell whether someone sent its head before. The server builds a decoder per request,
     so even the very same conversation, sent again, is prefilled afresh."""
-    from flyspec.target import Target
+    from flyspec.runtime.target import Target
 
     reused: list[int] = []
     start = Target.start

@@ -20,7 +20,9 @@ import importlib
 import importlib.util
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from flyspec.names import VERSION
+
+__version__ = VERSION
 
 if TYPE_CHECKING:  # the same names for type checkers and IDEs; at run time __getattr__ imports them
     from flyspec.api import build_decoder, generate, generate_plain
@@ -53,10 +55,12 @@ if TYPE_CHECKING:  # the same names for type checkers and IDEs; at run time __ge
         multilevel_drafter,
     )
     from flyspec.hf_generate import custom_generate, from_transformers
-    from flyspec.models import DEFAULT_MODEL, LoadedModel, ModelLoadError, load_model
+    from flyspec.names import DEFAULT_MODEL
     from flyspec.profile import Profile
-    from flyspec.resources import Resources
+    from flyspec.resources import Resources, set_max_cached_models
     from flyspec.result import GenerationResult
+    from flyspec.runtime.loaded_model import LoadedModel
+    from flyspec.runtime.loading import ModelLoadError, load_model
     from flyspec.sampling import make_generator
     from flyspec.stats import DecodeStats
     from flyspec.streaming import GenerationStream
@@ -103,9 +107,11 @@ _SOURCES = {
         "multilevel_drafter",
     ),
     "flyspec.hf_generate": ("custom_generate", "from_transformers"),
-    "flyspec.models": ("DEFAULT_MODEL", "LoadedModel", "ModelLoadError", "load_model"),
+    "flyspec.names": ("DEFAULT_MODEL",),
+    "flyspec.runtime.loaded_model": ("LoadedModel",),
+    "flyspec.runtime.loading": ("ModelLoadError", "load_model"),
     "flyspec.profile": ("Profile",),
-    "flyspec.resources": ("Resources",),
+    "flyspec.resources": ("Resources", "set_max_cached_models"),
     "flyspec.result": ("GenerationResult",),
     "flyspec.sampling": ("make_generator",),
     "flyspec.stats": ("DecodeStats",),
@@ -125,7 +131,7 @@ _EXPORTS = {name: module for module, names in _SOURCES.items() for name in names
 
 
 def __getattr__(name: str) -> Any:
-    """Import a public name (or a submodule, e.g. ``flyspec.models``) the first time it is used."""
+    """Import a public name (or a submodule, e.g. ``flyspec.runtime``) the first time it is used."""
     if name in _EXPORTS:
         value = getattr(importlib.import_module(_EXPORTS[name]), name)
     elif importlib.util.find_spec(f"{__name__}.{name}") is not None:
@@ -192,4 +198,5 @@ __all__ = [
     "make_generator",
     "make_verifier",
     "multilevel_drafter",
+    "set_max_cached_models",
 ]

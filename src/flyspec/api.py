@@ -9,18 +9,20 @@ import torch
 
 from flyspec.baseline import PlainDecoder
 from flyspec.config import DEFAULT_DEVICE, DEFAULT_DTYPE, DecodeConfig, SamplingConfig, SpeculationConfig
-from flyspec.decoding import SpeculativeDecoder, check_draft_length
+from flyspec.decoding import SpeculativeDecoder
 from flyspec.draft_length import resolve_policy
 from flyspec.drafters.registry import make_drafter
 from flyspec.generation import Prompt
-from flyspec.models import DEFAULT_MODEL, set_threads
+from flyspec.names import DEFAULT_MODEL
 from flyspec.profile import resolution
-from flyspec.resources import ModelRef, Resources
+from flyspec.resources import ModelRef, Resources, default_resources
 from flyspec.result import GenerationResult
+from flyspec.runtime.loading import set_threads
 from flyspec.sampling import make_generator
 from flyspec.verifiers.base import Verifier
 from flyspec.verifiers.guard import prepare as prepare_guards
-from flyspec.verifiers.registry import make_verifier
+from flyspec.verifiers.registry import check_draft_length, make_verifier
+from flyspec.verifiers.tokens import vocabulary_of
 
 
 def checked_verifier(spec: SpeculationConfig) -> Verifier:
@@ -46,10 +48,11 @@ def build_decoder(
     calibration profile that sets or limits its lossy settings (``profile.resolve``); ``decode`` the
     generation's length, stop strings and sampling. ``resources`` resolves model names (target,
     draft model, stack levels) and holds n-gram caches and layer-skip calibrations; by default a
-    private one for this decoder, so nothing is shared unless the caller shares it.
+    private one for this decoder (``resources.default_resources``: only its models are shared, through
+    the process-wide ``DEFAULT_MODELS``), so nothing a prompt reaches is shared unless the caller shares it.
     """
     spec = spec or SpeculationConfig()
-    resources = resources or Resources()
+    resources = resources or default_resources()
     verifier = checked_verifier(spec)
     target_model = resources.model(target)
     # a calibration profile (flyspec calibrate) sets the lossy settings, or refuses looser ones
@@ -59,13 +62,12 @@ def build_decoder(
         spec, verifier = resolved.spec, checked_verifier(resolved.spec)
     drafter = make_drafter(spec, target_model, resources)
     if not verifier.lossless:  # the trust guards' token-class masks, built before any timed step
-        prepare_guards(target_model.vocabulary, spec.guard)
+        prepare_guards(vocabulary_of(target_model), spec.guard)
     # the cost-aware draft length weighs t(k + 1): measured once per model and machine, then cached
     costed = resolve_policy(spec.draft_length, verifier.lossless, spec.drafter) == "cost"
     cost = resources.step_cost(target_model, spec.num_draft_tokens + 1) if costed else None
-    decoder = SpeculativeDecoder(target_model, drafter, verifier, decode or DecodeConfig(), spec, step_cost=cost)
-    decoder.profile = resolved.profile
-    return decoder
+    decode = decode or DecodeConfig()
+    return SpeculativeDecoder(target_model, drafter, verifier, decode, spec, step_cost=cost, profile=resolved.profile)
 
 
 def generate(
@@ -88,13 +90,15 @@ def generate(
     """Generate with speculative decoding. Lossy verifiers (fly, margin, typical) must be asked for.
 
     ``dtype`` and ``device`` (``auto``, ``cpu``, ``cuda``, ``cuda:N``) load a model named by string
-    (without ``resources``); a loaded model runs where it is. ``fields`` are
+    (without ``resources``); a loaded model runs where it is. Without ``resources``, a model named by
+    string stays loaded for the next call (``resources.DEFAULT_MODELS``: the 2 most recently used,
+    ``flyspec.set_max_cached_models``); nothing else is kept between calls. ``fields`` are
     :class:`SpeculationConfig` or :class:`DecodeConfig` fields (``verifier="fly"``,
     ``fly=FlyConfig(...)``, ``num_draft_tokens=8``, ``max_new_tokens=64``, ...).
     """
     set_threads(threads)
     spec, decode = _configs(spec, decode, SamplingConfig(temperature, top_k, top_p), fields)
-    decoder = build_decoder(target, spec, decode, resources=resources or Resources(dtype, device=device))
+    decoder = build_decoder(target, spec, decode, resources=resources or default_resources(dtype, device))
     return decoder.generate(prompt, generator=make_generator(seed, decoder.device), use_chat=use_chat)
 
 
@@ -118,7 +122,7 @@ def generate_plain(
     ``fields`` are :class:`DecodeConfig` fields (``max_new_tokens=64``, ...).
     """
     decode = dataclasses.replace(decode or DecodeConfig(), sampling=SamplingConfig(temperature, top_k, top_p), **fields)
-    decoder = PlainDecoder((resources or Resources(dtype, device=device)).model(target), decode)
+    decoder = PlainDecoder((resources or default_resources(dtype, device)).model(target), decode)
     return decoder.generate(prompt, generator=make_generator(seed, decoder.device), use_chat=use_chat)
 
 

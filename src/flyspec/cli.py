@@ -15,7 +15,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from flyspec import __version__
 from flyspec.cli_options import (
     add_model_options,
     add_speculation_options,
@@ -24,7 +23,7 @@ from flyspec.cli_options import (
     speculation_config,
 )
 from flyspec.config import DEFAULT_MAX_NEW_TOKENS, ConfigError, DecodeConfig, SamplingConfig, SpeculationConfig
-from flyspec.names import LOSSLESS_VERIFIERS, VERIFIERS
+from flyspec.names import LOSSLESS_VERIFIERS, VERIFIERS, VERSION
 
 if TYPE_CHECKING:
     from flyspec.result import GenerationResult
@@ -48,6 +47,7 @@ def fail(message: str) -> NoReturn:
 # Subcommands beside `generate`: each module has ``add_parser(commands)``, which sets ``handler``.
 _COMMAND_MODULES = (
     "flyspec.bench.command",
+    "flyspec.bench.demo",
     "flyspec.eval.command",
     "flyspec.calibration.command",
     "flyspec.server.command",
@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
         f"{', '.join(LOSSLESS_VERIFIERS)} (lossless); "
         f"{', '.join(v for v in VERIFIERS if v not in LOSSLESS_VERIFIERS)} (lossy, opt-in).",
     )
-    parser.add_argument("--version", action="version", version=f"flyspec {__version__}")
+    parser.add_argument("--version", action="version", version=f"flyspec {VERSION}")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=ErrorParser)
     _add_generate_parser(commands)
     for name in _COMMAND_MODULES:
@@ -168,8 +168,8 @@ def _non_empty(prompt: str, source: str) -> str:
 def _generate(args: argparse.Namespace) -> int:
     from flyspec.api import build_decoder
     from flyspec.baseline import PlainDecoder
-    from flyspec.models import set_threads
     from flyspec.resources import Resources
+    from flyspec.runtime.loading import set_threads
     from flyspec.sampling import make_generator
 
     args.prompt = read_prompt(args)

@@ -26,7 +26,7 @@ DEFAULT_NUM_PROPOSAL_TOKENS = 6  # tokens a stack level checks per forward (FLy'
 GREEDY_BELOW = 1e-5  # temperatures below this are greedy (SamplingConfig)
 # Where models run and in which dtype (``--device``, ``--dtype``, ``device=``/``dtype=`` of the API). ``auto``
 # device: CUDA when available, else the CPU; ``auto`` dtype: bfloat16 on CUDA (float16 where the GPU has no
-# bf16), on the CPU bfloat16 only with native bf16 instructions, else float32 (``models.resolve_dtype``).
+# bf16), on the CPU bfloat16 only with native bf16 instructions, else float32 (``runtime/loading.resolve_dtype``).
 DEFAULT_DEVICE = "auto"
 DEFAULT_DTYPE = "auto"
 
@@ -208,7 +208,7 @@ PROTECT_CLASSES = ("digits", "names", "identifiers")
 def check_device(device: str) -> str:
     """``device`` if it is ``auto``, ``cpu``, ``cuda`` or ``cuda:N``; else a :class:`ConfigError` saying so.
 
-    Whether CUDA is there is checked when a model is loaded (``models.resolve_device``).
+    Whether CUDA is there is checked when a model is loaded (``runtime/loading.resolve_device``).
     """
     text = str(device).strip().lower()
     index = text.removeprefix("cuda:")

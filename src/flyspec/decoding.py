@@ -3,44 +3,37 @@
 prompt ids ─► Drafter.propose ─► Target.score ─► Verifier.verify ─► commit ─► rollback caches ─► stop?
 
 The front end (prompt encoding, stopping, streaming) and the per-generation state are in
-``generation.py``; the terms (accepted, recovered, bonus, τ) in ``verifiers/base.py``.
+``generation.py``; building a decoder from a config (models, drafter stack, profile, step cost) in
+``api.py``; the terms (accepted, recovered, bonus, τ) in ``verifiers/base.py``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator
-from typing import Any
 
 from flyspec.breaker import CircuitBreaker
-from flyspec.config import ConfigError, DecodeConfig, SpeculationConfig
-from flyspec.draft_length import DraftLength, new_draft_length, resolve_policy
+from flyspec.config import DecodeConfig, SpeculationConfig
+from flyspec.draft_length import DraftLength, decoder_policy, new_draft_length
 from flyspec.drafters.base import Drafter
 from flyspec.generation import Decoder, Generation
-from flyspec.models import LoadedModel
 from flyspec.names import COPY_DRAFTERS
-from flyspec.step_cost import StepCost
+from flyspec.profile import Profile
+from flyspec.runtime.loaded_model import LoadedModel
+from flyspec.runtime.step_cost import StepCost
 from flyspec.streaming import Step
 from flyspec.types import Draft, VerifyContext
 from flyspec.verifiers.base import Verifier
-
-
-def check_draft_length(verifier: Verifier, speculation: SpeculationConfig) -> None:
-    """Refuse a draft length the verifier cannot use (needs no model: ``build_decoder`` checks it before loading)."""
-    shortest = verifier.min_draft_tokens
-    if speculation.num_draft_tokens < shortest:
-        raise ConfigError(
-            f"num_draft_tokens ({speculation.num_draft_tokens}) is too short for verifier {verifier.name!r}: "
-            f"it needs at least {shortest} (FLy: window_size + 1, or no mismatch could ever be judged); "
-            "raise --num-draft-tokens or lower --window-size"
-        )
+from flyspec.verifiers.registry import check_draft_length
+from flyspec.verifiers.tokens import vocabulary_of
 
 
 class SpeculativeDecoder(Decoder):
     """Drafter + target + verifier. One generation at a time per instance (caches are per instance).
 
     ``speculation`` gives the draft length (``num_draft_tokens``, ``draft_length``) and describes what runs;
-    ``step_cost`` is the target's forward cost t(n), which the ``cost`` draft-length policy needs.
+    ``step_cost`` is the target's forward cost t(n), which the ``cost`` draft-length policy needs;
+    ``profile`` the calibration profile that set the lossy settings (``profile.py``), if any.
     """
 
     def __init__(
@@ -51,40 +44,21 @@ class SpeculativeDecoder(Decoder):
         config: DecodeConfig | None = None,
         speculation: SpeculationConfig | None = None,
         step_cost: StepCost | None = None,
+        profile: Profile | None = None,
     ) -> None:
         super().__init__(target, config)
-        self.drafter = drafter
-        self.verifier = verifier
-        self.speculation = speculation or SpeculationConfig()
-        self.step_cost = step_cost
-        self.profile: Any = None  # the calibration profile that set the lossy settings (profile.py), if any
-        self.validate(self.config)
-
-    @property
-    def draft_length_policy(self) -> str:
-        """The draft-length policy that runs: ``auto`` is ``cost`` under a lossless verifier when the
-        decoder has the target's step cost (``build_decoder`` measures it), else ``fixed``."""
-        config = self.speculation.draft_length
-        policy = resolve_policy(config, self.verifier.lossless, self.drafter.name)
-        return "fixed" if policy == "cost" and self.step_cost is None and config.policy == "auto" else policy
-
-    def validate(self, config: DecodeConfig) -> None:
-        check_draft_length(self.verifier, self.speculation)
-        if self.speculation.draft_length.policy == "cost" and self.step_cost is None:
-            raise ConfigError(
-                "the cost-aware draft length needs the target's forward cost: build the decoder with "
-                "flyspec.build_decoder, or pass step_cost=flyspec.step_cost.step_cost(target, k + 1)"
-            )
+        speculation = speculation or SpeculationConfig()
+        check_draft_length(verifier, speculation)  # FLy needs window_size + 1 draft tokens
+        self.drafter, self.verifier, self.speculation = drafter, verifier, speculation
+        self.step_cost, self.profile = step_cost, profile
+        # the policy that runs, ``auto`` decided (``draft_length.decoder_policy``)
+        self.draft_length_policy = decoder_policy(speculation.draft_length, verifier.lossless, drafter.name, step_cost)
 
     def new_draft_length(self) -> DraftLength:
-        speculation = self.speculation
-        return new_draft_length(
-            dataclasses.replace(speculation.draft_length, policy=self.draft_length_policy),
-            speculation.num_draft_tokens,
-            self.verifier.min_draft_tokens,
-            self.step_cost,
-            cheap_drafts=self.drafter.name in COPY_DRAFTERS,
-        )
+        speculation, verifier = self.speculation, self.verifier
+        config = dataclasses.replace(speculation.draft_length, policy=self.draft_length_policy)
+        copies = self.drafter.name in COPY_DRAFTERS  # a copy costs nothing per token: propose all, cut later
+        return new_draft_length(config, speculation.num_draft_tokens, verifier.min_draft_tokens, self.step_cost, copies)
 
     def _steps(self, generation: Generation) -> Iterator[Step]:
         sampling, generator, stats = generation.config.sampling, generation.generator, generation.stats
@@ -93,7 +67,7 @@ class SpeculativeDecoder(Decoder):
         self._prefill(generation)
         token_ids = generation.token_ids  # grows in place as tokens are committed
         breaker = CircuitBreaker.of(self.speculation.breaker, stats)  # a profile's: strict once loosening runs wild
-        context = VerifyContext(token_ids, len(generation.prompt_ids), self.target.vocabulary, breaker=breaker)
+        context = VerifyContext(token_ids, len(generation.prompt_ids), vocabulary_of(self.target), breaker=breaker)
         try:
             while not generation.finished:
                 # draft: up to k tokens after the committed ones

@@ -8,18 +8,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import cached_property
-from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-
-def decode_text(tokenizer: PreTrainedTokenizerBase, ids: Sequence[int], **options: Any) -> str:
-    """``tokenizer.decode`` of one flat id list, special tokens skipped (typed ``str``, not ``str | list[str]``)."""
-    text = tokenizer.decode(list(ids), skip_special_tokens=True, **options)
-    if not isinstance(text, str):  # only a batch of id lists decodes to a list
-        raise TypeError(f"decoding one id list gave {type(text).__name__}, not str")
-    return text
-
+from flyspec.runtime.loaded_model import decode_text
 
 REPLACEMENT_CHARACTER = "\ufffd"  # what an incomplete UTF-8 sequence decodes to
 OVERLAP_TOKENS = 4  # ids decoded again with new ones: enough for a character's bytes or a merge

@@ -8,7 +8,7 @@ longer, after any rejection 1 token shorter, always within ``[floor, num_draft_t
 
 ``cost`` verifies, each step, the draft length ``k`` that maximises expected committed tokens per
 second, ``E[committed | k] / (t(k + 1) + d·k)``: t(n) is the target's forward cost for n tokens,
-measured once per model, dtype and machine (``step_cost.py``), d the drafter's measured time per
+measured once per model, dtype and machine (``runtime/step_cost.py``), d the drafter's measured time per
 draft token, and ``E[committed | k] = 1 + Σ_{i≤k} Π_{j≤i} p_j`` with ``p_j`` the estimated chance
 that draft token j is kept when every token before it was (:class:`AcceptanceModel`). The
 estimate is per *evidence bucket* — the first draft token's source (prompt copy, output copy,
@@ -29,9 +29,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from flyspec.config import DraftLengthConfig
+from flyspec.config import ConfigError, DraftLengthConfig
 from flyspec.names import COPY_DRAFTERS
-from flyspec.step_cost import StepCost
+from flyspec.runtime.step_cost import StepCost
 from flyspec.types import UNKNOWN_SOURCE, Draft
 
 MAX_MATCH_BUCKET = 8  # longer matches share a bucket
@@ -48,6 +48,20 @@ def resolve_policy(config: DraftLengthConfig, lossless: bool, drafter: str) -> s
     if config.policy != "auto":
         return config.policy
     return "cost" if lossless and drafter in COPY_DRAFTERS else "fixed"
+
+
+def decoder_policy(config: DraftLengthConfig, lossless: bool, drafter: str, step_cost: StepCost | None) -> str:
+    """The policy a decoder runs: :func:`resolve_policy`, where ``cost`` needs the target's ``step_cost``
+    (``build_decoder`` measures it). Without one, ``auto`` drafts a fixed k and an explicit ``cost`` is refused."""
+    policy = resolve_policy(config, lossless, drafter)
+    if policy != "cost" or step_cost is not None:
+        return policy
+    if config.policy == "auto":
+        return "fixed"
+    raise ConfigError(
+        "the cost-aware draft length needs the target's forward cost: build the decoder with "
+        "flyspec.build_decoder, or pass step_cost=flyspec.runtime.step_cost.step_cost(target, k + 1)"
+    )
 
 
 class DraftLength:
@@ -193,6 +207,6 @@ def new_draft_length(
     """The policy ``config.policy`` names; ``cost`` needs the target's ``step_cost``."""
     if config.policy == "cost":
         if step_cost is None:
-            raise ValueError("the cost-aware draft length needs the target's step cost (flyspec.step_cost)")
+            raise ValueError("the cost-aware draft length needs the target's step cost (flyspec.runtime.step_cost)")
         return CostAwareLength(config, num_draft_tokens, floor, step_cost, cheap_drafts)
     return DraftLength(config, num_draft_tokens, floor)

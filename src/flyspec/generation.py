@@ -15,12 +15,12 @@ import torch
 
 from flyspec.config import ConfigError, DecodeConfig
 from flyspec.draft_length import DraftLength
-from flyspec.models import LoadedModel
 from flyspec.result import GenerationResult
+from flyspec.runtime.loaded_model import LoadedModel
+from flyspec.runtime.target import Target
 from flyspec.stats import DecodeStats
 from flyspec.stopping import Stopper
 from flyspec.streaming import GenerationStream, Step
-from flyspec.target import Target
 from flyspec.types import Draft, Verdict
 
 Prompt = str | list[dict[str, str]] | list[int]
@@ -125,7 +125,6 @@ class Decoder:
         the target's device: ``make_generator(seed, decoder.device)``.
         """
         config = config or self.config
-        self.validate(config)
         if generator is not None and generator.device != self.device:
             raise ConfigError(
                 f"the random generator is on {generator.device} but the target on {self.device}; "
@@ -135,9 +134,6 @@ class Decoder:
         stopper = make_stopper(self.target, config, len(prompt_ids))
         generation = Generation(prompt_ids, config, generator, stopper, self.new_draft_length())
         return GenerationStream(self._steps(generation), generation.stopper, generation.stats, prompt_ids)
-
-    def validate(self, config: DecodeConfig) -> None:
-        """Checks that need the decode config together with the decoder's components."""
 
     def new_draft_length(self) -> DraftLength | None:
         """A generation's draft-length policy (None: this decoder drafts nothing)."""

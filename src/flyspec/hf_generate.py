@@ -47,8 +47,8 @@ from transformers.generation import (
 
 from flyspec.api import build_decoder
 from flyspec.config import ConfigError, DecodeConfig, SamplingConfig, SpeculationConfig
-from flyspec.models import LoadedModel
 from flyspec.resources import Resources
+from flyspec.runtime.loaded_model import LoadedModel
 from flyspec.sampling import make_generator
 
 SAMPLING_WARPERS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
@@ -78,7 +78,7 @@ def from_transformers(
     return LoadedModel(model=model, tokenizer=tokenizer, name=name or model.name_or_path or type(model).__name__)
 
 
-@dataclass
+@dataclass(eq=False)
 class _CallTarget(LoadedModel):
     """The target with the EOS ids of one ``generate`` call (the call's generation config decides them)."""
 

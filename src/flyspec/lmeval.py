@@ -47,8 +47,10 @@ from tqdm import tqdm
 from flyspec.api import build_decoder
 from flyspec.config import ConfigError, DecodeConfig, SamplingConfig, SpeculationConfig
 from flyspec.config_mapping import FLAT_OPTIONS
-from flyspec.models import DEFAULT_MODEL, LoadedModel, load_model, set_threads
+from flyspec.names import DEFAULT_MODEL
 from flyspec.resources import Resources
+from flyspec.runtime.loaded_model import LoadedModel
+from flyspec.runtime.loading import load_model, set_threads
 from flyspec.sampling import make_generator
 
 logger = logging.getLogger(__name__)

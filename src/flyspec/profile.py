@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from flyspec.config import PROFILE_AUTO, PROFILE_NONE, BreakerConfig, ConfigError, GuardConfig, SpeculationConfig
-from flyspec.models import LoadedModel
 from flyspec.names import LOSSLESS_VERIFIERS
+from flyspec.runtime.loaded_model import LoadedModel
 
 logger = logging.getLogger(__name__)
 
@@ -216,7 +216,8 @@ def resolution(spec: SpeculationConfig, target: LoadedModel, draft: LoadedModel 
         resolved = profile.speculation(done, spec.verifier)
         if resolved is None:
             logger.warning(
-                "%s: no %s setting stayed inside its %.0f%% budget on %s; %s runs as exact (lossless). "
+                "%s: no %s setting was measured inside its %.0f%% quality budget and faster than exact on %s; "
+                "%s runs as exact (lossless). "
                 "Pass --profile none for the paper's settings.",
                 profile.name, spec.verifier, 100 * profile.record["budget"]["max_meaning_change"], target.name,
                 spec.verifier,

@@ -26,7 +26,7 @@ class DecodeStats:
     accepted_per_position: list[int] = field(default_factory=list)
     wall_time_s: float = 0.0  # prefill included
     prefill_time_s: float = 0.0
-    num_reused_prompt_tokens: int = 0  # prompt tokens taken from the decoder's cache, not prefilled (target.py)
+    num_reused_prompt_tokens: int = 0  # prompt tokens taken from the decoder's cache, not prefilled (runtime/target.py)
     target_time_s: float = 0.0  # in target verification forwards (after prefill)
     draft_time_s: float = 0.0  # in Drafter.propose (model forwards for model drafters, lookups for n-gram)
     requested_draft_lengths: dict[int, int] = field(default_factory=dict)  # draft length asked for → steps

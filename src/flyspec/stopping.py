@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
-from flyspec.detokenize import OVERLAP_TOKENS, CommittedText, TextCodec, decode_text
+from flyspec.detokenize import OVERLAP_TOKENS, CommittedText, TextCodec
+from flyspec.runtime.loaded_model import decode_text
 
 
 @dataclass

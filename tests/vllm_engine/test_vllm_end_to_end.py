@@ -23,7 +23,7 @@ from flyspec_vllm import metrics, patch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from flyspec.config import GuardConfig  # noqa: E402
-from flyspec.models import find_gguf, gguf_to_hf_dir  # noqa: E402
+from flyspec.runtime.loading import find_gguf, gguf_to_hf_dir  # noqa: E402
 from flyspec.verifiers.fly import topk_entropy  # noqa: E402
 
 NUM_DRAFT_TOKENS = 15

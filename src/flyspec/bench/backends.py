@@ -23,8 +23,8 @@ from flyspec.config import DecodeConfig, SamplingConfig, SpeculationConfig
 from flyspec.drafters.cross_tokenizer import tokenizers_match
 from flyspec.generation import Decoder
 from flyspec.harness.methods import Method
-from flyspec.models import LoadedModel
 from flyspec.resources import Resources
+from flyspec.runtime.loaded_model import LoadedModel
 from flyspec.sampling import make_generator
 
 

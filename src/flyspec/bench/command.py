@@ -86,8 +86,8 @@ def run(args: argparse.Namespace) -> int:
     from flyspec.cli_options import speculation_config
     from flyspec.config import ConfigError, SamplingConfig
     from flyspec.harness.data import JsonlWriter
-    from flyspec.models import set_threads
     from flyspec.resources import Resources
+    from flyspec.runtime.loading import set_threads
 
     limit = args.limit if args.limit is not None else (QUICK_LIMIT if args.quick else None)
     max_new_tokens = args.max_new_tokens or (QUICK_MAX_NEW_TOKENS if args.quick else DEFAULT_MAX_NEW_TOKENS)

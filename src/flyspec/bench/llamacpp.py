@@ -15,7 +15,8 @@ import torch
 from flyspec.bench.backends import BackendSettings, TurnOutput
 from flyspec.config import ConfigError
 from flyspec.harness.methods import Method
-from flyspec.models import LoadedModel, find_gguf
+from flyspec.runtime.loaded_model import LoadedModel
+from flyspec.runtime.loading import find_gguf
 
 N_CTX = 4096
 

@@ -15,8 +15,8 @@ from flyspec.bench.backends import Backend, BackendSettings, FlyspecBackend, HFG
 from flyspec.bench.data import BenchPrompt
 from flyspec.config import ConfigError
 from flyspec.harness.methods import PEERS, PLAIN, Method, parse_methods
-from flyspec.models import LoadedModel
-from flyspec.step_cost import measure
+from flyspec.runtime.loaded_model import LoadedModel
+from flyspec.runtime.step_cost import measure
 
 logger = logging.getLogger(__name__)
 

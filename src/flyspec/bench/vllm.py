@@ -26,7 +26,8 @@ from typing import IO, Any
 
 from flyspec.bench.backends import BackendSettings, TurnOutput
 from flyspec.harness.methods import Method
-from flyspec.models import LoadedModel, find_gguf
+from flyspec.runtime.loaded_model import LoadedModel
+from flyspec.runtime.loading import find_gguf
 
 VENV_VARIABLE = "FLYSPEC_VLLM_VENV"
 DEFAULT_VENV = ".venv-vllm"  # the Makefile's VLLM_VENV

@@ -22,13 +22,13 @@ import importlib.util
 import json
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from flyspec import __version__
 from flyspec.calibration import data as calibration_data
 from flyspec.calibration.budget import Budget, min_items
 from flyspec.calibration.frontier import BASELINE, PLAIN, best_lossless, choose, final_verdict, summarize_point
@@ -39,9 +39,12 @@ from flyspec.calibration.space import RULES
 from flyspec.calibration.space import points as grid_points
 from flyspec.config import PROFILE_NONE, ConfigError, DecodeConfig, SpeculationConfig
 from flyspec.drafters.registry import drafter_levels, make_drafter
-from flyspec.models import LoadedModel, cpu_isa, cpu_name
+from flyspec.names import VERSION
 from flyspec.profile import PROFILE_FORMAT, Profile, breaker_for, identity
 from flyspec.resources import ModelRef, Resources
+from flyspec.runtime.cached_model import CachedModel
+from flyspec.runtime.loaded_model import LoadedModel
+from flyspec.runtime.loading import cpu_isa, cpu_name
 
 logger = logging.getLogger(__name__)
 
@@ -157,7 +160,7 @@ def _profile_record(
     return {
         "flyspec_profile": PROFILE_FORMAT,
         "created": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "flyspec_version": __version__,
+        "flyspec_version": VERSION,
         "model": identity(target),
         "dtype": str(target.dtype).removeprefix("torch."),
         "machine": {"cpu": cpu_name(), "isa": cpu_isa(), "cores": os.cpu_count(), "threads": torch.get_num_threads()},
@@ -193,12 +196,25 @@ def _deployable(summary: dict[str, Any] | None) -> dict[str, Any] | None:
 def _measure_costs(
     target: LoadedModel, base: SpeculationConfig, resources: Resources, items: list, use_chat: bool | None
 ) -> CostModel:
-    """The projection's costs: the target's t(n) (cached per machine) and the drafter's seconds per draft token."""
+    """The projection's costs: the target's t(n) (cached per machine) and the drafter's seconds per draft token.
+
+    The draft cost is measured in units of a one-token target step timed beside each draft, then scaled by
+    the cached t(1): a ratio taken in one moment holds when the machine is busy, an absolute time does not."""
     step_cost = resources.step_cost(target, base.num_draft_tokens + 1)
     prompts = [target.encode_prompt(item.task.prompt(item.item), use_chat) for item in items[:3]]
-    return CostModel(
-        step_cost, measure_draft_cost(make_drafter(base, target, resources), prompts, base.num_draft_tokens)
-    )
+    cached = CachedModel(target)
+
+    @torch.inference_mode()
+    def target_step(context: list[int]) -> float:  # one cached one-token forward after ``context``
+        cached.reset()
+        cached.forward(context[:-1], logits_to_keep=1)
+        started = time.perf_counter()
+        cached.forward(context[-1:], logits_to_keep=1)
+        return time.perf_counter() - started
+
+    drafter = make_drafter(base, target, resources)
+    ratio = measure_draft_cost(drafter, prompts, base.num_draft_tokens, target_step)
+    return CostModel(step_cost, step_cost(1) * ratio)
 
 
 def _pin_drafter(

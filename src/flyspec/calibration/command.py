@@ -133,8 +133,8 @@ def run(args: argparse.Namespace) -> int:
 
     from flyspec.calibration.api import calibrate
     from flyspec.calibration.data import load, resolve_tasks
-    from flyspec.models import set_threads
     from flyspec.resources import Resources
+    from flyspec.runtime.loading import set_threads
 
     console = Console(stderr=True)
     total = len(load(resolve_tasks(config.data, config.metric), config.limit, config.skip_bad_lines))

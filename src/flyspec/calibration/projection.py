@@ -9,7 +9,7 @@ generation it counts how many tokens each target forward verified (``DecodeStats
     plain time  = t(1) · tokens
     projected speedup = plain time / decode time
 
-with t(n) the target's measured forward cost (``step_cost.py``: measured once per model, dtype and
+with t(n) the target's measured forward cost (``runtime/step_cost.py``: measured once per model, dtype and
 machine, and cached) and c the drafter's seconds per draft token, measured at the start of the
 calibration by :func:`measure_draft_cost` (real drafts on the first prompts; about 0 for n-gram
 lookups, about one target forward for a layer-skip view of a small model). The prefill is left out
@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from flyspec.config import SamplingConfig
 from flyspec.drafters.base import Drafter
-from flyspec.step_cost import StepCost
+from flyspec.runtime.step_cost import StepCost
 
 DRAFT_COST_ROUNDS = 3  # timed drafts per prompt, after one untimed
 
@@ -83,9 +83,18 @@ class CostModel:
         }
 
 
-def measure_draft_cost(drafter: Drafter, prompts: Sequence[list[int]], num_draft_tokens: int) -> float:
+def measure_draft_cost(
+    drafter: Drafter,
+    prompts: Sequence[list[int]],
+    num_draft_tokens: int,
+    target_step: Callable[[list[int]], float] | None = None,
+) -> float:
     """Seconds per draft token: the median over a few real drafts on ``prompts`` (each draft continues
-    the last as if the target had kept it all, so model drafters draft from a warm cache as in a run)."""
+    the last as if the target had kept it all, so model drafters draft from a warm cache as in a run).
+
+    With ``target_step`` (times one cached one-token target forward after the given ids), each draft is
+    timed against a target step taken right beside it and the result is that median ratio, in units of
+    t(1): a ratio measured in one moment survives a busy machine, an absolute time does not."""
     greedy = SamplingConfig()
     per_token: list[float] = []
     for prompt_ids in prompts:
@@ -98,7 +107,8 @@ def measure_draft_cost(drafter: Drafter, prompts: Sequence[list[int]], num_draft
             if not draft.num_tokens:
                 break
             if round_index:  # the first draft of a prompt includes the drafter's prefill
-                per_token.append(seconds / draft.num_tokens)
+                unit = target_step(sequence) if target_step is not None else 1.0
+                per_token.append(seconds / draft.num_tokens / unit)
             sequence += draft.tokens.tolist()
             drafter.rollback(len(sequence))
     return statistics.median(per_token) if per_token else 0.0

@@ -34,11 +34,11 @@ import time
 
 import torch
 
-from flyspec.cached_model import CachedModel
 from flyspec.config import SamplingConfig
 from flyspec.drafters.base import Drafter
 from flyspec.drafters.cross_tokenizer import CrossTokenizerDrafter, common_prefix_length
-from flyspec.models import LoadedModel
+from flyspec.runtime.cached_model import CachedModel
+from flyspec.runtime.loaded_model import LoadedModel
 from flyspec.types import Draft
 
 Key = tuple[int, ...]  # output tokens after the prompt
@@ -114,7 +114,7 @@ class ScoreStore:
 
 
 class ReplayTarget:
-    """A decoder's ``Target`` (``target.py``) answering from a shared :class:`ScoreStore`."""
+    """A decoder's ``Target`` (``runtime/target.py``) answering from a shared :class:`ScoreStore`."""
 
     def __init__(self, store: ScoreStore) -> None:
         self.store = store

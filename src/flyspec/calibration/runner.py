@@ -33,9 +33,9 @@ from flyspec.drafters.registry import make_drafter
 from flyspec.eval import trust
 from flyspec.generation import Decoder
 from flyspec.harness.data import JsonlWriter, read_records
-from flyspec.models import LoadedModel
 from flyspec.resources import Resources
 from flyspec.result import GenerationResult
+from flyspec.runtime.loaded_model import LoadedModel
 
 logger = logging.getLogger(__name__)
 

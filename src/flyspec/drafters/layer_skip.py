@@ -52,7 +52,7 @@ from flyspec.config import (
 from flyspec.drafters.base import Drafter
 from flyspec.drafters.draft_model import DraftModelDrafter
 from flyspec.drafters.skip_view import decoder_layers, skip_view, validate_skip_layers
-from flyspec.models import LoadedModel
+from flyspec.runtime.loaded_model import LoadedModel
 from flyspec.types import Draft
 
 logger = logging.getLogger(__name__)

@@ -199,16 +199,33 @@ class NgramCache:
 
 
 def write_json_atomically(document: Any, path: str | Path) -> None:
-    """Write ``document`` beside ``path``, then rename: a crash never leaves a half-written file."""
+    """Write ``document`` beside ``path`` (a 0600 file), fsync it, rename it over ``path``, fsync the directory.
+
+    A crash (of the process or the machine) leaves the old file or the new one, never a torn or
+    empty one: without the first fsync the rename may reach the disk before the data, without the
+    second the rename itself may be lost. On an error (a full disk) the old file is left as it was.
+    """
     path = Path(path)
     descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(descriptor, "w", encoding="utf-8") as file:
             json.dump(document, file, separators=(",", ":"))
+            file.flush()
+            os.fsync(file.fileno())
         os.replace(temporary, path)
+        fsync_directory(path.parent)
     finally:
         if os.path.exists(temporary):
             os.unlink(temporary)
+
+
+def fsync_directory(directory: str | Path) -> None:
+    """Make a rename or a new file in ``directory`` durable (POSIX: the entry lives in the directory)."""
+    descriptor = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
 
 
 def read_json(path: str | Path, what: str) -> Any:

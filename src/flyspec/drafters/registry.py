@@ -17,24 +17,32 @@ An n-gram level ("ngram" or "ngram-cache") can only be the bottom one. Where two
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from flyspec.config import ConfigError, SpeculationConfig
+from flyspec.config import ConfigError, NgramCacheConfig, NgramConfig, SpeculationConfig
 from flyspec.drafters.base import Drafter
 from flyspec.drafters.cross_tokenizer import CrossTokenizerDrafter, tokenizers_match
 from flyspec.drafters.draft_model import DraftModelDrafter
-from flyspec.drafters.layer_skip import LayerSkipDrafter
+from flyspec.drafters.layer_skip import Calibrations, LayerSkipDrafter
 from flyspec.drafters.ngram import NgramDrafter
-from flyspec.drafters.ngram_cache import NgramCacheDrafter
-from flyspec.models import LoadedModel
+from flyspec.drafters.ngram_cache import NgramCache, NgramCacheDrafter
 from flyspec.names import DRAFTERS
-
-if TYPE_CHECKING:
-    from flyspec.resources import Resources
+from flyspec.runtime.loaded_model import LoadedModel
 
 NGRAM_LEVELS = ("ngram", "ngram-cache")
 LAYER_SKIP = "layer-skip"
 Level = str | LoadedModel  # an n-gram level name, "layer-skip", or a loaded draft model
+
+
+class StackResources(Protocol):
+    """What building a stack takes from the caller's ``flyspec.resources.Resources`` (which sits above the
+    drafters and holds their shared state): models by name, n-gram caches, layer-skip calibrations."""
+
+    calibrations: Calibrations
+
+    def model(self, model: str | LoadedModel) -> LoadedModel: ...
+
+    def ngram_cache(self, vocabulary: str, config: NgramCacheConfig, ngram: NgramConfig) -> NgramCache: ...
 
 
 def drafter_levels(spec: SpeculationConfig) -> tuple[str, ...]:
@@ -52,7 +60,7 @@ def drafter_levels(spec: SpeculationConfig) -> tuple[str, ...]:
     }[spec.drafter]
 
 
-def make_drafter(spec: SpeculationConfig, target: LoadedModel, resources: Resources) -> Drafter:
+def make_drafter(spec: SpeculationConfig, target: LoadedModel, resources: StackResources) -> Drafter:
     """Build ``spec``'s drafter for ``target``; models, n-gram caches and calibrations come from ``resources``."""
     levels = drafter_levels(spec)
     resolved_levels = [level if level in (*NGRAM_LEVELS, LAYER_SKIP) else resources.model(level) for level in levels]
@@ -64,7 +72,7 @@ def make_drafter(spec: SpeculationConfig, target: LoadedModel, resources: Resour
 class _StackBuilder:
     """Builds a stack bottom-up, wrapping levels whose tokenizer differs from the one above."""
 
-    def __init__(self, target: LoadedModel, spec: SpeculationConfig, resources: Resources) -> None:
+    def __init__(self, target: LoadedModel, spec: SpeculationConfig, resources: StackResources) -> None:
         self.target = target
         self.spec = spec
         self.resources = resources

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 from torch import nn
 
 from flyspec.config import ConfigError
-from flyspec.models import LoadedModel
+from flyspec.runtime.loaded_model import LoadedModel
 
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
 

@@ -83,7 +83,7 @@ def _build_config(args: argparse.Namespace) -> Any:
     from flyspec.eval.tasks import custom_task, resolve_tasks
     from flyspec.eval.vllm import PEERS
     from flyspec.harness.methods import parse_methods
-    from flyspec.models import cache_root
+    from flyspec.runtime.loading import cache_root
 
     if args.limit is not None and args.limit < 1:
         raise ConfigError(f"--limit must be >= 1 (got {args.limit})")
@@ -175,8 +175,8 @@ def _evaluate(args: argparse.Namespace, config: Any, console: Any) -> int:
 
     from flyspec.eval.data import LoadReport
     from flyspec.eval.evaluation import Evaluation, load_all_items
-    from flyspec.models import set_threads
     from flyspec.resources import Resources
+    from flyspec.runtime.loading import set_threads
 
     report = LoadReport()
     items = load_all_items(config, report)

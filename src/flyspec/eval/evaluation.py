@@ -28,10 +28,10 @@ from flyspec.eval.tasks import PROMPT_FORMAT, Task, load_items
 from flyspec.generation import Decoder
 from flyspec.harness.data import JsonlWriter, read_records
 from flyspec.harness.methods import PLAIN, Method
-from flyspec.models import LoadedModel
 from flyspec.profile import resolve as resolve_profile
 from flyspec.resources import Resources
 from flyspec.result import GenerationResult
+from flyspec.runtime.loaded_model import LoadedModel
 from flyspec.sampling import make_generator
 
 logger = logging.getLogger(__name__)

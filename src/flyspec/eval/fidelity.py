@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from flyspec.models import LoadedModel
+from flyspec.runtime.loaded_model import LoadedModel
 
 logger = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ from flyspec.bench.backends import BackendSettings
 from flyspec.bench.vllm import VllmBackend, unavailable_reason, venv_python
 from flyspec.config import ConfigError, DecodeConfig, SamplingConfig, SpeculationConfig
 from flyspec.harness.methods import Method
-from flyspec.models import LoadedModel
 from flyspec.result import GenerationResult
+from flyspec.runtime.loaded_model import LoadedModel
 from flyspec.stats import DecodeStats
 from flyspec.stopping import Stopper
 

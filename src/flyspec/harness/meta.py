@@ -7,7 +7,8 @@ import os
 import platform
 from typing import Any
 
-from flyspec.models import LoadedModel, cpu_name, device_name
+from flyspec.runtime.loaded_model import LoadedModel
+from flyspec.runtime.loading import cpu_name, device_name
 
 
 def run_metadata(target: LoadedModel, command: str | None) -> dict[str, Any]:
@@ -16,7 +17,7 @@ def run_metadata(target: LoadedModel, command: str | None) -> dict[str, Any]:
     import torch
     import transformers
 
-    from flyspec import __version__
+    from flyspec.names import VERSION
 
     gpu = f"{device_name(target.device)}; " if target.device.type == "cuda" else ""
     return {
@@ -24,9 +25,9 @@ def run_metadata(target: LoadedModel, command: str | None) -> dict[str, Any]:
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": f"{gpu}{cpu_name()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, "
         f"{platform.system()}",
-        "versions": f"flyspec {__version__}, torch {torch.__version__}, transformers {transformers.__version__}",
+        "versions": f"flyspec {VERSION}, torch {torch.__version__}, transformers {transformers.__version__}",
         "target": target.name,
         "dtype": str(target.dtype).removeprefix("torch."),
         "device": str(target.device),
-        "kernels": "flyspec" if target.kernels else "stock",  # installed (kernels.py), not just asked for
+        "kernels": "flyspec" if target.kernels else "stock",  # installed (runtime/kernels.py), not just asked for
     }

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -22,11 +23,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive
 
-from flyspec import __version__
 from flyspec.config import ConfigError, SpeculationConfig
-from flyspec.models import LoadedModel
+from flyspec.names import VERSION
 from flyspec.result import GenerationResult
-from flyspec.server.caches import check_cache_file
+from flyspec.runtime.loaded_model import LoadedModel
+from flyspec.server.cache_file import DEFAULT_MAX_ENTRIES, CacheFile, load_secret
+from flyspec.server.caches import tenant_ids
 from flyspec.server.engine import Engine, EngineHooks, Event, Job, QueueFullError, ShuttingDownError
 from flyspec.server.errors import APIError, from_config_error, install_error_handlers, internal_error
 from flyspec.server.lifecycle import Lifecycle
@@ -37,6 +39,7 @@ from flyspec.server.middleware import (
     RequestMetricsMiddleware,
     record_status,
 )
+from flyspec.server.openapi import install_openapi
 from flyspec.server.planning import GenerationRequest, Planner, parse_request
 from flyspec.server.responses import Kind, ResponseBuilder, sse
 from flyspec.server.schemas import ChatCompletionRequest, CompletionRequest
@@ -70,11 +73,15 @@ def create_app(
     hooks: EngineHooks | None = None,
     ngram_cache_file: str | Path | None = None,
     ngram_cache_save_interval_s: float = DEFAULT_CACHE_SAVE_INTERVAL_S,
+    ngram_cache_file_max_entries: int = DEFAULT_MAX_ENTRIES,
+    ngram_cache_secret_file: str | Path | None = None,
 ) -> FastAPI:
     """An app serving ``target`` (loaded once, shared by every request) under ``served_model_name``.
 
     ``ngram_cache_file``: the tenants' n-gram caches are restored from it (if it exists) now, saved
-    to it every ``ngram_cache_save_interval_s`` seconds (0: only at shutdown) and at shutdown.
+    to it every ``ngram_cache_save_interval_s`` seconds (0: only at shutdown) and at shutdown, with at most
+    ``ngram_cache_file_max_entries`` n-grams; tenant ids in it are keyed with the secret of
+    ``ngram_cache_secret_file`` (default: ``PATH.key``, made on first use; see :mod:`flyspec.server.cache_file`).
     """
     limits = limits or ServerLimits()
     security = security or ServerSecurity()
@@ -91,30 +98,35 @@ def create_app(
         model_names=tuple(dict.fromkeys((served, target.name))),
     )
     generations = Generations(planner, engine, metrics, served, limits.request_timeout_s)
+    cache_file = None
     if ngram_cache_file is not None:
-        saved = check_cache_file(ngram_cache_file)
+        secret = load_secret(ngram_cache_file, ngram_cache_secret_file)
+        cache_file = CacheFile(ngram_cache_file, secret, ngram_cache_file_max_entries)
+        saved = cache_file.load(*tenant_ids(security.api_keys, secret))
         restored = planner.caches.restore(saved, planner.defaults.ngram_cache, planner.defaults.ngram)
         logger.info(
             "n-gram caches: %d n-grams of %d tenant(s) restored from %s", restored, len(saved), ngram_cache_file
         )
+    else:
+        secret = secrets.token_bytes(32)  # tenant ids need not outlive this process
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine.start()
         saving = None
-        if ngram_cache_file is not None and ngram_cache_save_interval_s > 0:
-            saving = asyncio.create_task(_save_periodically(planner, ngram_cache_file, ngram_cache_save_interval_s))
+        if cache_file is not None and ngram_cache_save_interval_s > 0:
+            saving = asyncio.create_task(_save_periodically(planner, cache_file, ngram_cache_save_interval_s))
         yield
         if saving is not None:
             saving.cancel()
         lifecycle.finish()
         planner.close()
-        if ngram_cache_file is not None:
-            _save_caches(planner, ngram_cache_file)
+        if cache_file is not None:
+            _save_caches(planner, cache_file)
 
-    app = FastAPI(title="flyspec", version=__version__, lifespan=lifespan)
+    app = FastAPI(title="flyspec", version=VERSION, lifespan=lifespan)
     app.state.engine, app.state.metrics, app.state.planner = engine, metrics, planner
-    app.state.lifecycle, app.state.limits = lifecycle, limits
+    app.state.lifecycle, app.state.limits, app.state.cache_file = lifecycle, limits, cache_file
     install_error_handlers(app)
     # added innermost first: metrics → host check → CORS → API key and content type → body limits → routes
     app.add_middleware(
@@ -123,7 +135,7 @@ def create_app(
         body_timeout_s=limits.body_timeout_s,
         draining=lifecycle.draining,
     )
-    app.add_middleware(AuthMiddleware, api_keys=security.api_keys)
+    app.add_middleware(AuthMiddleware, api_keys=security.api_keys, tenant_secret=secret)
     if security.cors_origins:
         app.add_middleware(
             CORS,
@@ -171,6 +183,7 @@ def create_app(
         metrics.observe_caches(planner.caches.totals())
         return Response(metrics.exposition(), media_type=CONTENT_TYPE)
 
+    install_openapi(app)
     return app
 
 
@@ -297,19 +310,22 @@ class Generations:
         return internal_error()  # the engine logged the exception; the client gets no details
 
 
-def _save_caches(planner: Planner, path: str | Path) -> None:
+def _save_caches(planner: Planner, file: CacheFile) -> None:
+    """One save; no failure of it stops the server (the previous file is intact; the next save may work)."""
     try:
-        planner.caches.save(path)
-    except OSError as error:  # a full disk must not take the server down; the next save may work
-        logger.error("could not save the n-gram caches to %s: %s", path, error)
+        planner.caches.save(file)
+    except OSError as error:  # a full disk, a read-only mount
+        logger.error("could not save the n-gram caches to %s (the previous file is kept): %s", file.path, error)
+    except Exception:  # a bug must not end the periodic saves either
+        logger.exception("could not save the n-gram caches to %s (the previous file is kept)", file.path)
 
 
-async def _save_periodically(planner: Planner, path: str | Path, interval_s: float) -> None:
+async def _save_periodically(planner: Planner, file: CacheFile, interval_s: float) -> None:
     """Save the caches every ``interval_s`` (off the event loop), so a crash loses at most that much."""
     loop = asyncio.get_running_loop()
     while True:
         await asyncio.sleep(interval_s)
-        await loop.run_in_executor(None, _save_caches, planner, path)
+        await loop.run_in_executor(None, _save_caches, planner, file)
 
 
 def _deadline_error(timeout_s: float) -> APIError:

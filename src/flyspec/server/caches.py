@@ -8,64 +8,39 @@ per tokenizer (the model whose vocabulary the n-grams are in), and shares one ca
 tenants only when the operator opts in (``--share-ngram-cache``). The number of caches is bounded
 by the number of API keys, each cache by ``NgramCacheConfig.max_entries``.
 
-``flyspec serve --ngram-cache-file PATH`` keeps the caches across restarts in one JSON file
-(:data:`FILE_FORMAT`; parsed and checked, never executed): tenant id → model name → the cache's
-n-grams, least recently used first. Tenant ids are ``default`` (no API keys), ``key-`` + a hash of
-an API key (never the key), or ``shared`` (``--share-ngram-cache``). A tenant's n-grams are
-restored into that tenant's cache only: a server that shares one cache restores only ``shared``,
-one that keeps caches apart restores every tenant but ``shared``, so nothing one client produced is
-ever drafted for another after a restart. Tenants a run does not restore are written back unchanged.
+``flyspec serve --ngram-cache-file PATH`` keeps the caches across restarts in one file
+(:mod:`flyspec.server.cache_file`: durable, private, bounded). Tenant ids are ``default`` (no API
+keys), ``key-`` + an HMAC of an API key under the server's secret (never the key, never its bare
+hash), or ``shared`` (``--share-ngram-cache``). A tenant's n-grams are restored into that tenant's
+cache only: a server that shares one cache restores only ``shared``, one that keeps caches apart
+restores every tenant but ``shared``, so nothing one client produced is ever drafted for another
+after a restart. Tenants a run does not restore are written back unchanged; tenants whose keys
+are no longer configured are dropped when the file is read.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from pathlib import Path
-from typing import Any
+import time
 
-from flyspec.config import ConfigError, NgramCacheConfig, NgramConfig
-from flyspec.drafters.ngram_cache import parse_entries, read_json, write_json_atomically
+from flyspec.config import NgramCacheConfig, NgramConfig
 from flyspec.resources import Resources
+from flyspec.server.cache_file import CacheFile, Saved, SavedTenant, legacy_tenant_of
+from flyspec.server.security import DEFAULT_TENANT, tenant_of
 
 logger = logging.getLogger(__name__)
 
 SHARED_TENANT = "shared"
-FILE_FORMAT = "flyspec-server-ngram-caches"
-FILE_VERSION = 1
-Saved = dict[str, dict[str, list[tuple[tuple[int, ...], int]]]]  # tenant → model name → (n-gram, next id)
 
 
-def check_cache_file(path: str | Path) -> Saved:
-    """What ``path`` holds (nothing yet if it does not exist), after checking it can be written at shutdown."""
-    path = Path(path)
-    if not path.parent.is_dir():
-        raise ConfigError(f"--ngram-cache-file {str(path)!r}: the directory {str(path.parent)!r} does not exist")
-    if path.is_dir():
-        raise ConfigError(f"--ngram-cache-file {str(path)!r} is a directory; give a file path")
-    return read_cache_file(path) if path.exists() else {}
-
-
-def read_cache_file(path: str | Path) -> Saved:
-    """The caches saved in ``path`` (checked); ConfigError saying what is wrong, for a corrupt or foreign file."""
-    document = read_json(path, "--ngram-cache-file")
-    problem = (
-        f"--ngram-cache-file {str(path)!r} is not a flyspec serve n-gram cache file (version {FILE_VERSION}); "
-        "delete it or point at another path"
-    )
-    tenants = document.get("tenants") if isinstance(document, dict) else None
-    if not (
-        isinstance(document, dict)
-        and document.get("format") == FILE_FORMAT
-        and document.get("version") == FILE_VERSION
-        and isinstance(tenants, dict)
-        and all(isinstance(caches, dict) for caches in tenants.values())
-    ):
-        raise ConfigError(problem)
-    return {
-        str(tenant): {str(model): parse_entries(entries, problem) for model, entries in caches.items()}
-        for tenant, caches in tenants.items()
-    }
+def tenant_ids(api_keys: tuple[str, ...], secret: bytes) -> tuple[list[str], dict[str, str]]:
+    """This server's tenant ids (``shared`` included), and the version 1 file's id of each → its id now."""
+    if not api_keys:
+        return [DEFAULT_TENANT, SHARED_TENANT], {DEFAULT_TENANT: DEFAULT_TENANT, SHARED_TENANT: SHARED_TENANT}
+    ids = {key: tenant_of(key, secret) for key in api_keys}
+    legacy = {legacy_tenant_of(key): tenant for key, tenant in ids.items()}
+    return [*ids.values(), SHARED_TENANT], {**legacy, SHARED_TENANT: SHARED_TENANT}
 
 
 class TenantCaches:
@@ -78,7 +53,8 @@ class TenantCaches:
         self.resources = resources
         self.shared = shared
         self._tenants: dict[str, Resources] = {}
-        self._dormant: dict[str, dict[str, list[list[Any]]]] = {}  # saved tenants this run keeps out
+        self._last_used: dict[str, float] = {}  # tenant → when it last asked for its caches (for the file's bound)
+        self._dormant: Saved = {}  # saved tenants this run keeps out
         self._lock = threading.Lock()
         self._save_lock = threading.Lock()  # one writer of the cache file at a time
 
@@ -86,6 +62,7 @@ class TenantCaches:
         """The tenant's view of the server's resources (one view for all tenants when shared), made on first use."""
         key = SHARED_TENANT if self.shared else tenant
         with self._lock:
+            self._last_used[key] = time.time()
             view = self._tenants.get(key)
             if view is None:
                 view = self._tenants[key] = self.resources.isolated()
@@ -105,14 +82,14 @@ class TenantCaches:
     def restore(self, saved: Saved, config: NgramCacheConfig, ngram: NgramConfig) -> int:
         """Fill the tenants' caches from ``saved`` (which tenants: module docstring); return the n-grams added."""
         added = 0
-        for tenant, caches in saved.items():
+        for tenant, kept in saved.items():
             if (tenant == SHARED_TENANT) != self.shared:
-                self._dormant[tenant] = {
-                    name: [[list(key), value] for key, value in kept] for name, kept in caches.items()
-                }
+                self._dormant[tenant] = kept
                 continue
             view = self.resources_for(tenant)
-            for model_name, entries in caches.items():
+            with self._lock:
+                self._last_used[tenant] = kept.last_used
+            for model_name, entries in kept.caches.items():
                 added += view.ngram_cache(model_name, config, ngram).add_entries(entries)
         if self._dormant:
             logger.info(
@@ -122,18 +99,27 @@ class TenantCaches:
             )
         return added
 
-    def save(self, path: str | Path) -> None:
-        """Write every tenant's caches (and the tenants not restored) to ``path``, atomically.
+    def snapshot(self) -> Saved:
+        """Every tenant's caches as they are now, and the tenants not restored, for the cache file."""
+        with self._lock:
+            views, last_used = dict(self._tenants), dict(self._last_used)
+        tenants: Saved = dict(self._dormant)
+        for tenant, view in views.items():
+            caches = {
+                name: [(tuple(key), following) for key, following in cache.entries()]
+                for name, cache in view.ngram_caches_by_vocabulary().items()
+            }
+            if any(caches.values()):
+                tenants[tenant] = SavedTenant(last_used.get(tenant, 0.0), caches)
+        return tenants
+
+    def save(self, file: CacheFile) -> None:
+        """Write every tenant's caches (and the tenants not restored) to ``file``, durably and atomically.
 
         The snapshot is taken under the writers' lock, so a save still running (the periodic one,
         in a thread) never writes older n-grams over a later save's.
         """
         with self._save_lock:
-            with self._lock:
-                views = dict(self._tenants)
-            tenants: dict[str, dict[str, list[list[Any]]]] = dict(self._dormant)
-            for tenant, view in views.items():
-                caches = {name: cache.entries() for name, cache in view.ngram_caches_by_vocabulary().items()}
-                if caches:
-                    tenants[tenant] = caches
-            write_json_atomically({"format": FILE_FORMAT, "version": FILE_VERSION, "tenants": tenants}, path)
+            evicted = file.save(self.snapshot())
+        if evicted:
+            logger.info("n-gram cache file: %d least recently used n-grams over its bound left out", evicted)

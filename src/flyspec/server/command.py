@@ -40,6 +40,7 @@ LIMIT_FLAGS = (
     ("--request-timeout", "request_timeout_s", "a request's deadline, queueing included"),
     ("--body-timeout", "body_timeout_s", "time to send a request body; then 408"),
     ("--keep-alive-timeout", "keep_alive_timeout_s", "idle keep-alive connections close"),
+    ("--send-timeout", "send_timeout_s", "a client that takes none of its response for this long is dropped"),
     ("--shutdown-timeout", "shutdown_timeout_s", "after SIGTERM, time the running generation gets"),
 )
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -83,6 +84,21 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         default=300.0,
         metavar="SECONDS",
         help="with --ngram-cache-file: save this often too; 0 only at shutdown (default 300)",
+    )
+    server.add_argument(
+        "--ngram-cache-file-max-entries",
+        type=int,
+        default=1_000_000,
+        metavar="N",
+        help="with --ngram-cache-file: at most N n-grams in the file, all tenants together; the least recently "
+        "used are left out (default 1000000, about 25 MB)",
+    )
+    server.add_argument(
+        "--ngram-cache-secret-file",
+        metavar="PATH",
+        help="with --ngram-cache-file: the secret that keys the tenant ids in the file (HMAC of each API key); "
+        "made on first use (0600) if missing (default PATH.key beside the cache file; "
+        "$FLYSPEC_NGRAM_CACHE_SECRET overrides both)",
     )
     add_security_options(parser)
     server.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="server log level (default info)")
@@ -191,12 +207,14 @@ def run(args: argparse.Namespace) -> int:
     security = security_from_args(args)
     if args.ngram_cache_save_interval < 0:
         raise ConfigError(f"--ngram-cache-save-interval must be >= 0 (got {args.ngram_cache_save_interval:g})")
+    if args.ngram_cache_file_max_entries < 1:
+        raise ConfigError(f"--ngram-cache-file-max-entries must be >= 1 (got {args.ngram_cache_file_max_entries})")
     if args.ngram_cache_file:
-        from flyspec.server.caches import check_cache_file
+        from flyspec.server.cache_file import check_cache_path
 
-        check_cache_file(args.ngram_cache_file)  # a corrupt file fails now, before the model loads
+        check_cache_path(args.ngram_cache_file)  # a corrupt file fails now, before the model loads
     from flyspec.api import build_decoder, checked_verifier  # heavy imports only when serving
-    from flyspec.models import load_model
+    from flyspec.runtime.loading import load_model
     from flyspec.server.app import create_app
     from flyspec.server.lifecycle import GracefulServer, server_config
 
@@ -217,6 +235,8 @@ def run(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name,
         ngram_cache_file=args.ngram_cache_file,
         ngram_cache_save_interval_s=args.ngram_cache_save_interval,
+        ngram_cache_file_max_entries=args.ngram_cache_file_max_entries,
+        ngram_cache_secret_file=args.ngram_cache_secret_file,
     )
     planner = app.state.planner
     build_decoder(target, planner.defaults, resources=planner.caches.resources)

@@ -7,6 +7,10 @@ ends that generation (a stream gets a last error event, a waiting client a 503).
 does that at once. The worker thread is joined before the process exits, whichever way it stops.
 uvicorn alone would serve the whole queue first, wait for a stalled client without a bound, and
 skip the app's shutdown on a second signal.
+
+:class:`GracefulServer` also drops a client that takes none of its response for
+``send_timeout_s`` (its receive window stays full: it never reads). uvicorn has no write timeout,
+and closing such a connection politely waits, forever, for its buffered data to leave.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from flyspec.server.settings import ServerLimits
 logger = logging.getLogger(__name__)
 
 FLUSH_GRACE_S = 2.0  # after ending the running generation: time to send its error event and close
+STALL_CHECK_INTERVAL_S = 0.5
 
 
 class Lifecycle:
@@ -71,11 +76,43 @@ class GracefulServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, lifecycle: Lifecycle) -> None:
         super().__init__(config)
         self.lifecycle = lifecycle
+        limits = getattr(getattr(config.app, "state", None), "limits", None)
+        self.send_timeout_s = (limits if isinstance(limits, ServerLimits) else ServerLimits()).send_timeout_s
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._watchdog: asyncio.Task[None] | None = None
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().startup(sockets=sockets)
+        self._watchdog = asyncio.create_task(self._drop_stalled_clients())
+
+    async def _drop_stalled_clients(self) -> None:
+        """Abort connections whose writes stayed paused, with no less data waiting, for ``send_timeout_s``.
+
+        A slow reader empties some of its buffer between checks and is kept; one that never reads is not.
+        Reads uvicorn's protocol objects (``transport``, ``flow``): a test covers them across versions.
+        """
+        stalled: dict[Any, tuple[float, int]] = {}  # connection → (paused since, write buffer size then)
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(STALL_CHECK_INTERVAL_S)
+            now, connections = loop.time(), list(self.server_state.connections)
+            for connection in connections:
+                transport, flow = getattr(connection, "transport", None), getattr(connection, "flow", None)
+                if transport is None or flow is None or not flow.write_paused or transport.is_closing():
+                    stalled.pop(connection, None)
+                    continue
+                waiting = transport.get_write_buffer_size()
+                since, before = stalled.get(connection, (now, waiting))
+                if waiting < before:  # some data left: the client reads, slowly
+                    since = now
+                stalled[connection] = (since, waiting)
+                if now - since >= self.send_timeout_s:
+                    logger.warning("dropping a client that took none of its response for %.0f s", now - since)
+                    transport.abort()
+                    stalled.pop(connection)
+            for gone in stalled.keys() - set(connections):
+                stalled.pop(gone)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         super().handle_exit(sig, frame)
@@ -85,6 +122,8 @@ class GracefulServer(uvicorn.Server):
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         self.lifecycle.begin_shutdown()
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         await super().shutdown(sockets=sockets)
         if self.force_exit:  # uvicorn stopped waiting, and skipped the app's lifespan shutdown
             if self.server_state.tasks:  # let the streams just ended send their error event

@@ -3,7 +3,11 @@
 ``BodyLimitMiddleware`` reads the whole request body before any parsing, refusing one over the
 size limit (413), one that does not arrive within the body timeout (408: a client stalled
 mid-body holds nothing for long), and one still arriving when the server starts shutting down
-(503). ``RequestMetricsMiddleware`` counts every response by endpoint and status and times the
+(503). A body over the limit is read to its end (up to :data:`DRAIN_FACTOR` times the limit,
+and discarded) before the 413 is sent: a server that closes a connection with unread data
+resets it, and the client, still sending, never sees why it was refused.
+
+``RequestMetricsMiddleware`` counts every response by endpoint and status and times the
 generation endpoints up to their last byte (so a stream is timed to its end); a response the
 client left before its end counts as 499, and the app may record another final status
 (a stream ended by its deadline or by shutdown) under :data:`STATUS_KEY` in the scope's state.
@@ -23,6 +27,7 @@ from flyspec.server.metrics import ServerMetrics
 
 STATUS_KEY = "flyspec.status"
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away"; only ever seen in metrics and logs
+DRAIN_FACTOR = 16  # a body up to this many times the limit is read (and dropped) before its 413
 
 
 async def send_error(
@@ -52,6 +57,7 @@ class BodyLimitMiddleware:
     ) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
+        self.drain_bytes = DRAIN_FACTOR * max_body_bytes
         self.body_timeout_s = body_timeout_s
         self.draining = draining or asyncio.Event()
 
@@ -60,8 +66,8 @@ class BodyLimitMiddleware:
             await self.app(scope, receive, send)
             return
         declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > self.max_body_bytes):
-            await self._too_large(send)
+        if declared is not None and (not declared.isdigit() or int(declared) > self.drain_bytes):
+            await self._too_large(send)  # too large to read even to drop it: the client may see a reset
             return
         reading = asyncio.ensure_future(self._read(receive))
         draining = asyncio.ensure_future(self.draining.wait())
@@ -89,16 +95,20 @@ class BodyLimitMiddleware:
         await self.app(scope, _replay(body, receive), send)
 
     async def _read(self, receive: Receive) -> bytes | None:
+        """The body; _TooLarge once a body over the limit ended (or passed ``drain_bytes``); None: the client left."""
         chunks: list[bytes] = []
         size = 0
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
                 return None
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.max_body_bytes:
+            size += len(message.get("body", b""))
+            if size <= self.max_body_bytes:
+                chunks.append(message.get("body", b""))
+            elif size > self.drain_bytes or not message.get("more_body", False):
                 raise _TooLarge
+            else:
+                chunks.clear()  # read on, keeping nothing, so the client is still listening when the 413 comes
             if not message.get("more_body", False):
                 return b"".join(chunks)
 

@@ -31,9 +31,9 @@ from flyspec.api import build_decoder
 from flyspec.config import MODEL_DRAFTERS, ConfigError, DecodeConfig, SamplingConfig, SpeculationConfig
 from flyspec.decoding import SpeculativeDecoder
 from flyspec.generation import context_room
-from flyspec.models import LoadedModel
 from flyspec.profile import looser, resolution
 from flyspec.resources import Resources
+from flyspec.runtime.loaded_model import LoadedModel
 from flyspec.server.caches import TenantCaches
 from flyspec.server.errors import (
     APIError,

@@ -6,7 +6,7 @@ name that resolves to 127.0.0.1 makes the browser treat the server as that page'
 
 ``AuthMiddleware``: with API keys, every route but ``GET /health`` needs ``Authorization: Bearer
 KEY`` (401 otherwise); the matching key names the request's tenant (``scope["state"]["flyspec.tenant"]``),
-which keeps per-tenant state such as n-gram caches apart. A POST must carry JSON (415 otherwise):
+which keeps per-tenant state such as n-gram caches apart (:func:`tenant_of`). A POST must carry JSON (415 otherwise):
 browsers send text/plain and form bodies cross-origin without a CORS preflight.
 
 ``CORS``: starlette's CORS middleware for the origins the operator lists (none by default, so
@@ -41,9 +41,12 @@ def host_name(host: str) -> str:
     return host.rstrip(".")
 
 
-def tenant_of(key: str) -> str:
-    """A stable tenant id for an API key that does not reveal the key (in logs, cache keys)."""
-    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:16]
+def tenant_of(key: str, secret: bytes) -> str:
+    """The tenant id of an API key: an HMAC-SHA256 under the server's ``secret`` (in logs, the cache file).
+
+    Not a bare hash: whoever reads one (in a cache file, a log) could test guessed keys against it offline.
+    """
+    return "key-" + hmac.new(secret, key.encode(), hashlib.sha256).hexdigest()[:32]
 
 
 class HostCheckMiddleware:
@@ -69,9 +72,10 @@ class HostCheckMiddleware:
 class AuthMiddleware:
     """API keys (401 ``invalid_api_key``), JSON bodies (415), and the tenant of each request."""
 
-    def __init__(self, app: ASGIApp, api_keys: tuple[str, ...]) -> None:
+    def __init__(self, app: ASGIApp, api_keys: tuple[str, ...], tenant_secret: bytes) -> None:
         self.app = app
-        self._tenants = {hashlib.sha256(key.encode()).digest(): tenant_of(key) for key in api_keys}
+        # keys are compared as digests, in constant time; the digests stay in memory only
+        self._tenants = {hashlib.sha256(key.encode()).digest(): tenant_of(key, tenant_secret) for key in api_keys}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":

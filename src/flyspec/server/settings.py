@@ -111,6 +111,7 @@ class ServerLimits:
     request_timeout_s: float = 300.0  # arrival to last token, queueing included; then 504 or a stream error event
     body_timeout_s: float = 30.0  # from the request's headers to the end of its body; then 408
     keep_alive_timeout_s: float = 5.0  # an idle keep-alive connection is closed after this (uvicorn)
+    send_timeout_s: float = 30.0  # a client that takes none of its response for this long is dropped
     shutdown_timeout_s: float = 30.0  # after SIGTERM, running generations get this long before they are ended
 
     def __post_init__(self) -> None:
@@ -123,7 +124,8 @@ class ServerLimits:
         _require(self.max_queue >= 0, f"max_queue must be >= 0 (got {self.max_queue}); 0 = no waiting requests")
         _require(self.max_body_bytes >= 1024, f"max_body_bytes must be >= 1024 (got {self.max_body_bytes})")
         _require(self.retry_after_s >= 1, f"retry_after_s must be >= 1 (got {self.retry_after_s})")
-        for name in ("request_timeout_s", "body_timeout_s", "keep_alive_timeout_s", "shutdown_timeout_s"):
+        for name in ("request_timeout_s", "body_timeout_s", "keep_alive_timeout_s", "send_timeout_s",
+                     "shutdown_timeout_s"):  # fmt: skip
             value = getattr(self, name)
             _require(0 < value < math.inf, f"{name} must be a positive number of seconds (got {value})")
 

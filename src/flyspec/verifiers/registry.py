@@ -1,4 +1,4 @@
-"""Verifier names → instances."""
+"""Verifier names → instances, and the draft length a verifier needs."""
 
 from __future__ import annotations
 
@@ -31,3 +31,14 @@ def make_verifier(name: str, spec: SpeculationConfig | None = None) -> Verifier:
     if name == "typical":
         return TypicalVerifier(spec.typical, guard=spec.guard)
     raise ConfigError(f"unknown verifier {name!r}; choose one of: {', '.join(VERIFIERS)}")
+
+
+def check_draft_length(verifier: Verifier, speculation: SpeculationConfig) -> None:
+    """Refuse a draft length the verifier cannot use (needs no model: ``build_decoder`` checks it before loading)."""
+    shortest = verifier.min_draft_tokens
+    if speculation.num_draft_tokens < shortest:
+        raise ConfigError(
+            f"num_draft_tokens ({speculation.num_draft_tokens}) is too short for verifier {verifier.name!r}: "
+            f"it needs at least {shortest} (FLy: window_size + 1, or no mismatch could ever be judged); "
+            "raise --num-draft-tokens or lower --window-size"
+        )

@@ -18,6 +18,7 @@ Token classes, decided on each token's decoded text:
 from __future__ import annotations
 
 import re
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -25,6 +26,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from flyspec.config import ConfigError
+from flyspec.runtime.loaded_model import LoadedModel
 
 
 def _has_digit(text: str) -> bool:
@@ -109,7 +111,7 @@ def looks_like_code(text: str) -> bool:
 
 @dataclass
 class Vocabulary:
-    """One target model's token facts, built once per loaded model (``LoadedModel.vocabulary``)."""
+    """One target model's token facts, built once per loaded model (:func:`vocabulary_of`)."""
 
     tokenizer: PreTrainedTokenizerBase
     eos_token_ids: frozenset[int]
@@ -150,3 +152,18 @@ class Vocabulary:
     def opens_code(self, output_ids: Sequence[int]) -> bool:
         """Whether the output so far toggles the code state (an odd number of ``````` fences)."""
         return self.tokenizer.decode(list(output_ids)).count("```") % 2 == 1
+
+
+# Each loaded model's Vocabulary, kept as long as the model is (weak keys; LoadedModel hashes by identity).
+# Only what the tokenizer says about its tokens: no prompt or output is kept here.
+_VOCABULARIES: weakref.WeakKeyDictionary[LoadedModel, Vocabulary] = weakref.WeakKeyDictionary()
+
+
+def vocabulary_of(model: LoadedModel) -> Vocabulary:
+    """``model``'s token facts for the trust guards (EOS ids, token classes), built once per loaded model:
+    decoding the whole vocabulary takes about a second, and every decoder of the model shares the result."""
+    vocabulary = _VOCABULARIES.get(model)
+    if vocabulary is None:
+        vocab_size = int(getattr(model.model.config, "vocab_size", 0) or 0)
+        vocabulary = _VOCABULARIES[model] = Vocabulary(model.tokenizer, model.eos_token_ids, vocab_size)
+    return vocabulary

@@ -3,8 +3,8 @@
 from flyspec.acceptance import num_leading_true
 from flyspec.config import ConfigError, FlyConfig, GuardConfig, NgramConfig, SpeculationConfig
 from flyspec.drafters.ngram import ngram_lookup
-from flyspec.models import tokenizer_fingerprint
 from flyspec.profile import Profile, looser
+from flyspec.runtime.loaded_model import tokenizer_fingerprint
 from flyspec.types import Draft, VerifyContext
 from flyspec.verifiers.fly import fly_candidates
 from flyspec.verifiers.guard import guard_loose_mask

@@ -75,7 +75,7 @@ class OperatorProfile:
     name: str
     fly: FlyConfig
     guard: GuardConfig
-    tokenizer: str  # the profile's tokenizer fingerprint (flyspec.models.tokenizer_fingerprint)
+    tokenizer: str  # the profile's tokenizer fingerprint (flyspec.runtime.loaded_model.tokenizer_fingerprint)
 
 
 def operator_profile(environ: Mapping[str, str] = os.environ) -> OperatorProfile | None:

@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model = args.model
     if model.endswith(".gguf"):
-        from flyspec.models import gguf_to_hf_dir
+        from flyspec.runtime.loading import gguf_to_hf_dir
 
         model = str(gguf_to_hf_dir(Path(model)))
     llm = LLM(

@@ -37,7 +37,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from flyspec.config import ConfigError
 from flyspec.names import KERNELS
-from flyspec.packed_linears import pack_linears
+from flyspec.runtime.packed_linears import pack_linears
 
 logger = logging.getLogger(__name__)
 

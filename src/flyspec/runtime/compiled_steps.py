@@ -1,7 +1,7 @@
 """The cached-step forward compiled by ``torch.compile`` (``--compile``): :func:`compile_steps`.
 
-Loading stays in ``models.py``; this module turns a loaded model into one whose cached steps run
-through a compiled graph, compiled at load (the warm-up), with dynamo's guards on the model's
+``loading.load_model(compile=True)`` calls it: it turns a loaded model into one whose cached steps
+run through a compiled graph, compiled at load (the warm-up), with dynamo's guards on the model's
 modules skipped from a code object private to the model.
 """
 
@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from flyspec.cached_model import CachedModel
-from flyspec.models import LoadedModel
+from flyspec.runtime.cached_model import CachedModel
+from flyspec.runtime.loaded_model import LoadedModel
 
 
 def compile_steps(loaded: LoadedModel) -> LoadedModel:

@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import torch
 
-from flyspec.cached_model import CachedModel
 from flyspec.config import ConfigError
-from flyspec.models import LoadedModel
+from flyspec.runtime.cached_model import CachedModel
+from flyspec.runtime.loaded_model import LoadedModel
 
 
 class Target:

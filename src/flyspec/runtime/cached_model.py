@@ -13,8 +13,8 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from flyspec.config import ConfigError
-from flyspec.kernels import GrowingLayer
-from flyspec.models import LoadedModel
+from flyspec.runtime.kernels import GrowingLayer
+from flyspec.runtime.loaded_model import LoadedModel
 
 _CROPPABLE_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)
 

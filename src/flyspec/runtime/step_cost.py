@@ -33,8 +33,9 @@ import numpy as np
 import torch
 import transformers
 
-from flyspec.cached_model import CachedModel
-from flyspec.models import LoadedModel, cache_root
+from flyspec.runtime.cached_model import CachedModel
+from flyspec.runtime.loaded_model import LoadedModel
+from flyspec.runtime.loading import cache_root
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Load a target or draft model with its tokenizer.
+"""Load a target or draft model with its tokenizer (:func:`load_model`), onto a device, in a dtype.
 
 Sources, tried in this order: a packaged name (``smollm2-135m-instruct``, ``gemma3-270m``), a
 ``.gguf`` file, a local Hugging Face model directory, a hub id (only where a network or a local
@@ -13,31 +13,25 @@ its config names the architecture and a tied embedding is stored under the embed
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import importlib.util
-import json
 import logging
 import os
 import platform
 import shutil
 import tempfile
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from flyspec.config import DEFAULT_DEVICE, DEFAULT_DTYPE, ConfigError, check_device
-from flyspec.detokenize import decode_text
-from flyspec.kernels import check_kernels
-from flyspec.kernels import install as install_kernels
-from flyspec.names import DEFAULT_MODEL as DEFAULT_MODEL  # re-exported: the names live in names.py
 from flyspec.names import DTYPE_NAMES, PACKAGED_MODELS
-from flyspec.verifiers.tokens import Vocabulary
+from flyspec.runtime.compiled_steps import compile_steps
+from flyspec.runtime.kernels import check_kernels
+from flyspec.runtime.kernels import install as install_kernels
+from flyspec.runtime.loaded_model import LoadedModel, weights_fingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -50,103 +44,6 @@ _CACHE_FORMAT = "hf2"  # hf2: config has `architectures`, tied embeddings saved 
 
 class ModelLoadError(ConfigError):
     """A model could not be found or loaded; the message says what to do."""
-
-
-@dataclass
-class LoadedModel:
-    """A causal LM, its tokenizer, and the name it was loaded under.
-
-    ``step_forward``: the model's forward compiled for the cached steps (:func:`compile_steps`);
-    None runs them eagerly. ``kernels``: flyspec's CPU kernels are installed (``kernels.py``), so a
-    ``CachedModel`` keeps its cache in place.
-    """
-
-    model: PreTrainedModel
-    tokenizer: PreTrainedTokenizerBase
-    name: str
-    step_forward: Callable[..., Any] | None = None
-    kernels: bool = False
-    weights_fingerprint: str | None = None  # taken before the kernels pack the weights (see weights_fingerprint)
-
-    @functools.cached_property
-    def fingerprints(self) -> dict[str, str]:
-        """What identifies this model for a calibration profile (``profile.py``): its weights and tokenizer."""
-        weights = self.weights_fingerprint or weights_fingerprint(self.model)
-        return {"weights": weights, "tokenizer": tokenizer_fingerprint(self.tokenizer)}
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.model.dtype
-
-    @property
-    def device(self) -> torch.device:
-        """Where the weights are; every tensor of a step on this model lives here too."""
-        return next(self.model.parameters()).device
-
-    @property
-    def eos_token_ids(self) -> frozenset[int]:
-        ids: set[int] = set()
-        for source in (self.model.generation_config.eos_token_id, self.tokenizer.eos_token_id):
-            if isinstance(source, int):
-                ids.add(source)
-            elif source is not None:
-                ids.update(int(i) for i in source)
-        return frozenset(ids)
-
-    @functools.cached_property
-    def vocabulary(self) -> Vocabulary:
-        """Token facts for the trust guards (EOS ids, token classes), built once per loaded model."""
-        vocab_size = int(getattr(self.model.config, "vocab_size", 0) or 0)
-        return Vocabulary(self.tokenizer, self.eos_token_ids, vocab_size)
-
-    @property
-    def has_chat_template(self) -> bool:
-        return bool(getattr(self.tokenizer, "chat_template", None))
-
-    def encode_prompt(self, prompt: str | list[dict[str, str]], use_chat: bool | None = None) -> list[int]:
-        """Token ids of a prompt; chat models get their chat template unless ``use_chat=False``.
-
-        ``prompt`` may be a string or a list of chat messages (``{"role", "content"}``).
-        """
-        if isinstance(prompt, str) and not prompt.strip():
-            raise ConfigError("the prompt is empty; give some text to continue")
-        chat = self.has_chat_template if use_chat is None else use_chat
-        if isinstance(prompt, list) or chat:
-            if not self.has_chat_template:
-                raise ConfigError(f"model {self.name!r} has no chat template; pass a plain string with --no-chat")
-            messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-            encoded: Any = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            ids = encoded["input_ids"] if not isinstance(encoded, list) else encoded
-            return [int(i) for i in ids]
-        return [int(i) for i in self.tokenizer(prompt)["input_ids"]]
-
-    def decode(self, token_ids: list[int]) -> str:
-        return decode_text(self.tokenizer, token_ids)
-
-
-FINGERPRINT_SAMPLES = 64  # weight values hashed per tensor (evenly spaced)
-
-
-def weights_fingerprint(model: torch.nn.Module) -> str:
-    """SHA-256 of every floating-point tensor's name, shape and evenly spaced values rounded to bfloat16
-    (a float32 and a bfloat16 load of the same weights agree; a profile checks the dtype on its own)."""
-    digest = hashlib.sha256()
-    for name, tensor in sorted(model.state_dict().items()):
-        if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
-            continue
-        flat = tensor.detach().reshape(-1)
-        count = min(FINGERPRINT_SAMPLES, flat.numel())
-        index = torch.arange(count, device=flat.device) * (flat.numel() - 1) // max(count - 1, 1)
-        values = flat[index].to(torch.bfloat16).float().cpu().numpy().tobytes()
-        digest.update(f"{name}:{tuple(tensor.shape)}:".encode() + values)
-    return digest.hexdigest()[:32]
-
-
-def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
-    """SHA-256 of the vocabulary (token → id) and the special tokens."""
-    vocabulary = sorted(tokenizer.get_vocab().items())
-    special = sorted(str(token) for token in tokenizer.all_special_tokens)
-    return hashlib.sha256(json.dumps([vocabulary, special]).encode()).hexdigest()[:32]
 
 
 def cpu_name() -> str:
@@ -162,7 +59,7 @@ def cpu_name() -> str:
 
 def cpu_isa() -> str:
     """The widest instruction set for a model's matmuls this CPU has: ``AMX``, ``AVX512-BF16``, ``AVX512``,
-    ``AVX2`` or ``baseline`` (bf16 is native from AVX512-BF16 up; ``models.default_dtype``)."""
+    ``AVX2`` or ``baseline`` (bf16 is native from AVX512-BF16 up; :func:`default_dtype`)."""
     try:
         flags = set(Path("/proc/cpuinfo").read_text().split())
     except OSError:
@@ -263,11 +160,7 @@ def load_model(
     loaded = LoadedModel(
         model=model, tokenizer=tokenizer, name=name_or_path, kernels=installed, weights_fingerprint=fingerprint
     )
-    if not compile:
-        return loaded
-    from flyspec.compiled_steps import compile_steps  # it imports this module
-
-    return compile_steps(loaded)
+    return compile_steps(loaded) if compile else loaded
 
 
 def _resolve_to_hf_source(name_or_path: str) -> str:

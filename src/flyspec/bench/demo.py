@@ -1,0 +1,296 @@
+"""``flyspec demo``: a two-minute benchmark on the packaged model, plain vs lossless vs FLy.
+
+Three rows on the same prompt ids, interleaved per prompt (``bench/loop.run_bench``), greedy:
+
+plain
+    autoregressive decoding, one target forward per token: the denominator of every speedup;
+lossless
+    n-gram drafts + exact verification with the cost-aware draft length: the library defaults,
+    token for token plain decoding's output;
+fly
+    n-gram drafts + FLy loose verification (arXiv 2511.22972) at the shipped calibration profile for
+    this model, drafter and dtype (``profile="auto"``, ``profile.py``); without one, flyspec's guarded
+    FLy defaults. Lossy: "changed in meaning" is ``flyspec eval``'s scorer (``eval/trust.py``: the
+    numbers or identifiers of the output differ from plain decoding's).
+
+One prompt per Spec-Bench category (first turn only, chat template as ``flyspec bench``), a short
+length limit, and every figure from this one run: a first look, not a measurement
+(``flyspec bench`` repeats, reports spreads and limits).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import shlex
+from typing import TYPE_CHECKING, Any
+
+from flyspec.config import ConfigError
+from flyspec.extras import require_extra
+from flyspec.names import DEFAULT_MODEL, DTYPE_NAMES
+
+if TYPE_CHECKING:
+    from flyspec.decoding import SpeculativeDecoder
+
+DEMO_DTYPE = "float32"  # the dtype the shipped calibration profiles are measured in (flyspec/profiles/)
+DEMO_MAX_NEW_TOKENS = 48
+# the table's rows: (row name, bench method, what it runs)
+ROWS = (
+    ("plain", "plain", "autoregressive"),
+    ("lossless", "ngram+exact", "n-gram drafts + exact, cost-aware k"),
+    ("fly", "ngram+fly", "n-gram drafts + FLy (lossy)"),
+)
+LEGEND = (
+    "speedup = tokens/s ÷ plain's, measured in this run; τ = tokens committed per target forward; "
+    "loose accepts = draft tokens FLy kept where the target would have chosen another; "
+    "identical = outputs equal to plain's token for token; changed in meaning = outputs whose numbers or "
+    "identifiers differ from plain's (flyspec eval's scorer)"
+)
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "demo",
+        help="a two-minute benchmark: plain, lossless and FLy on one prompt per Spec-Bench category",
+        description="Run plain decoding, lossless speculative decoding (n-gram drafts + exact verification) and "
+        "FLy (n-gram drafts + loose verification at the shipped calibration profile) on a few Spec-Bench prompts, "
+        "greedy, and print tokens/s, speedup, τ, loose accepts, and how many outputs are identical to plain "
+        "decoding's or changed in meaning. For real measurements: flyspec bench and flyspec eval.",
+    )
+    parser.set_defaults(handler=run)
+    parser.add_argument(
+        "--model",
+        "--target",
+        dest="target",
+        metavar="MODEL",
+        default=DEFAULT_MODEL,
+        help=f"target model: packaged name, .gguf file, HF directory or hub id (default {DEFAULT_MODEL})",
+    )
+    parser.add_argument(
+        "--dtype",
+        default=DEMO_DTYPE,
+        choices=sorted(DTYPE_NAMES),
+        help=f"weights/compute dtype (default {DEMO_DTYPE}: the dtype flyspec's shipped calibration profiles are "
+        "measured in, so fly runs at the shipped profile's operating point, and lossless matches plain token "
+        "for token)",
+    )
+    parser.add_argument(
+        "--prompts",
+        type=int,
+        default=6,
+        metavar="N",
+        help="how many Spec-Bench prompts, one per category in turn (default 6: one of each)",
+    )
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=DEMO_MAX_NEW_TOKENS, help=f"per prompt (default {DEMO_MAX_NEW_TOKENS})"
+    )
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log model loading")
+
+
+def run(args: argparse.Namespace) -> int:
+    require_extra("bench", "flyspec demo")
+    if args.prompts < 1 or args.max_new_tokens < 1:
+        raise ConfigError("--prompts and --max-new-tokens must be >= 1")
+    # Heavy imports only when the demo runs (keeps `flyspec --help` instant).
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from flyspec.bench.backends import BackendSettings, FlyspecBackend
+    from flyspec.bench.loop import BenchSettings, make_backends, run_bench
+    from flyspec.config import SamplingConfig, SpeculationConfig
+    from flyspec.decoding import SpeculativeDecoder
+    from flyspec.harness.methods import Method, parse_method
+    from flyspec.resources import Resources
+    from flyspec.runtime.loading import set_threads
+
+    prompts = demo_prompts(args.prompts)
+    set_threads(args.threads)
+    out, err = Console(), Console(stderr=True)
+    if not out.is_terminal:
+        out.width = max(out.width, 120)  # logs: no wrapping of the table
+    resources = Resources(args.dtype)
+    with err.status(f"loading {args.target}"):
+        target = resources.model(args.target)
+    out.print(header(target, len(prompts), args.max_new_tokens), highlight=False, soft_wrap=True)
+    methods: list[Method] = [parse_method(method, ()) for _, method, _ in ROWS]
+    settings = BackendSettings(SamplingConfig(), SpeculationConfig(), resources=resources)
+    with err.status("building the decoders (the cost-aware draft length times the target once per machine)"):
+        backends = make_backends(methods, target, None, settings)
+    fly = backends["ngram+fly"]
+    assert isinstance(fly, FlyspecBackend) and isinstance(fly.decoder, SpeculativeDecoder)
+    out.print(f"[profile] {profile_line(fly.decoder)}", highlight=False, markup=False, soft_wrap=True)
+    fly_verifier = fly.decoder.speculation.verifier  # a profile without a FLy point falls back to exact
+    progress = Progress(
+        SpinnerColumn(),
+        TextColumn("decoding plain, lossless, fly"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("prompts"),
+        TimeElapsedColumn(),
+        console=err,
+        redirect_stdout=False,
+    )
+    records: list[dict[str, Any]] = []
+    with progress:
+        task = progress.add_task("decoding", total=len(prompts))
+        bench = BenchSettings(max_new_tokens=args.max_new_tokens)
+        run_bench(prompts, backends, target, bench, None, records.append, lambda: progress.advance(task))
+    rows = row_figures(records, prompts, args.max_new_tokens, fly_verifier)
+    out.print(table(rows, len(prompts)))
+    lines = [LEGEND, verdict(rows, len(prompts)), "Next:"]
+    lines += [f"  {command}" for command in next_commands(args.target, args.dtype)]
+    for line in lines:
+        out.print(line, highlight=False, markup=False, soft_wrap=True)
+    return 0
+
+
+def demo_prompts(count: int) -> list[Any]:
+    """``count`` Spec-Bench prompts, one per category in turn, first turn only."""
+    from flyspec.bench.data import SPEC_BENCH_CATEGORIES, BenchPrompt, load_prompts
+
+    per_category = math.ceil(count / len(SPEC_BENCH_CATEGORIES))
+    loaded = load_prompts(categories=SPEC_BENCH_CATEGORIES, limit=per_category)
+    rank: dict[str, int] = {}
+    ordered = []
+    for prompt in loaded:
+        rank[prompt.category] = rank.get(prompt.category, 0) + 1
+        ordered.append((rank[prompt.category], SPEC_BENCH_CATEGORIES.index(prompt.category), prompt))
+    chosen = [prompt for _, _, prompt in sorted(ordered, key=lambda item: item[:2])][:count]
+    if len(chosen) < count:
+        raise ConfigError(f"--prompts {count}: the packaged Spec-Bench set has {len(chosen)} to choose from")
+    return [BenchPrompt(prompt.id, prompt.category, prompt.turns[:1]) for prompt in chosen]
+
+
+def header(target: Any, num_prompts: int, max_new_tokens: int) -> str:
+    import torch
+
+    from flyspec.runtime.loading import cpu_isa, device_name
+
+    dtype = str(target.dtype).removeprefix("torch.")
+    where = device_name(target.device) if target.device.type == "cuda" else f"CPU with {cpu_isa()}"
+    threads = torch.get_num_threads()
+    where += f", {threads} torch thread{'' if threads == 1 else 's'}"
+    return (
+        f"flyspec demo: {target.name} in {dtype} on {where}; {num_prompts} Spec-Bench prompts, "
+        f"greedy, {max_new_tokens} new tokens each"
+    )
+
+
+def profile_line(decoder: SpeculativeDecoder) -> str:
+    """The fly row's operating point: the shipped profile's (``Profile.describe``), or the guarded defaults."""
+    profile = decoder.profile
+    if profile is None:
+        return "no shipped profile: guarded FLy defaults"
+    verifier = decoder.speculation.verifier
+    fallback = "" if verifier == "fly" else f"; the fly row runs {verifier}"
+    return profile.describe() + fallback
+
+
+def row_figures(
+    records: list[dict[str, Any]], prompts: list[Any], max_new_tokens: int, fly_verifier: str = "fly"
+) -> list[dict[str, Any]]:
+    """Per row: tokens/s, speedup, τ, loose accepts, identical and changed-in-meaning counts.
+
+    ``fly_verifier``: what the fly row ran (``exact`` where the shipped profile found no FLy point)."""
+    from flyspec.bench.summary import OVERALL, summarize
+    from flyspec.eval.trust import meaning_change
+
+    overall = summarize(records, None, 0)[OVERALL]
+    plain = {record["prompt_id"]: record for record in records if record["method"] == "plain"}
+    prompt_text = {prompt.id: prompt.turns[0] for prompt in prompts}
+    rows = []
+    for name, method, what in ROWS:
+        figures = overall[method]
+        changed = 0
+        for record in (r for r in records if r["method"] == method and method != "plain"):
+            reference = plain[record["prompt_id"]]
+            change = meaning_change(
+                "".join(record["texts"]),
+                "".join(reference["texts"]),
+                prompt_text[record["prompt_id"]],
+                method_truncated=record["num_new_tokens"] >= max_new_tokens,
+                plain_truncated=reference["num_new_tokens"] >= max_new_tokens,
+            )
+            changed += change.changed
+        verifier = fly_verifier if name == "fly" else None
+        if verifier not in (None, "fly"):
+            what = f"n-gram drafts + {verifier} (profile: no FLy point)"
+        rows.append(
+            {
+                "row": name,
+                "what": what,
+                "lossy": verifier == "fly",
+                "tokens_per_s": figures["tokens_per_s"],
+                "speedup": figures["speedup"],
+                "tau": figures["tau"],
+                "loose_accepts": figures["num_loose_accepts"] or 0,
+                "identical": None if method == "plain" else figures["num_identical"],
+                "changed": None if method == "plain" else changed,
+            }
+        )
+    return rows
+
+
+def table(rows: list[dict[str, Any]], num_prompts: int) -> Any:
+    from rich.table import Table
+
+    grid = Table(title_justify="left")
+    grid.add_column("row")
+    grid.add_column("what it runs")
+    for column in ("tokens/s", "speedup", "τ", "loose accepts", "identical", "changed in meaning"):
+        grid.add_column(column, justify="right")
+    for row in rows:
+        lossy = row["lossy"]
+        count = "–" if row["identical"] is None else f"{row['identical']}/{num_prompts}"
+        changed = "–" if row["changed"] is None else f"{row['changed']}/{num_prompts}"
+        grid.add_row(
+            f"[red]{row['row']}[/red]" if lossy else row["row"],
+            row["what"],
+            f"{row['tokens_per_s']:.1f}",
+            f"{row['speedup']:.2f}x",
+            f"{row['tau']:.2f}" if row["tau"] is not None else "–",
+            "–" if row["row"] == "plain" else str(row["loose_accepts"]),
+            count,
+            changed,
+        )
+    return grid
+
+
+def verdict(rows: list[dict[str, Any]], num_prompts: int) -> str:
+    """One honest line: which row was fastest, whether lossless matched plain, what fly changed."""
+    by_name = {row["row"]: row for row in rows}
+    fastest = max(rows, key=lambda row: row["tokens_per_s"])
+    if fastest["row"] == "plain":
+        speed = "plain was fastest: speculation did not pay off in this run"
+    else:
+        speed = f"{fastest['row']} was fastest ({fastest['speedup']:.2f}x plain)"
+    lossless, fly = by_name["lossless"], by_name["fly"]
+    exact = (
+        "lossless matched plain on every prompt"
+        if lossless["identical"] == num_prompts
+        else f"lossless matched plain on {lossless['identical']}/{num_prompts} (rounding: not float32?)"
+    )
+    if not fly["lossy"]:
+        loose = "fly ran as exact: the shipped profile found no FLy setting inside its budget"
+    elif fly["loose_accepts"] == 0:
+        loose = "fly made no loose accept, so it was lossless here"
+    else:
+        loose = (
+            f"fly is lossy: {fly['loose_accepts']} loose accepts changed {num_prompts - fly['identical']}/"
+            f"{num_prompts} outputs, {fly['changed']}/{num_prompts} in meaning"
+        )
+    return f"Verdict: {speed}; {exact}; {loose}."
+
+
+def next_commands(target: str, dtype: str) -> list[str]:
+    """What to run next, with the demo's model and dtype."""
+    model = "" if target == DEFAULT_MODEL else f" --target {shlex.quote(target)}"
+    common = f"{model} --dtype {dtype}"
+    return [
+        f"flyspec bench --quick{common} --methods plain,ngram+exact,ngram+fly   "
+        "# every category, with peers; report + plots in bench-results/",
+        f"flyspec eval --tasks extract,numbers,code --limit 50 --methods exact,fly{common}   "
+        "# what FLy costs in quality, with 95% intervals",
+        f"flyspec serve{common} --verifier fly   # OpenAI-compatible API on http://127.0.0.1:8000/v1",
+    ]
