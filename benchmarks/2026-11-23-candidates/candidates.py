@@ -74,8 +74,8 @@ def greedy_outputs(limit: int, path: Path) -> list[dict]:
 
 
 def step_costs_ms() -> dict[int, float]:
-    from flyspec.models import load_model
-    from flyspec.step_cost import step_cost
+    from flyspec.runtime.loading import load_model
+    from flyspec.runtime.step_cost import step_cost
 
     cost = step_cost(load_model("smollm2-135m-instruct", dtype="bfloat16", compile=True), 32)
     return {n: cost(n) * 1000 for n in range(1, 34)}

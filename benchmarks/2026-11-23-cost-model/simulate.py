@@ -27,7 +27,7 @@ from flyspec.config import DecodeConfig, DraftLengthConfig, SamplingConfig
 from flyspec.draft_length import new_draft_length
 from flyspec.drafters.ngram import NgramDrafter
 from flyspec.resources import Resources
-from flyspec.step_cost import StepCost
+from flyspec.runtime.step_cost import StepCost
 
 K = 15
 

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-import flyspec.packed_linears as packed_linears
-from flyspec.models import load_model
-from flyspec.step_cost import measure
+import flyspec.runtime.packed_linears as packed_linears
+from flyspec.runtime.loading import load_model
+from flyspec.runtime.step_cost import measure
 
 SIZES = (1, 2, 4, 8, 16)
 ROUNDS = 3  # per interleaved pass; 5 passes

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
-import flyspec.packed_linears as packed_linears
-from flyspec.models import load_model
-from flyspec.step_cost import measure
+import flyspec.runtime.packed_linears as packed_linears
+from flyspec.runtime.loading import load_model
+from flyspec.runtime.step_cost import measure
 
 torch.set_num_threads(2)
 find_siblings = packed_linears._siblings

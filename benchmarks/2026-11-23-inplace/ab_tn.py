@@ -14,8 +14,8 @@ import time
 
 import torch
 
-from flyspec.cached_model import CachedModel
-from flyspec.models import load_model
+from flyspec.runtime.cached_model import CachedModel
+from flyspec.runtime.loading import load_model
 
 torch.set_num_threads(2)
 model = load_model("smollm2-135m-instruct", dtype="bfloat16", compile=True)

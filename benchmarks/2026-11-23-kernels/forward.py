@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from flyspec.models import load_model
-from flyspec.step_cost import measure
+from flyspec.runtime.loading import load_model
+from flyspec.runtime.step_cost import measure
 
 SIZES = (1, 2, 4, 8, 16)
 ROUNDS = 3  # per interleaved pass; 5 passes

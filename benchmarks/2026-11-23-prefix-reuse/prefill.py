@@ -14,8 +14,8 @@ import time
 from collections.abc import Callable
 
 from flyspec.bench.data import load_prompts
-from flyspec.cached_model import CachedModel
 from flyspec.resources import Resources
+from flyspec.runtime.cached_model import CachedModel
 
 LENGTH = 700
 
