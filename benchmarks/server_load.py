@@ -193,6 +193,8 @@ async def disconnect_once(
 
 async def every(rate: float, stop: float, launch: Any, tasks: set[asyncio.Task]) -> None:
     """Start ``launch()`` ``rate`` times a second until ``stop``, without waiting for the ones started."""
+    if rate <= 0:
+        return
     next_at = time.monotonic()
     while next_at < stop:
         task = asyncio.ensure_future(launch())

@@ -48,7 +48,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from server_load import free_port, malformed_requests, percentile, wait_healthy  # noqa: E402
+from server_load import every, free_port, malformed_requests, percentile, wait_healthy  # noqa: E402
 
 PROMPTS = (
     "Name three colors.",
@@ -232,19 +232,6 @@ class Traffic:
         almost = {**json_headers, "authorization": f"Bearer {key[:-1]}"}  # one character short of a real key
         return [*cases, ("oversized body", json_headers, oversized), ("random key", wrong, chat),
                 ("truncated key", almost, chat)]  # fmt: skip
-
-
-async def every(rate: float, stop: float, launch: Any, tasks: set[asyncio.Task]) -> None:
-    """Start ``launch()`` ``rate`` times a second until ``stop``, without waiting for the ones started."""
-    if rate <= 0:
-        return
-    next_at = time.monotonic()
-    while next_at < stop:
-        task = asyncio.ensure_future(launch())
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
-        next_at += 1 / rate
-        await asyncio.sleep(max(0.0, next_at - time.monotonic()))
 
 
 def process_sample(pid: int) -> dict[str, float]:
