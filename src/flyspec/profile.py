@@ -26,7 +26,6 @@ built and the model is known:
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import logging
 from pathlib import Path
@@ -146,8 +145,10 @@ def _identity_problems(expected: dict[str, str], model: LoadedModel, what: str) 
     return problems
 
 
-@functools.lru_cache(maxsize=64)
-def _load_cached(path: str, mtime: float) -> Profile:
+def _load(path: str) -> Profile:
+    """A profile file, read afresh each time (a few ms): no process-wide cache of files to invalidate."""
+    if not Path(path).is_file():
+        raise ConfigError(f"profile {path} does not exist; give a profile.json written by flyspec calibrate")
     try:
         record = json.loads(Path(path).read_text())
     except OSError as error:
@@ -162,13 +163,6 @@ def _load_cached(path: str, mtime: float) -> Profile:
     if missing:
         raise ConfigError(f"profile {path} lacks {', '.join(missing)}; make it again with flyspec calibrate")
     return Profile(record, path)
-
-
-def _load(path: str) -> Profile:
-    file = Path(path)
-    if not file.is_file():
-        raise ConfigError(f"profile {path} does not exist; give a profile.json written by flyspec calibrate")
-    return _load_cached(path, file.stat().st_mtime)
 
 
 def shipped() -> list[Profile]:
