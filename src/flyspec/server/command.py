@@ -107,7 +107,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def add_security_options(parser: argparse.ArgumentParser) -> None:
-    """API keys, host names, CORS, and what a request may change (README: security model)."""
+    """API keys, host names, CORS, and what a request may change (docs/guides/security.md)."""
     security = parser.add_argument_group("security")
     security.add_argument(
         "--api-key",

@@ -137,7 +137,7 @@ LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 
 @dataclass(frozen=True)
 class ServerSecurity:
-    """Who may call the server, from where, and what a request may change. See the README's security model.
+    """Who may call the server, from where, and what a request may change. See docs/guides/security.md.
 
     ``api_keys``: bearer keys; empty = no authentication (every client is one tenant). Each key is
     its own tenant: n-gram caches are never shared between keys unless ``share_ngram_cache``.
