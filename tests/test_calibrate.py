@@ -410,16 +410,24 @@ def test_an_empty_or_malformed_prompt_file_is_one_line_and_exit_2(
     assert message in usage_error(capsys, [*argv, "--out", str(tmp_path / "out")])
 
 
-def test_the_calibrate_command_end_to_end(capsys, tiny_model_dir, tmp_path) -> None:
+def test_the_calibrate_command_end_to_end(capsys, monkeypatch, tiny_model_dir, tmp_path, auto_dtype) -> None:
+    """Calibrated where ``auto`` means one dtype, the profile is used where it means the other (issue 35)."""
     from flyspec.cli import main
 
     path = tmp_path / "prompts.jsonl"
     path.write_text("\n".join(json.dumps({"prompt": text}) for text in PROMPTS) + "\n")
     out = tmp_path / "out"
-    argv = ["calibrate", "--target", str(tiny_model_dir), "--dtype", "float32", "--no-chat", "--data", str(path)]
+    argv = ["calibrate", "--target", str(tiny_model_dir), "--no-chat", "--data", str(path)]
     assert main([*argv, "--grid", "quick", "-k", "8", "--out", str(out), "--live-check", "1"]) == 0
     printed = capsys.readouterr().out
     assert "no lossy point beat exact inside the budget" in printed and str(out / "profile.json") in printed
     profile = json.loads((out / "profile.json").read_text())
     assert profile["data"]["n"] == len(PROMPTS) and profile["drafter"]["drafter"] == "ngram"
-    assert profile["dtype"] == "float32" and profile["command"].startswith("flyspec calibrate")
+    assert profile["dtype"] == auto_dtype and profile["command"].startswith("flyspec calibrate")
+    other = "bfloat16" if auto_dtype == "float32" else "float32"
+    monkeypatch.setenv("FLYSPEC_AUTO_DTYPE", other)
+    generate = ["generate", "hi", "--target", str(tiny_model_dir), "--profile", str(out / "profile.json")]
+    assert main([*generate, "--max-new-tokens", "4", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["dtype"] == auto_dtype
+    assert f"in {auto_dtype}, the dtype profile profile.json was calibrated in" in captured.err

@@ -109,6 +109,13 @@ def test_json_record_is_consistent(capsys: pytest.CaptureFixture[str], tiny_mode
         assert record["num_loose_accepts"] == 0
 
 
+def test_auto_dtype_follows_the_machine(capsys: pytest.CaptureFixture[str], tiny_model_dir: Path, auto_dtype) -> None:
+    """``--dtype auto`` (the default) is what the machine computes natively: run both, whichever this one is."""
+    assert main(["generate", PROMPT, "--target", str(tiny_model_dir), "--max-new-tokens", "4", "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["dtype"] == auto_dtype and 0 < record["num_new_tokens"] <= 4
+
+
 @pytest.mark.parametrize("max_new_tokens", [1, 2, 5])
 def test_max_new_tokens_is_exact_limit(
     capsys: pytest.CaptureFixture[str], tiny_model_dir: Path, max_new_tokens: int

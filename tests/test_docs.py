@@ -20,6 +20,7 @@ import torch
 from sybil import Document, Example
 from sybil.example import NotEvaluated
 
+from conftest import AUTO_DTYPES
 from docs_examples import (
     DOCUMENTS,
     EXAMPLE_LANGUAGES,
@@ -57,8 +58,12 @@ class _Page:
             raise outcome
 
 
-@pytest.fixture(scope="module")
-def pages(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[Path], _Page]]:
+@pytest.fixture(scope="module", params=AUTO_DTYPES)
+def pages(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Callable[[Path], _Page]]:
+    """The pages, their examples run with ``--dtype auto`` meaning each of ``AUTO_DTYPES`` in turn (a reader's
+    machine has one or the other: a profile calibrated in float32 must work on both)."""
     dirs = tiny_model_dirs(tmp_path_factory.mktemp("docs-models"))
     cleanups: list[Callable[[], None]] = []
     made: dict[Path, _Page] = {}
@@ -75,6 +80,7 @@ def pages(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[Path],
     threads = torch.get_num_threads()
     with pytest.MonkeyPatch.context() as monkeypatch:
         resolve_to_tiny(monkeypatch, dirs)
+        monkeypatch.setenv("FLYSPEC_AUTO_DTYPE", request.param)
         # the examples' caches (eval's plain outputs, calibrations) must not mix tiny models into the user's
         monkeypatch.setenv("FLYSPEC_CACHE", str(tmp_path_factory.mktemp("docs-cache")))
         yield page

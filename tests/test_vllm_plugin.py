@@ -219,3 +219,14 @@ def test_ngram_proposer_proposes_flyspecs_lookup() -> None:
     token_ids[0, :7] = [5, 6, 7, 8, 9, 5, 6]
     drafts = proposer.propose([[6], []], torch.tensor([7, 3]).numpy(), token_ids)
     assert drafts == [[7, 8, 9, 5], []]  # the continuation of the earlier "5 6"; no new token, no draft
+
+
+def test_the_worker_sizes_the_kv_cache_in_bytes_unless_told_a_fraction() -> None:
+    """Issue 35: a fraction of what vLLM-CPU sees (11 GiB on one VM, 23 on another) is not the same cache anywhere."""
+    from flyspec_vllm import worker
+
+    assert worker.memory_options(None, None) == {"kv_cache_memory_bytes": worker.DEFAULT_KV_CACHE_BYTES}
+    assert worker.memory_options(256 << 20, None) == {"kv_cache_memory_bytes": 256 << 20}
+    assert worker.memory_options(256 << 20, 0.9) == {"gpu_memory_utilization": 0.9}  # a GPU user's choice
+    args = worker.parse_args(["--model", "m", "--method", "vllm-plain"])
+    assert (args.kv_cache_memory_bytes, args.gpu_memory_utilization) == (worker.DEFAULT_KV_CACHE_BYTES, None)

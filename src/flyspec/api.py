@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 import torch
@@ -14,7 +15,7 @@ from flyspec.draft_length import resolve_policy
 from flyspec.drafters.registry import make_drafter
 from flyspec.generation import Prompt
 from flyspec.names import DEFAULT_MODEL
-from flyspec.profile import resolution
+from flyspec.profile import load_dtype, resolution
 from flyspec.resources import ModelRef, Resources, default_resources
 from flyspec.result import GenerationResult
 from flyspec.runtime.loading import set_threads
@@ -23,6 +24,8 @@ from flyspec.verifiers.base import Verifier
 from flyspec.verifiers.guard import prepare as prepare_guards
 from flyspec.verifiers.registry import check_draft_length, make_verifier
 from flyspec.verifiers.tokens import vocabulary_of
+
+logger = logging.getLogger(__name__)
 
 
 def checked_verifier(spec: SpeculationConfig) -> Verifier:
@@ -52,8 +55,8 @@ def build_decoder(
     the process-wide ``DEFAULT_MODELS``), so nothing a prompt reaches is shared unless the caller shares it.
     """
     spec = spec or SpeculationConfig()
-    resources = resources or default_resources()
     verifier = checked_verifier(spec)
+    resources = resources or _default_resources([spec], target, DEFAULT_DTYPE, DEFAULT_DEVICE)
     target_model = resources.model(target)
     # a calibration profile (flyspec calibrate) sets the lossy settings, or refuses looser ones
     draft_model = resources.model(spec.draft_model) if spec.draft_model and spec.models else None
@@ -90,16 +93,30 @@ def generate(
     """Generate with speculative decoding. Lossy verifiers (fly, margin, typical) must be asked for.
 
     ``dtype`` and ``device`` (``auto``, ``cpu``, ``cuda``, ``cuda:N``) load a model named by string
-    (without ``resources``); a loaded model runs where it is. Without ``resources``, a model named by
-    string stays loaded for the next call (``resources.DEFAULT_MODELS``: the 2 most recently used,
-    ``flyspec.set_max_cached_models``); nothing else is kept between calls. ``fields`` are
-    :class:`SpeculationConfig` or :class:`DecodeConfig` fields (``verifier="fly"``,
-    ``fly=FlyConfig(...)``, ``num_draft_tokens=8``, ``max_new_tokens=64``, ...).
+    (without ``resources``); a loaded model runs where it is. With ``dtype="auto"`` a calibration profile
+    brings its dtype (``spec.profile``, or the shipped one a lossy verifier at its defaults uses; logged).
+    Without ``resources``, a model named by string stays loaded for the next call
+    (``resources.DEFAULT_MODELS``: the 2 most recently used, ``flyspec.set_max_cached_models``); nothing
+    else is kept between calls. ``fields`` are :class:`SpeculationConfig` or :class:`DecodeConfig` fields
+    (``verifier="fly"``, ``fly=FlyConfig(...)``, ``num_draft_tokens=8``, ``max_new_tokens=64``, ...).
     """
     set_threads(threads)
     spec, decode = _configs(spec, decode, SamplingConfig(temperature, top_k, top_p), fields)
-    decoder = build_decoder(target, spec, decode, resources=resources or default_resources(dtype, device))
+    resources = resources or _default_resources([spec], target, dtype, device)
+    decoder = build_decoder(target, spec, decode, resources=resources)
     return decoder.generate(prompt, generator=make_generator(seed, decoder.device), use_chat=use_chat)
+
+
+def _default_resources(
+    specs: list[SpeculationConfig], target: ModelRef, dtype: str | torch.dtype, device: str | torch.device
+) -> Resources:
+    """A library call's own resources; with dtype ``auto``, a calibration profile's dtype (``profile.load_dtype``)."""
+    if isinstance(dtype, str) and isinstance(device, str):
+        choice = load_dtype(specs, target, dtype, device)
+        if choice.note is not None:
+            logger.warning("%s", choice.note)
+        dtype = choice.dtype
+    return default_resources(dtype, device)
 
 
 def generate_plain(

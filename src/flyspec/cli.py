@@ -177,7 +177,7 @@ def _generate(args: argparse.Namespace) -> int:
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
     spec = speculation_config(args)
     decode = DecodeConfig(max_new_tokens=args.max_new_tokens, stop_strings=tuple(args.stop), sampling=sampling)
-    resources = Resources(**engine_options(args))
+    resources = Resources(**engine_options(args, [spec]))
     decoder = build_decoder(args.target, spec, decode, resources=resources)
     spec = decoder.speculation  # as it runs: a calibration profile may have set the lossy settings
     if decoder.profile is not None and not args.json:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+from collections.abc import Iterable
 from typing import Any
 
 from flyspec.config import (
@@ -50,8 +52,9 @@ def add_model_options(parser: argparse.ArgumentParser, *, chat: bool = True) -> 
         "--dtype",
         default=DEFAULT_DTYPE,
         choices=sorted(DTYPE_NAMES),
-        help="weights/compute dtype; auto = bfloat16 on CUDA (float16 on GPUs without bf16), on the CPU "
-        "bfloat16 where it has native bf16, else float32",
+        help="weights/compute dtype; auto = the dtype of the calibration profile that sets the lossy settings "
+        "(--profile, or the shipped one), else bfloat16 on CUDA (float16 on GPUs without bf16), on the CPU "
+        "bfloat16 where it has native bf16, else float32 ($FLYSPEC_AUTO_DTYPE forces it)",
     )
     models.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     models.add_argument(
@@ -81,10 +84,22 @@ def add_model_options(parser: argparse.ArgumentParser, *, chat: bool = True) -> 
         group.add_argument("--no-chat", dest="use_chat", action="store_false", help="feed the prompt as raw text")
 
 
-def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+def engine_options(args: argparse.Namespace, specs: Iterable[SpeculationConfig] = ()) -> dict[str, Any]:
     """How every model of a command loads (``Resources`` and ``load_model`` keywords): the
-    --dtype, --device, --compile and --kernels that :func:`add_model_options` defines."""
-    return {"dtype": args.dtype, "device": args.device, "compile": args.compile, "kernels": args.kernels}
+    --dtype, --device, --compile and --kernels that :func:`add_model_options` defines.
+
+    A profile brings its dtype: with --dtype auto, the models load in the dtype of the calibration
+    profile that decides one of ``specs``' lossy settings (``profile.load_dtype``), said in one line on stderr.
+    """
+    dtype = args.dtype
+    if dtype == DEFAULT_DTYPE:
+        from flyspec.profile import load_dtype  # torch: only when a command runs, never for --help
+
+        choice = load_dtype(specs, args.target, dtype, args.device)
+        if choice.note is not None:
+            print(f"[profile] {choice.note}", file=sys.stderr)
+        dtype = choice.dtype
+    return {"dtype": dtype, "device": args.device, "compile": args.compile, "kernels": args.kernels}
 
 
 def _device(text: str) -> str:

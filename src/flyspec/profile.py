@@ -21,6 +21,10 @@ built and the model is known:
   its rule in the profile flyspec ships for this model, drafter and dtype, if there is one; where
   that profile found no point of the rule inside its budget, the verifier falls back to ``exact``
   (logged). Anything else is left as given.
+
+A profile brings its dtype (:func:`load_dtype`): a run given ``--dtype auto`` (the API's ``dtype="auto"``)
+loads its models in the dtype of the profile that will decide its lossy settings, a file or the shipped
+one, and says so in one line; an explicit other dtype is refused by :meth:`Profile.check`.
 """
 
 from __future__ import annotations
@@ -28,12 +32,23 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from flyspec.config import PROFILE_AUTO, PROFILE_NONE, BreakerConfig, ConfigError, GuardConfig, SpeculationConfig
+from flyspec.config import (
+    DEFAULT_DEVICE,
+    DEFAULT_DTYPE,
+    PROFILE_AUTO,
+    PROFILE_NONE,
+    BreakerConfig,
+    ConfigError,
+    GuardConfig,
+    SpeculationConfig,
+)
 from flyspec.names import LOSSLESS_VERIFIERS
 from flyspec.runtime.loaded_model import LoadedModel
+from flyspec.runtime.loading import resolve_device, resolve_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -176,6 +191,57 @@ def find_shipped(target: LoadedModel, spec: SpeculationConfig, draft: LoadedMode
         if profile.model["name"] == target.name and profile.matches(target, spec, draft):
             return profile
     return None
+
+
+def _shipped_for(spec: SpeculationConfig, target: str, preferred_dtype: str) -> Profile | None:
+    """The shipped profile ``profile="auto"`` would apply to ``spec`` on a model named ``target``, judged by
+    names alone (before any model loads): the one in ``preferred_dtype`` if there is one, else any dtype's."""
+    if spec.verifier in LOSSLESS_VERIFIERS or not lossy_settings_are_defaults(spec):
+        return None
+    draft_name = spec.draft_model if spec.models else None
+    candidates = [
+        profile
+        for profile in shipped()
+        if profile.model["name"] == target
+        and profile.drafter == spec.drafter
+        and (profile.record["drafter"].get("draft_model") or {}).get("name") == draft_name
+    ]
+    preferred = [profile for profile in candidates if profile.dtype == preferred_dtype]
+    return next(iter(preferred or candidates), None)
+
+
+@dataclasses.dataclass(frozen=True)
+class DtypeChoice:
+    """The dtype a run loads its models in, and the one line saying a profile chose it (None: it did not)."""
+
+    dtype: str
+    note: str | None = None
+
+
+def load_dtype(
+    specs: Iterable[SpeculationConfig], target: Any, dtype: str = DEFAULT_DTYPE, device: str = DEFAULT_DEVICE
+) -> DtypeChoice:
+    """A profile brings its dtype: with ``dtype`` ``auto``, the dtype of the profile that will decide the lossy
+    settings of one of ``specs`` (a ``--profile`` file, or the shipped profile ``profile="auto"`` picks for a
+    lossy verifier at its defaults), where it differs from what ``auto`` means on this machine.
+
+    An explicit dtype is kept as given: a profile of another dtype refuses it when the decoder is built
+    (:meth:`Profile.check`). ``target`` that is not a name (a loaded model) keeps its own dtype.
+    """
+    if not isinstance(dtype, str) or dtype != DEFAULT_DTYPE or not isinstance(target, str):
+        return DtypeChoice(dtype)
+    here = str(resolve_dtype(dtype, resolve_device(device))).removeprefix("torch.")
+    for spec in specs:
+        if spec.profile == PROFILE_NONE:
+            continue
+        profile = Profile.load(spec.profile) if spec.profile != PROFILE_AUTO else _shipped_for(spec, target, here)
+        if profile is not None and profile.dtype != here:
+            return DtypeChoice(
+                profile.dtype,
+                f"loading {target} in {profile.dtype}, the dtype profile {profile.name} was calibrated in "
+                f"(--dtype auto means {here} on this machine; pass --dtype to choose)",
+            )
+    return DtypeChoice(dtype)
 
 
 def lossy_settings_are_defaults(spec: SpeculationConfig) -> bool:

@@ -80,14 +80,7 @@ class FlyspecBackend:
         if method.verifier is None:
             self.decoder = PlainDecoder(target, DecodeConfig(sampling=settings.sampling))
         else:
-            spec = method.with_draft_length(
-                dataclasses.replace(
-                    settings.speculation,
-                    drafter=method.drafter or settings.speculation.drafter,
-                    verifier=method.verifier,
-                    guard=method.guard_config() if method.modifier else settings.speculation.guard,
-                )
-            )
+            spec = method.speculation(settings.speculation)
             if draft is not None and spec.draft_model is None:
                 spec = dataclasses.replace(spec, draft_model=draft.name)
             # n-gram caches of its own: shared with the other methods they would hold this very prompt's

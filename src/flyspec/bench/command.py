@@ -86,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
     from flyspec.cli_options import speculation_config
     from flyspec.config import ConfigError, SamplingConfig
     from flyspec.harness.data import JsonlWriter
+    from flyspec.harness.methods import speculations
     from flyspec.resources import Resources
     from flyspec.runtime.loading import set_threads
 
@@ -102,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
 
     set_threads(args.threads)
     # this run's models, calibrations (and each method's own caches)
-    resources = Resources(**engine_options(args))
+    resources = Resources(**engine_options(args, speculations(methods, speculation)))
     target = resources.model(args.target)
     draft = resources.model(args.draft_model) if args.draft_model else None
     settings = BackendSettings(sampling, speculation, args.use_chat, args.hf_lookup_tokens, resources)

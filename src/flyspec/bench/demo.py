@@ -25,14 +25,13 @@ import math
 import shlex
 from typing import TYPE_CHECKING, Any
 
-from flyspec.config import ConfigError
+from flyspec.config import DEFAULT_DTYPE, ConfigError
 from flyspec.extras import require_extra
 from flyspec.names import DEFAULT_MODEL, DTYPE_NAMES
 
 if TYPE_CHECKING:
     from flyspec.decoding import SpeculativeDecoder
 
-DEMO_DTYPE = "float32"  # the dtype the shipped calibration profiles are measured in (flyspec/profiles/)
 DEMO_MAX_NEW_TOKENS = 48
 # the table's rows: (row name, bench method, what it runs)
 ROWS = (
@@ -68,11 +67,11 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--dtype",
-        default=DEMO_DTYPE,
+        default=DEFAULT_DTYPE,
         choices=sorted(DTYPE_NAMES),
-        help=f"weights/compute dtype (default {DEMO_DTYPE}: the dtype flyspec's shipped calibration profiles are "
-        "measured in, so fly runs at the shipped profile's operating point, and lossless matches plain token "
-        "for token)",
+        help="weights/compute dtype (default auto: the dtype of the calibration profile flyspec ships for the "
+        "model, so fly runs at the profile's operating point — float32 for the packaged models, in which "
+        "lossless matches plain token for token; the machine's auto dtype where no profile is shipped)",
     )
     parser.add_argument(
         "--prompts",
@@ -101,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
     from flyspec.config import SamplingConfig, SpeculationConfig
     from flyspec.decoding import SpeculativeDecoder
     from flyspec.harness.methods import Method, parse_method
+    from flyspec.profile import load_dtype
     from flyspec.resources import Resources
     from flyspec.runtime.loading import set_threads
 
@@ -109,7 +109,10 @@ def run(args: argparse.Namespace) -> int:
     out, err = Console(), Console(stderr=True)
     if not out.is_terminal:
         out.width = max(out.width, 120)  # logs: no wrapping of the table
-    resources = Resources(args.dtype)
+    choice = load_dtype([SpeculationConfig(verifier="fly")], args.target, args.dtype)  # the fly row's profile
+    if choice.note is not None:
+        err.print(f"[profile] {choice.note}", highlight=False, markup=False, soft_wrap=True)
+    resources = Resources(choice.dtype)
     with err.status(f"loading {args.target}"):
         target = resources.model(args.target)
     out.print(header(target, len(prompts), args.max_new_tokens), highlight=False, soft_wrap=True)
@@ -139,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
     rows = row_figures(records, prompts, args.max_new_tokens, fly_verifier)
     out.print(table(rows, len(prompts)))
     lines = [LEGEND, verdict(rows, len(prompts)), "Next:"]
-    lines += [f"  {command}" for command in next_commands(args.target, args.dtype)]
+    lines += [f"  {command}" for command in next_commands(args.target, str(target.dtype).removeprefix("torch."))]
     for line in lines:
         out.print(line, highlight=False, markup=False, soft_wrap=True)
     return 0

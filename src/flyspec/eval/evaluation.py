@@ -10,7 +10,6 @@ The loop is item-major (plain, then every method, for one item) so a partial run
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import logging
@@ -188,15 +187,7 @@ class Evaluation:
 
     def method_spec(self, method: Method, task: Task) -> SpeculationConfig:
         """What flyspec method ``method`` speculates with on ``task`` (its verifier, guards, draft length)."""
-        assert method.verifier is not None, "plain decoding is not in config.methods"
-        return method.with_draft_length(
-            dataclasses.replace(
-                self.config.speculation,
-                drafter=method.drafter or self.config.speculation.drafter,
-                verifier=method.verifier,
-                guard=method.guard_config(task.kind),
-            )
-        )
+        return method.speculation(self.config.speculation, task.kind)
 
     def check_methods(self) -> None:
         """Refuse now, before any output, a method a calibration profile does not allow (``profile.resolve``)."""

@@ -110,6 +110,16 @@ class Method:
             return spec
         return replace(spec, draft_length=replace(spec.draft_length, policy=self.draft_length))
 
+    def speculation(self, base: SpeculationConfig, task_kind: str | None = None) -> SpeculationConfig:
+        """What this flyspec method speculates with: ``base`` with its drafter, verifier, guards and draft length.
+
+        ``task_kind`` (eval): the guards of that kind of task; None (bench): ``base``'s guards unless a modifier
+        names others."""
+        assert self.verifier is not None, f"{self.name} does not speculate"
+        guard = base.guard if task_kind is None and self.modifier is None else self.guard_config(task_kind or "text")
+        spec = replace(base, drafter=self.drafter or base.drafter, verifier=self.verifier, guard=guard)
+        return self.with_draft_length(spec)
+
     def protect(self, task_kind: str = "text") -> tuple[str, ...]:
         """The token classes protected on a task of this kind (none for lossless methods)."""
         return () if self.lossless else self.guard_config(task_kind).protect
@@ -159,6 +169,11 @@ def parse_method(name: str, peers: tuple[str, ...] = PEERS) -> Method:
             )
         return Method(name, drafter, verifier, modifier)
     raise ConfigError(f"unknown method {name!r}; use {_grammar(peers)}")
+
+
+def speculations(methods: list[Method], base: SpeculationConfig) -> list[SpeculationConfig]:
+    """What each of ``methods`` that flyspec's engine runs speculates with (``Method.speculation``)."""
+    return [method.speculation(base) for method in methods if method.engine == "flyspec" and method.verifier]
 
 
 def parse_methods(text: str, peers: tuple[str, ...] = PEERS) -> list[Method]:

@@ -38,6 +38,7 @@ logger = logging.getLogger(__name__)
 DTYPES: dict[str, torch.dtype | None] = {
     name: None if attribute is None else getattr(torch, attribute) for name, attribute in DTYPE_NAMES.items()
 }
+AUTO_DTYPE_VARIABLE = "FLYSPEC_AUTO_DTYPE"  # forces what --dtype auto resolves to (default_dtype)
 _CACHE_COMPLETE = "flyspec-complete"
 _CACHE_FORMAT = "hf2"  # hf2: config has `architectures`, tied embeddings saved as the input embedding
 
@@ -103,7 +104,16 @@ def default_dtype(device: torch.device | None = None) -> torch.dtype:
     computes it natively (AVX512-BF16/AMX), else float32; on a CPU without native bf16 (e.g. AVX2
     only) bf16 matmuls are emulated and slower than float32. A GPU in the machine does not change
     the rule for a model that stays on the CPU.
+
+    ``$FLYSPEC_AUTO_DTYPE`` (``bfloat16``, ``float32``, ``float16``) forces what ``auto`` resolves to on
+    any device: a test suite runs both dtypes on a machine that would only ever show one.
     """
+    forced = os.environ.get(AUTO_DTYPE_VARIABLE, "").strip()
+    if forced:
+        if DTYPE_NAMES.get(forced) is None:
+            choices = ", ".join(name for name, value in DTYPE_NAMES.items() if value)
+            raise ConfigError(f"${AUTO_DTYPE_VARIABLE}={forced!r}: choose one of {choices}, or unset it")
+        return getattr(torch, str(DTYPE_NAMES[forced]))
     if device is not None and device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     try:

