@@ -12,14 +12,23 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integrations" / "vllm" / "src"))
 
-from flyspec_vllm import patch  # noqa: E402
-from flyspec_vllm.options import request_fly_config  # noqa: E402
+from flyspec_vllm import patch, records  # noqa: E402
+from flyspec_vllm.options import request_options, rule_request  # noqa: E402
 from flyspec_vllm.proposer import NgramProposer  # noqa: E402
-from flyspec_vllm.rule import RequestRule, fly_batch, keep_draft_tokens  # noqa: E402
+from flyspec_vllm.rule import RequestRule, apply_batch, keep_draft_tokens, shadow_divergences  # noqa: E402
 
-from flyspec.config import ConfigError, FlyConfig, GuardConfig, SamplingConfig  # noqa: E402
+from flyspec.config import (  # noqa: E402
+    ConfigError,
+    FlyConfig,
+    GuardConfig,
+    MarginConfig,
+    SamplingConfig,
+    SpeculationConfig,
+    TypicalConfig,
+)
 from flyspec.types import Draft, VerifyContext  # noqa: E402
-from flyspec.verifiers.fly import FlyVerifier, deferred_window_mask  # noqa: E402
+from flyspec.verifiers.fly import deferred_window_mask  # noqa: E402
+from flyspec.verifiers.registry import make_verifier  # noqa: E402
 from test_guard import VOCAB, VOCABULARY  # noqa: E402
 
 GREEDY = SamplingConfig()
@@ -44,39 +53,132 @@ def random_request(generator: torch.Generator, k: int, vocab: int) -> tuple[torc
     return draft, logits
 
 
+RULES = [  # every lossy rule the plugin carries, at a few settings
+    SpeculationConfig(verifier="fly"),
+    SpeculationConfig(verifier="fly", fly=FlyConfig(window_size=2, entropy_threshold=0.1)),
+    SpeculationConfig(verifier="fly", fly=FlyConfig(window_size=0)),
+    SpeculationConfig(verifier="fly", fly=FlyConfig(window_size=2, entropy_threshold=0.1, min_draft_prob=0.2)),
+    SpeculationConfig(verifier="margin", margin=MarginConfig(logit_ratio=0.5)),
+    SpeculationConfig(verifier="typical", typical=TypicalConfig(epsilon=0.2)),
+]
+
+
+def with_guard(rule: SpeculationConfig, guard: GuardConfig) -> SpeculationConfig:
+    return SpeculationConfig(
+        verifier=rule.verifier, fly=rule.fly, margin=rule.margin, typical=rule.typical, guard=guard
+    )
+
+
 @pytest.mark.parametrize("guarded", [False, True])
 def test_batch_rule_commits_what_flyspecs_verifier_commits(guarded: bool) -> None:
+    """Every rule, through vLLM's unchanged greedy kernel, commits what ``flyspec generate --verifier`` commits."""
     generator = torch.Generator().manual_seed(7)
-    configs = [FlyConfig(), FlyConfig(window_size=2, entropy_threshold=0.1), FlyConfig(window_size=0)]
     guard = GuardConfig() if guarded else GuardConfig.bare()
-    loose_seen = 0
-    for trial in range(60):
+    loose_seen = dict.fromkeys(("fly", "margin", "typical"), 0)
+    for trial in range(90):
         sizes = [int(torch.randint(0, 12, (1,), generator=generator)) for _ in range(4)]
         requests = [random_request(generator, k, VOCAB) for k in sizes]
         rules = []
         for index in range(len(requests)):
             context = VerifyContext([1, 2, 3, 4, 19, 13], 4, VOCABULARY) if guarded else None
-            fly = configs[(trial + index) % 3] if index != 3 else None  # the last request stays lossless
-            rules.append(RequestRule(fly=fly, guard=guard, context=context))
+            rule = with_guard(RULES[(trial + index) % len(RULES)], guard) if index != 3 else None  # last: lossless
+            rules.append(RequestRule(rule=rule, context=context))
         flat_draft = torch.cat([draft for draft, _ in requests])
         flat_logits = torch.cat([logits[:-1] for _, logits in requests])  # vLLM keeps the bonus row apart
-        outcome = fly_batch(flat_draft, sizes, flat_logits, rules)
+        outcome = apply_batch(flat_draft, sizes, flat_logits, rules)
         rewritten = keep_draft_tokens(flat_logits, flat_draft, outcome.loose_positions)
         start = 0
         for (draft, logits), rule, k in zip(requests, rules, sizes, strict=True):
             bonus = int(logits[-1].argmax())
             committed = greedy_kernel(draft, rewritten[start : start + k], bonus)
-            if rule.fly is None:
+            if rule.rule is None:
                 expected = greedy_kernel(draft, logits[:-1], bonus)
             else:
                 context = VerifyContext([1, 2, 3, 4, 19, 13], 4, VOCABULARY) if guarded else None
-                verdict = FlyVerifier(rule.fly, guard=guard).verify(Draft(draft), logits, GREEDY, None, context)
+                verifier = make_verifier(rule.rule.verifier, rule.rule)
+                verdict = verifier.verify(Draft(draft), logits, GREEDY, None, context)
                 expected = verdict.tokens
-                loose_seen += len(verdict.loose_positions)
+                loose_seen[rule.rule.verifier] += len(verdict.loose_positions)
             assert committed == expected
             start += k
         assert torch.equal(flat_logits, torch.cat([logits[:-1] for _, logits in requests]))  # input untouched
-    assert loose_seen > 10  # the comparison covered loose accepts, not only exact matches
+    assert min(loose_seen.values()) > 3, loose_seen  # the comparison covered each rule's loose accepts
+
+
+def test_a_recorded_request_keeps_its_loose_accepts_with_output_indices() -> None:
+    records.clear()
+    flat = [1.0, 0.9, 0.8, 0.0]  # top-3 entropy ~1.1 nats: FLy keeps a mismatch here
+    logits = torch.tensor([flat, [0.0, 9.0, 0.0, 0.0]])  # [k = 2, vocab]
+    rule = RequestRule(
+        SpeculationConfig(verifier="fly", fly=FlyConfig(window_size=0), guard=GuardConfig.bare()), start=7, record="r"
+    )
+    apply_batch(torch.tensor([1, 1]), [2], logits, [rule])
+    taken = records.take("r")
+    assert [(loose["index"], loose["draft_token"], loose["target_token"]) for loose in taken["loose_accepts"]] == [
+        (7, 1, 0)
+    ]
+    assert taken["loose_accepts"][0]["evidence"] > 1.0
+    assert records.take("r") == {"loose_accepts": [], "vetoes": {}, "diverged": {}}  # taken once
+
+
+def test_shadow_rules_leave_the_path_exactly_where_their_own_run_would() -> None:
+    """A shadow rule is marked at a step exactly when, run on its own, its verdict there differs from exact's."""
+    generator = torch.Generator().manual_seed(11)
+    families = (
+        tuple(
+            SpeculationConfig(verifier="fly", fly=FlyConfig(entropy_threshold=t, window_size=2))
+            for t in (1.0, 0.5, 0.1)
+        ),
+        tuple(SpeculationConfig(verifier="margin", margin=MarginConfig(logit_ratio=r)) for r in (0.95, 0.8, 0.5)),
+        (SpeculationConfig(verifier="typical", typical=TypicalConfig(epsilon=0.1)),),
+    )
+    flat_rules = [rule for family in families for rule in family]
+    checked = 0
+    for _ in range(300):
+        k = int(torch.randint(1, 10, (1,), generator=generator))
+        draft, logits = random_request(generator, k, VOCAB)
+        context = VerifyContext([1, 2, 3, 4, 19, 13], 4, VOCABULARY)
+        rule = RequestRule(None, context, start=0, record="s", shadow=families)
+        diverged: set[int] = set()
+        leaving = set(shadow_divergences(draft, logits[:-1], rule, diverged))
+        exact = greedy_kernel(draft, logits[:-1], int(logits[-1].argmax()))
+        for index, spec in enumerate(flat_rules):
+            verdict = make_verifier(spec.verifier, spec).verify(Draft(draft), logits, GREEDY, None, context)
+            assert (index in leaving) == (verdict.tokens != exact), (index, spec)
+            checked += verdict.tokens != exact
+    assert checked > 20
+
+
+def test_request_options() -> None:
+    fly = SpeculationConfig(verifier="fly")
+    assert request_options({"rejection_sample_method": "fly"}, greedy=True, switch="request").rule == fly
+    assert request_options(None, greedy=True, switch="request").rule is None
+    assert request_options(None, greedy=True, switch="all").rule == fly
+    assert request_options({"rejection_sample_method": "standard"}, greedy=True, switch="all").rule is None
+    assert request_options({"rejection_sample_method": "fly"}, greedy=False, switch="all").rule is None  # sampled
+    assert request_options({"rejection_sample_method": "fly"}, greedy=True, switch="off").rule is None
+    custom = {"rejection_sample_method": "fly", "fly_window_size": 3, "fly_entropy_threshold": 0.5}
+    assert request_options(custom, greedy=True, switch="request").rule.fly == FlyConfig(3, 0.5)
+    margin = {"flyspec_rule": {"verifier": "margin", "margin": {"logit_ratio": 0.8}}}
+    rule = request_options(margin, greedy=True, switch="request", guard=GuardConfig.bare()).rule
+    assert rule == SpeculationConfig(verifier="margin", margin=MarginConfig(0.8), guard=GuardConfig.bare())
+    assert request_options({"flyspec_draft": False}, greedy=True, switch="request").draft is False
+    trusted_rule = {"flyspec_rule": rule_request(with_guard(RULES[5], GuardConfig.bare()))}
+    assert request_options(trusted_rule, greedy=True, switch="request", trusted=True).rule.guard == GuardConfig.bare()
+    for bad, message in (
+        ({"rejection_sample_method": "loose"}, "rejection_sample_method"),
+        ({"rejection_sample_method": "fly", "fly_window_size": -1}, "window_size"),
+        ({"flyspec_rule": {"verifier": "exact"}}, "not a lossy rule"),
+        ({"flyspec_rule": {"drafter": "ngram"}}, "cannot be set per request"),
+        ({"flyspec_rule": "fly"}, "must be an object"),
+        (trusted_rule, "the trust guards are the operator's"),
+        ({"flyspec_record": "k"}, "only for trusted requests"),
+        ({"flyspec_draft": "no"}, "flyspec_draft must be true or false"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            request_options(bad, greedy=True, switch="request")
+    with pytest.raises(ConfigError, match="needs a flyspec_record key"):
+        request_options({"flyspec_shadow": [[{"verifier": "fly"}]]}, greedy=True, switch="request", trusted=True)
 
 
 def test_candidates_count_only_those_before_the_first_strict_rejection() -> None:
@@ -84,8 +186,8 @@ def test_candidates_count_only_those_before_the_first_strict_rejection() -> None
     peaked = [9.0, 0.0, 0.0, 0.0]  # ~0 nats: a mismatch here is a strict rejection
     logits = torch.tensor([flat, peaked, flat, flat])  # [k = 4, vocab]
     draft = torch.tensor([1, 1, 1, 1])  # every position mismatches the argmax (token 0)
-    rule = RequestRule(fly=FlyConfig(window_size=0), guard=GuardConfig.bare())
-    outcome = fly_batch(draft, [4], logits, [rule])
+    rule = RequestRule(SpeculationConfig(verifier="fly", fly=FlyConfig(window_size=0), guard=GuardConfig.bare()))
+    outcome = apply_batch(draft, [4], logits, [rule])
     assert outcome.loose_positions == [0]
     assert outcome.candidates == 1  # positions 2 and 3 follow the rejection at 1: never committable
 
@@ -110,21 +212,6 @@ def test_keep_draft_tokens_makes_the_draft_token_the_argmax_in_bf16() -> None:
     assert logits.argmax(-1).tolist() == [0, 1]
 
 
-def test_request_options() -> None:
-    assert request_fly_config({"rejection_sample_method": "fly"}, greedy=True, switch="request") == FlyConfig()
-    assert request_fly_config(None, greedy=True, switch="request") is None
-    assert request_fly_config(None, greedy=True, switch="all") == FlyConfig()
-    assert request_fly_config({"rejection_sample_method": "standard"}, greedy=True, switch="all") is None
-    assert request_fly_config({"rejection_sample_method": "fly"}, greedy=False, switch="all") is None  # sampled
-    assert request_fly_config({"rejection_sample_method": "fly"}, greedy=True, switch="off") is None
-    custom = {"rejection_sample_method": "fly", "fly_window_size": 3, "fly_entropy_threshold": 0.5}
-    assert request_fly_config(custom, greedy=True, switch="request") == FlyConfig(window_size=3, entropy_threshold=0.5)
-    with pytest.raises(ConfigError, match="rejection_sample_method"):
-        request_fly_config({"rejection_sample_method": "loose"}, greedy=True, switch="request")
-    with pytest.raises(ConfigError, match="window_size"):
-        request_fly_config({"rejection_sample_method": "fly", "fly_window_size": -1}, greedy=True, switch="request")
-
-
 def test_an_operator_profile_sets_fly_and_refuses_looser_requests(tmp_path) -> None:
     from flyspec_vllm.options import PROFILE_VARIABLE, operator_profile
 
@@ -136,19 +223,29 @@ def test_an_operator_profile_sets_fly_and_refuses_looser_requests(tmp_path) -> N
     path = tmp_path / "profile.json"
     Profile(make_profile(target)).save(path)
     assert operator_profile({}) is None
+    with pytest.raises(ConfigError, match="calibrated on flyspec's engine.*--engine vllm"):
+        operator_profile({PROFILE_VARIABLE: str(path)})  # made on flyspec's engine, no agreement shown
+    record = make_profile(target)
+    record["engine"] = {"name": "vllm", "version": "0.32.0"}
+    Profile(record).save(path)
     limit = operator_profile({PROFILE_VARIABLE: str(path)})
-    assert limit is not None and limit.fly == FLY_POINT.fly and limit.guard == FLY_POINT.guard
+    assert limit is not None and limit.fly is not None and limit.fly.fly == FLY_POINT.fly
+    assert limit.guard == FLY_POINT.guard
     fly = {"rejection_sample_method": "fly"}
-    assert request_fly_config(fly, greedy=True, switch="request", limit=limit) == FLY_POINT.fly
+    assert request_options(fly, greedy=True, switch="request", limit=limit).rule.fly == FLY_POINT.fly
     stricter = {**fly, "fly_entropy_threshold": 0.9, "fly_window_size": 5}
-    assert request_fly_config(stricter, greedy=True, switch="request", limit=limit).entropy_threshold == 0.9
+    assert request_options(stricter, greedy=True, switch="request", limit=limit).rule.fly.entropy_threshold == 0.9
     for looser in ({"fly_entropy_threshold": 0.1}, {"fly_window_size": 2}):
         with pytest.raises(ConfigError, match="looser than the operator's profile"):
-            request_fly_config({**fly, **looser}, greedy=True, switch="request", limit=limit)
+            request_options({**fly, **looser}, greedy=True, switch="request", limit=limit)
+    with pytest.raises(ConfigError, match="no margin point"):
+        request_options({"flyspec_rule": {"verifier": "margin"}}, greedy=True, switch="request", limit=limit)
     with pytest.raises(ConfigError, match="sets the guards"):
         operator_profile({PROFILE_VARIABLE: str(path), "FLYSPEC_VLLM_GUARDS": "bare"})
-    Profile(make_profile(target, chosen=None)).save(path)
-    with pytest.raises(ConfigError, match="no FLy setting"):
+    record = make_profile(target, chosen=None)
+    record["engine"] = {"name": "vllm"}
+    Profile(record).save(path)
+    with pytest.raises(ConfigError, match="no lossy setting"):
         operator_profile({PROFILE_VARIABLE: str(path)})
 
 
@@ -219,6 +316,27 @@ def test_ngram_proposer_proposes_flyspecs_lookup() -> None:
     token_ids[0, :7] = [5, 6, 7, 8, 9, 5, 6]
     drafts = proposer.propose([[6], []], torch.tensor([7, 3]).numpy(), token_ids)
     assert drafts == [[7, 8, 9, 5], []]  # the continuation of the earlier "5 6"; no new token, no draft
+
+
+def test_a_request_that_asks_for_no_drafts_gets_none(monkeypatch) -> None:
+    """``flyspec_draft: false``: the _sample wrapper marks its row, the proposer (called next) leaves it empty."""
+    config = SimpleNamespace(
+        speculative_config=SimpleNamespace(num_speculative_tokens=4, prompt_lookup_max=None, prompt_lookup_min=None),
+        model_config=SimpleNamespace(max_model_len=64),
+    )
+    params = {"a": {"flyspec_draft": False}, "b": None}
+    runner = SimpleNamespace(
+        input_batch=SimpleNamespace(req_ids=["a", "b"]),
+        requests={
+            name: SimpleNamespace(sampling_params=SimpleNamespace(extra_args=args)) for name, args in params.items()
+        },
+    )
+    monkeypatch.setattr(patch, "STATE", patch.PluginState(switch="request", guard=GuardConfig()))
+    patch.STATE.draftless = patch.draftless_rows(runner)
+    token_ids = torch.zeros((2, 64), dtype=torch.int32).numpy()
+    token_ids[:, :7] = [5, 6, 7, 8, 9, 5, 6]
+    drafts = NgramProposer(config).propose([[6], [6]], torch.tensor([7, 7]).numpy(), token_ids)
+    assert drafts == [[], [7, 8, 9, 5]]
 
 
 def test_the_worker_sizes_the_kv_cache_in_bytes_unless_told_a_fraction() -> None:

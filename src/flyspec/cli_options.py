@@ -319,3 +319,58 @@ def quiet_transformers() -> None:
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
+
+
+ENGINE_NAMES = ("flyspec", "vllm")
+
+
+def add_engine_options(parser: argparse.ArgumentParser, what: str) -> None:
+    """``--engine`` and how a vLLM engine runs (``flyspec calibrate`` and ``flyspec eval``)."""
+    group = parser.add_argument_group("engine")
+    group.add_argument(
+        "--engine",
+        choices=ENGINE_NAMES,
+        default="flyspec",
+        help=f"flyspec (default): {what} on flyspec's own engine, one prompt at a time; vllm: on vLLM with the "
+        "flyspec-vllm plugin (its venv: --vllm-venv), every prompt and setting of a wave batched, the model "
+        "loaded only there (here only its tokenizer): what a vLLM deployment runs, on a CPU or a GPU cluster",
+    )
+    group.add_argument("--vllm-venv", help="the vLLM venv (default: $FLYSPEC_VLLM_VENV, else .venv-vllm)")
+    group.add_argument("--tensor-parallel-size", type=int, default=1, help="vLLM's tensor_parallel_size (default 1)")
+    group.add_argument("--max-model-len", type=int, default=4096, help="vLLM's max_model_len (default 4096)")
+    memory = group.add_mutually_exclusive_group()
+    memory.add_argument(
+        "--kv-cache-memory-bytes",
+        type=int,
+        help="vLLM's KV cache in bytes (default 1 GiB): the same on every machine",
+    )
+    memory.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        help="size vLLM's KV cache as this fraction of the device's memory instead (on a GPU cluster)",
+    )
+    group.add_argument("--max-num-seqs", type=int, help="vLLM's max_num_seqs: the most requests in one batch")
+    group.add_argument(
+        "--wave", type=int, default=64, help="--engine vllm: prompts submitted together (vLLM's batch; default 64)"
+    )
+    group.add_argument(
+        "--no-vllm-eager",
+        dest="vllm_eager",
+        action="store_false",
+        help="let vLLM compile its model (slower to start; default: enforce_eager, which starts ~3x faster on a CPU)",
+    )
+
+
+def vllm_options(args: argparse.Namespace) -> Any:
+    """The :class:`~flyspec.harness.vllm_worker.VllmOptions` of :func:`add_engine_options`' flags."""
+    from flyspec.harness.vllm_worker import VllmOptions
+
+    return VllmOptions(
+        venv=args.vllm_venv,
+        tensor_parallel_size=args.tensor_parallel_size,
+        max_model_len=args.max_model_len,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_num_seqs=args.max_num_seqs,
+        eager=args.vllm_eager,
+    )

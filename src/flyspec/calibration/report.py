@@ -132,6 +132,24 @@ def _what_cost_meaning(records: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def engine_line(engine: dict[str, Any]) -> str:
+    """Where the points were decoded: flyspec's engine (one prompt at a time), or vLLM with its batch."""
+    if engine.get("name") != "vllm":
+        return "flyspec's own, one prompt at a time (points replayed from shared target forwards)"
+    memory = (
+        f"KV cache {engine['kv_cache_memory_bytes'] / 2**30:.2f} GiB"
+        if engine.get("kv_cache_memory_bytes")
+        else f"gpu_memory_utilization {engine.get('gpu_memory_utilization')}"
+    )
+    return (
+        f"vLLM {engine.get('version')} with the flyspec-vllm plugin, waves of {engine.get('wave_size')} prompts, "
+        f"up to {engine.get('largest_batch')} requests submitted together; tensor parallel "
+        f"{engine.get('tensor_parallel_size')}, {memory}, {'eager' if engine.get('enforce_eager') else 'compiled'}; "
+        f"{engine.get('counter_mismatches', 0)} of {engine.get('submissions')} submissions' replayed drafts differed "
+        "from vLLM's counters"
+    )
+
+
 def write_report(record: dict[str, Any], records: list[dict[str, Any]], out_dir: Path) -> Path:
     machine = record["machine"]
     data = record["data"]
@@ -143,9 +161,12 @@ def write_report(record: dict[str, Any], records: list[dict[str, Any]], out_dir:
         f"- **Machine**: {machine['cpu']} ({machine['isa']}), {machine['cores']} cores, {machine['threads']} threads",
         f"- **Data**: {data['sources']} ({', '.join(data['tasks'])}), {data['n']} prompts, greedy",
         f"- **Command**: `{record['command']}`" if record.get("command") else "- **Command**: the Python API",
+        f"- **Engine**: {engine_line(record.get('engine') or {})}",
         f"- **Cost model** (projection): t(1) = {cost['t1_ms']:.1f} ms, t(16)/t(1) = "
         f"{cost['t_relative'].get('16', float('nan')):.2f}, drafter {cost['draft_ms_per_token']:.2f} ms "
-        f"per draft token ({cost['draft_relative_to_t1']:.2f} t(1))",
+        f"per draft token ({cost['draft_relative_to_t1']:.2f} t(1))"
+        + (" (fitted on vLLM, one prompt at a time: t(n) linear in n, the proposer included)"
+           if (record.get("engine") or {}).get("name") == "vllm" else ""),
         "",
         *_choice(record),
         "",

@@ -18,7 +18,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from flyspec.api import build_decoder
 from flyspec.baseline import PlainDecoder
@@ -35,7 +35,7 @@ from flyspec.generation import Decoder
 from flyspec.harness.data import JsonlWriter, read_records
 from flyspec.resources import Resources
 from flyspec.result import GenerationResult
-from flyspec.runtime.loaded_model import LoadedModel
+from flyspec.runtime.loaded_model import LoadedModel, PromptCodec
 
 logger = logging.getLogger(__name__)
 
@@ -68,17 +68,85 @@ class PointState:
         self.looped += bool(record["loop"])
 
 
+Outputs = dict[str, GenerationResult]  # point name (PLAIN, BASELINE, the points) → its output on one prompt
+
+
+@dataclass(frozen=True)
+class Work:
+    """One prompt of a wave: its ids, length and stops, and the points still to run on it."""
+
+    item: CalibrationItem
+    prompt: str
+    prompt_ids: list[int]
+    decode: DecodeConfig
+    pending: list[Point]
+    need_plain: bool
+
+
+class CalibrationEngine(Protocol):
+    """Decodes a wave of prompts: plain decoding (where ``need_plain``), the baseline and the pending points."""
+
+    wave_size: int
+
+    def run(self, wave: list[Work]) -> dict[str, Outputs]: ...  # item key → outputs
+
+
+class ReplayEngine:
+    """flyspec's own engine, one prompt at a time: the baseline's target forwards fill the replay store, plain
+    decoding and every point replay from it and add only the forwards of their own divergent paths."""
+
+    wave_size = 1
+
+    def __init__(
+        self, target: LoadedModel, base: SpeculationConfig, points: list[Point], resources: Resources
+    ) -> None:
+        self.target, self.points, self.resources = target, points, resources
+        self.scores = ScoreStore(target)
+        self.drafts = DraftStore(make_drafter(base, target, resources))
+        self.decoders: dict[str, Decoder] = {PLAIN: self._replayed(PlainDecoder(target))}
+        for point in points:
+            decoder = build_decoder(target, point.speculation, resources=resources)
+            self.decoders[point.name] = self._replayed(decoder)
+
+    def _replayed(self, decoder: Decoder) -> Decoder:
+        decoder.scorer = ReplayTarget(self.scores)  # type: ignore[assignment]
+        if isinstance(decoder, SpeculativeDecoder):
+            decoder.drafter = ReplayDrafter(self.drafts, decoder.drafter.name)
+        return decoder
+
+    def run(self, wave: list[Work]) -> dict[str, Outputs]:
+        return {work.item.key: self._run_one(work) for work in wave}
+
+    def _run_one(self, work: Work) -> Outputs:
+        self.scores.begin(work.prompt_ids)
+        self.drafts.begin(work.prompt_ids)
+        outputs = {BASELINE: self._generate(BASELINE, work)}  # fills the store along the greedy path
+        if work.need_plain:
+            outputs[PLAIN] = self._generate(PLAIN, work)
+        for point in work.pending:
+            if point.name != BASELINE:
+                outputs[point.name] = self._generate(point.name, work)
+        return outputs
+
+    def _generate(self, name: str, work: Work) -> GenerationResult:
+        return self.decoders[name].generate(work.prompt_ids, config=work.decode)
+
+
 @dataclass
 class Calibrator:
-    """Runs ``points`` on ``items`` with ``target`` by replay, writing ``out_dir/records.jsonl``."""
+    """Runs ``points`` on ``items`` with ``engine`` (wave by wave), writing ``out_dir/records.jsonl``.
 
-    target: LoadedModel
-    base: SpeculationConfig  # the drafter, as every point shares it (its skip layers pinned)
+    Records are written and the points judged prompt by prompt, in order, whatever the engine's wave: a point
+    that leaves the budget at a prompt keeps no record of the later prompts of its wave, so the records (and
+    the verdicts) are those a prompt-at-a-time run would write.
+    """
+
+    target: PromptCodec
     points: list[Point]
     items: list[CalibrationItem]
     budget: Budget
     out_dir: Path
-    resources: Resources
+    engine: CalibrationEngine
     use_chat: bool | None = None
     resume: bool = False
     states: dict[str, PointState] = field(init=False)
@@ -86,12 +154,6 @@ class Calibrator:
     def __post_init__(self) -> None:
         if self.points[0].name != BASELINE:
             raise ValueError("the first point must be the lossless baseline")
-        self.scores = ScoreStore(self.target)
-        self.drafts = DraftStore(make_drafter(self.base, self.target, self.resources))
-        self.decoders: dict[str, Decoder] = {PLAIN: self._replayed(PlainDecoder(self.target))}
-        for point in self.points:
-            decoder = build_decoder(self.target, point.speculation, resources=self.resources)
-            self.decoders[point.name] = self._replayed(decoder)
         self.states = {point.name: PointState() for point in self.points}
         path = self.out_dir / RECORDS_FILE
         self.records: dict[tuple[str, str], dict[str, Any]] = {}
@@ -100,12 +162,6 @@ class Calibrator:
                 self.records[(record["item"], record["point"])] = record
         self.writer = JsonlWriter(path, append=self.resume)
         self._replay_states()
-
-    def _replayed(self, decoder: Decoder) -> Decoder:
-        decoder.scorer = ReplayTarget(self.scores)  # type: ignore[assignment]
-        if isinstance(decoder, SpeculativeDecoder):
-            decoder.drafter = ReplayDrafter(self.drafts, decoder.drafter.name)
-        return decoder
 
     def _replay_states(self) -> None:
         """Counts and standings from the records already written (``resume``), in prompt order."""
@@ -122,46 +178,49 @@ class Calibrator:
 
     def run(self, progress: Progress | None = None) -> None:
         try:
-            for index, item in enumerate(self.items):
-                pending = [p for p in self.running if (item.key, p.name) not in self.records]
-                if pending:
-                    self._run_item(item, pending)
-                    self._judge()
-                if progress:
-                    progress(index + 1, len(self.running), item.key)
+            size = max(1, self.engine.wave_size)
+            for start in range(0, len(self.items), size):
+                wave = [work for item in self.items[start : start + size] if (work := self.work_for(item)) is not None]
+                outputs = self.engine.run(wave) if wave else {}
+                for index, item in enumerate(self.items[start : start + size], start=start):
+                    if item.key in outputs:
+                        self._write_item(item, outputs[item.key])
+                        self._judge()
+                    if progress:
+                        progress(index + 1, len(self.running), item.key)
         finally:
             self.writer.close()
 
-    def _run_item(self, item: CalibrationItem, pending: list[Point]) -> None:
+    def work_for(self, item: CalibrationItem, fresh: bool = False) -> Work | None:
+        """``item`` as a prompt to decode, with the points still to run on it (None: none); ``fresh``: as a
+        prompt to decode again whatever was recorded (the live check, the cost measurement)."""
+        pending = [p for p in self.running if (item.key, p.name) not in self.records]
+        if not pending and not fresh:
+            return None
         prompt = item.task.prompt(item.item)
         try:
             prompt_ids = self.target.encode_prompt(prompt, self.use_chat)
         except ConfigError as error:
             raise ConfigError(f"calibration prompt {item.key}: {error}") from error
         decode = DecodeConfig(max_new_tokens=item.task.max_new_tokens, stop_strings=item.task.stop)
-        self.scores.begin(prompt_ids)
-        self.drafts.begin(prompt_ids)
-        baseline = self._generate(BASELINE, prompt_ids, decode)  # fills the store along the greedy path
-        plain = self._plain_record(item, prompt, prompt_ids, decode)
-        for point in pending:
-            result = baseline if point.name == BASELINE else self._generate(point.name, prompt_ids, decode)
-            self._write(self._record(item, point, prompt, result, plain))
+        return Work(item, prompt, prompt_ids, decode, pending, (item.key, PLAIN) not in self.records)
 
-    def _generate(self, name: str, prompt_ids: list[int], decode: DecodeConfig) -> GenerationResult:
-        return self.decoders[name].generate(prompt_ids, config=decode)
+    def _write_item(self, item: CalibrationItem, outputs: Outputs) -> None:
+        """The records of one prompt, for the points still running when its turn comes (in prompt order)."""
+        prompt = item.task.prompt(item.item)
+        plain = self.records.get((item.key, PLAIN))
+        if plain is None:
+            plain = self._plain_record(item, len(self.target.encode_prompt(prompt, self.use_chat)), outputs[PLAIN])
+        for point in self.running:
+            if (item.key, point.name) not in self.records and point.name in outputs:
+                self._write(self._record(item, point, prompt, outputs[point.name], plain))
 
-    def _plain_record(
-        self, item: CalibrationItem, prompt: str, prompt_ids: list[int], decode: DecodeConfig
-    ) -> dict[str, Any]:
-        record = self.records.get((item.key, PLAIN))
-        if record is not None:
-            return record
-        result = self._generate(PLAIN, prompt_ids, decode)
+    def _plain_record(self, item: CalibrationItem, prompt_tokens: int, result: GenerationResult) -> dict[str, Any]:
         record = {
             "item": item.key,
             "task": item.task.name,
             "point": PLAIN,
-            "prompt_tokens": len(prompt_ids),
+            "prompt_tokens": prompt_tokens,
             "text": result.text,
             "token_ids": result.token_ids,
             "finish_reason": result.finish_reason,

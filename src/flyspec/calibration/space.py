@@ -72,13 +72,14 @@ class Point:
         return self.rule == "exact"
 
 
-def base_speculation(spec: SpeculationConfig) -> SpeculationConfig:
+def base_speculation(spec: SpeculationConfig, policy: str | None = None) -> SpeculationConfig:
     """The drafter part of ``spec`` every point shares: lossy settings reset, the draft length pinned.
 
     Copy drafters run at the cost-aware length (their fastest); model drafters at a fixed length,
     since a cost-aware model drafter's length depends on timings that a replayed run does not have.
+    ``policy`` pins another (``fixed`` on vLLM, whose draft length is its ``num_speculative_tokens``).
     """
-    policy = "cost" if spec.drafter in COPY_DRAFTERS else "fixed"
+    policy = policy or ("cost" if spec.drafter in COPY_DRAFTERS else "fixed")
     return dataclasses.replace(
         spec,
         profile=PROFILE_NONE,  # every point runs as given, never a shipped profile's settings
@@ -119,14 +120,16 @@ def fly_point(
     return _point(base, "fly", family, order, name, settings, fly=fly, guard=guard)
 
 
-def points(spec: SpeculationConfig, grid: str = "default", rules: tuple[str, ...] = RULES) -> list[Point]:
-    """The grid's points for ``spec``'s drafter (lossless baselines first)."""
+def points(
+    spec: SpeculationConfig, grid: str = "default", rules: tuple[str, ...] = RULES, draft_length: str | None = None
+) -> list[Point]:
+    """The grid's points for ``spec``'s drafter (lossless baselines first; ``draft_length``: see base_speculation)."""
     if grid not in GRIDS:
         raise ConfigError(f"unknown grid {grid!r}; choose from: {', '.join(GRIDS)}")
     unknown = [rule for rule in rules if rule not in RULES]
     if unknown or not rules:
         raise ConfigError(f"unknown rule {(unknown or [''])[0]!r}; choose from: {', '.join(RULES)}")
-    base = base_speculation(spec)
+    base = base_speculation(spec, draft_length)
     found = [Point("exact", "exact", "exact", 0, base, {"draft_length": base.draft_length.policy})]
     if base.draft_length.policy == "cost":
         fixed = dataclasses.replace(base, draft_length=DraftLengthConfig(policy="fixed"))

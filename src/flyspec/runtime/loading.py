@@ -31,7 +31,7 @@ from flyspec.names import DTYPE_NAMES, PACKAGED_MODELS
 from flyspec.runtime.compiled_steps import compile_steps
 from flyspec.runtime.kernels import check_kernels
 from flyspec.runtime.kernels import install as install_kernels
-from flyspec.runtime.loaded_model import LoadedModel, weights_fingerprint
+from flyspec.runtime.loaded_model import LoadedModel, ServedModel, checkpoint_fingerprint, weights_fingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -171,6 +171,38 @@ def load_model(
         model=model, tokenizer=tokenizer, name=name_or_path, kernels=installed, weights_fingerprint=fingerprint
     )
     return compile_steps(loaded) if compile else loaded
+
+
+def load_served(name_or_path: str, dtype: str | torch.dtype = DEFAULT_DTYPE) -> ServedModel:
+    """A model another engine (vLLM) will run: its Hugging Face directory, tokenizer, EOS ids and fingerprints, and
+    the dtype it is asked to run in (``auto`` resolved as :func:`resolve_dtype` does here); no weights are loaded."""
+    from transformers import GenerationConfig
+
+    torch_dtype = resolve_dtype(dtype)
+    source = _resolve_to_hf_source(name_or_path)
+    if not Path(source).is_dir():
+        raise ModelLoadError(
+            f"model {name_or_path!r}: another engine needs a local model directory or a .gguf file, not a hub id; "
+            "download it first (huggingface-cli download) and pass the directory"
+        )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError) as error:
+        raise ModelLoadError(f"could not load the tokenizer of {name_or_path!r} ({_first_line(error)})") from error
+    try:
+        generation_eos = GenerationConfig.from_pretrained(source).eos_token_id
+    except OSError:  # no generation_config.json: the tokenizer's EOS alone
+        generation_eos = None
+    eos: set[int] = {int(tokenizer.eos_token_id)} if tokenizer.eos_token_id is not None else set()
+    eos.update([generation_eos] if isinstance(generation_eos, int) else list(generation_eos or ()))
+    return ServedModel(
+        tokenizer=tokenizer,
+        name=name_or_path,
+        path=source,
+        dtype_name=str(torch_dtype).removeprefix("torch."),
+        eos_token_ids=frozenset(eos),
+        weights_fingerprint=checkpoint_fingerprint(source),
+    )
 
 
 def _resolve_to_hf_source(name_or_path: str) -> str:

@@ -145,5 +145,12 @@ class FlyVerifier:
             base_accept = (samples[:, :k] == draft.tokens).any(0)  # [k]
             next_token = samples[0]  # [k + 1]: the recovered token is the first sample
 
-        candidates, entropy = fly_candidates(base_accept, target_logits, self.config, draft.tokens)
+        candidates, entropy = self.candidates(base_accept, draft.tokens, target_logits)
         return loose_verdict(draft, target_logits, base_accept, candidates, entropy, next_token, self.guard, context)
+
+    def candidates(
+        self, base_accept: torch.Tensor, draft_tokens: torch.Tensor, target_logits: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``([k] bool, [k])``: the mismatches this rule would keep before the guards, and its evidence (the
+        entropy). What the vLLM plugin applies to a request (``integrations/vllm``: the same code)."""
+        return fly_candidates(base_accept, target_logits, self.config, draft_tokens)

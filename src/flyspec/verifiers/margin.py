@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from flyspec.acceptance import where_needed
 from flyspec.config import GuardConfig, MarginConfig, SamplingConfig
 from flyspec.types import Draft, Verdict, VerifyContext
 from flyspec.verifiers.base import loose_verdict
@@ -70,8 +71,19 @@ class MarginVerifier:
         generator: torch.Generator | None,
         context: VerifyContext | None = None,
     ) -> Verdict:
-        k = draft.num_tokens
         base_accept, next_token = strict_base_rule(draft, target_logits, sampling, generator)
-        candidates = margin_loose_mask(draft.tokens, target_logits, self.config.logit_ratio) & ~base_accept
-        closeness = margin_closeness(target_logits[:k])[0]
+        candidates, closeness = self.candidates(base_accept, draft.tokens, target_logits)
         return loose_verdict(draft, target_logits, base_accept, candidates, closeness, next_token, self.guard, context)
+
+    def candidates(
+        self, base_accept: torch.Tensor, draft_tokens: torch.Tensor, target_logits: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``([k] bool, [k])``: the mismatches this rule would keep before the guards, and the closeness there
+        (NaN at the positions the base rule accepted: measured only where a loose accept could be)."""
+        tokens, ratio = draft_tokens, self.config.logit_ratio
+        closeness = where_needed(~base_accept, target_logits, lambda rows, _: margin_closeness(rows)[0], float("nan"))
+
+        def kept(rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            return margin_loose_mask(tokens[positions], rows, ratio)
+
+        return where_needed(~base_accept, target_logits, kept, False), closeness

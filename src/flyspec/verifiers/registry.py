@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from flyspec.config import ConfigError, SpeculationConfig
 from flyspec.names import LOSSLESS_VERIFIERS as LOSSLESS_VERIFIERS  # re-exported: the names live in names.py
 from flyspec.names import VERIFIERS
@@ -11,6 +13,9 @@ from flyspec.verifiers.fly import FlyVerifier
 from flyspec.verifiers.margin import MarginVerifier
 from flyspec.verifiers.rejection import RejectionVerifier
 from flyspec.verifiers.typical import TypicalVerifier
+
+# the SpeculationConfig fields make_verifier reads: what decides a loose accept
+LOSSY_RULE_FIELDS = ("verifier", "fly", "margin", "typical", "guard")
 
 
 def make_verifier(name: str, spec: SpeculationConfig | None = None) -> Verifier:
@@ -31,6 +36,13 @@ def make_verifier(name: str, spec: SpeculationConfig | None = None) -> Verifier:
     if name == "typical":
         return TypicalVerifier(spec.typical, guard=spec.guard)
     raise ConfigError(f"unknown verifier {name!r}; choose one of: {', '.join(VERIFIERS)}")
+
+
+def rule_mapping(spec: SpeculationConfig) -> dict[str, Any]:
+    """The fields of ``spec`` that decide a loose accept, JSON-ready (``SpeculationConfig.from_dict`` reads them
+    back): what a request names to get this rule from the vLLM plugin (``flyspec_rule``)."""
+    full = spec.to_dict()
+    return {name: full[name] for name in LOSSY_RULE_FIELDS}
 
 
 def check_draft_length(verifier: Verifier, speculation: SpeculationConfig) -> None:

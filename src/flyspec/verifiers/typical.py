@@ -15,10 +15,13 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from flyspec.acceptance import where_needed
 from flyspec.config import GuardConfig, SamplingConfig, TypicalConfig
 from flyspec.sampling import choose_tokens, logits_to_probs
 from flyspec.types import Draft, Verdict, VerifyContext
 from flyspec.verifiers.base import loose_verdict
+
+GREEDY = SamplingConfig()
 
 
 def typical_accept_mask(
@@ -57,19 +60,33 @@ class TypicalVerifier:
         context: VerifyContext | None = None,
     ) -> Verdict:
         k = draft.num_tokens
-        criterion_sampling = replace(sampling, temperature=1.0) if sampling.greedy else sampling
-        target_probs = logits_to_probs(target_logits, criterion_sampling)  # [k + 1, vocab]
         greedy_match = draft.tokens == target_logits[:k].argmax(-1)
-        accept = typical_accept_mask(draft.tokens, target_probs, self.config.epsilon, self.config.delta)
-        draft_probability = target_probs[:k].gather(-1, draft.tokens.unsqueeze(-1)).squeeze(-1)  # [k]
+        candidates, draft_probability = self.candidates(greedy_match, draft.tokens, target_logits, sampling)
         target_tokens = choose_tokens(target_logits, sampling, generator)  # [k + 1]
         return loose_verdict(
-            draft,
-            target_logits,
-            greedy_match,
-            accept & ~greedy_match,
-            draft_probability,
-            target_tokens,
-            self.guard,
-            context,
+            draft, target_logits, greedy_match, candidates, draft_probability, target_tokens, self.guard, context
+        )
+
+    def candidates(
+        self,
+        base_accept: torch.Tensor,  # [k] bool: the draft token is the target's argmax
+        draft_tokens: torch.Tensor,  # [k]
+        target_logits: torch.Tensor,  # [k (+1), vocab]
+        sampling: SamplingConfig = GREEDY,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``([k] bool, [k])``: the mismatches this rule would keep before the guards, and the draft token's
+        probability there (at temperature 1 when greedy; NaN where the base rule accepted)."""
+        criterion = replace(sampling, temperature=1.0) if sampling.greedy else sampling
+        tokens, epsilon, delta = draft_tokens, self.config.epsilon, self.config.delta
+
+        def probability(rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            return logits_to_probs(rows, criterion).gather(-1, tokens[positions].unsqueeze(-1)).squeeze(-1)
+
+        def kept(rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            return typical_accept_mask(tokens[positions], logits_to_probs(rows, criterion), epsilon, delta)
+
+        mismatch = ~base_accept
+        return (
+            where_needed(mismatch, target_logits, kept, False),
+            where_needed(mismatch, target_logits, probability, float("nan")),
         )

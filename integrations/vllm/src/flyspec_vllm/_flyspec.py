@@ -6,8 +6,8 @@ from flyspec.drafters.ngram import ngram_lookup
 from flyspec.profile import Profile, looser
 from flyspec.runtime.loaded_model import tokenizer_fingerprint
 from flyspec.types import Draft, VerifyContext
-from flyspec.verifiers.fly import fly_candidates
 from flyspec.verifiers.guard import guard_loose_mask
+from flyspec.verifiers.registry import LOSSY_RULE_FIELDS, make_verifier, rule_mapping
 from flyspec.verifiers.tokens import Vocabulary
 
 __all__ = [
@@ -15,15 +15,17 @@ __all__ = [
     "Draft",
     "FlyConfig",
     "GuardConfig",
+    "LOSSY_RULE_FIELDS",
     "NgramConfig",
     "Profile",
     "SpeculationConfig",
     "VerifyContext",
     "Vocabulary",
-    "fly_candidates",
     "guard_loose_mask",
     "looser",
+    "make_verifier",
     "ngram_lookup",
     "num_leading_true",
+    "rule_mapping",
     "tokenizer_fingerprint",
 ]

@@ -1,10 +1,11 @@
-"""Start-up checks and the two wrappers that put flyspec's FLy into vLLM's V1 engine.
+"""Start-up checks and the two wrappers that put flyspec's lossy rules into vLLM's V1 engine.
 
 Without forking vLLM, two internals are wrapped (both inherited by the CPU model runner):
 
-1. ``GPUModelRunner._sample``: before verification, the per-request rules (FLy settings from
-   ``SamplingParams.extra_args`` and the operator's switch, the generation so far for the
-   guards) are published in batch order for the duration of the call.
+1. ``GPUModelRunner._sample``: before verification, the per-request rules (FLy, MARS or typical
+   acceptance from ``SamplingParams.extra_args`` and the operator's switch, the generation so far
+   for the guards) are published in batch order for the duration of the call, and the rows whose
+   request asked for no drafts (``flyspec_draft: false``) for the proposer that runs right after.
 2. ``vllm.v1.sample.rejection_sampler.rejection_sample`` (called by ``RejectionSampler.forward``
    through the module's global): the target logits at the loose accepts are rewritten before
    vLLM's unchanged kernel runs (``rule.py``).
@@ -32,9 +33,10 @@ from flyspec_vllm.options import (
     operator_guards,
     operator_profile,
     operator_switch,
-    request_fly_config,
+    operator_trusts_requests,
+    request_options,
 )
-from flyspec_vllm.rule import RequestRule, fly_batch, keep_draft_tokens
+from flyspec_vllm.rule import RequestRule, apply_batch, keep_draft_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +73,9 @@ class PluginState:
     switch: str
     guard: GuardConfig
     profile: OperatorProfile | None = None  # the operator's calibration profile (options.py)
+    trusted: bool = False  # FLYSPEC_VLLM_TRUST_REQUESTS: requests may set guards, record and shadow
     enabled: bool = True
+    draftless: frozenset[int] = frozenset()  # this step's batch rows whose request asked for no drafts
     vocabularies: dict[int, Vocabulary] = field(default_factory=dict)  # per model runner
     memos: dict[str, dict[str, Any]] = field(default_factory=dict)  # per request id: the guards' memo
 
@@ -121,7 +125,7 @@ def install(import_module: Callable[[str], Any] = importlib.import_module) -> bo
     """Check vLLM's internals and wrap them; ``False`` (one warning, nothing patched) when a check fails."""
     global STATE
     try:
-        switch, profile = operator_switch(), operator_profile()
+        switch, profile, trusted = operator_switch(), operator_profile(), operator_trusts_requests()
         guard = profile.guard if profile is not None else operator_guards()
     except ConfigError as error:
         logger.warning("flyspec-vllm: FLy disabled, every request gets vLLM's lossless rule: %s", error)
@@ -143,7 +147,7 @@ def install(import_module: Callable[[str], Any] = importlib.import_module) -> bo
             "flyspec-vllm: this vLLM has a built-in FLy; requests that ask the plugin for FLy get flyspec's "
             "guarded rule, an engine-wide rejection_sample_method='fly' is vLLM's own (without the guards)"
         )
-    STATE = PluginState(switch=switch, guard=guard, profile=profile)
+    STATE = PluginState(switch=switch, guard=guard, profile=profile, trusted=trusted)
     _wrap(internals.sampler_module, "rejection_sample", _wrap_rejection_sample)
     _wrap(internals.runner_class, "_sample", _wrap_sample)
     logger.info("flyspec-vllm: FLy installed (switch=%s, guards=%s)", switch, guard)
@@ -168,10 +172,11 @@ def _disable(reason: str) -> None:
 def _wrap_sample(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def _sample(self: Any, logits: Any, spec_decode_metadata: Any) -> Any:
-        if spec_decode_metadata is None or STATE is None or not STATE.enabled:
+        if STATE is None or not STATE.enabled:
             return original(self, logits, spec_decode_metadata)
         try:
-            rules = batch_rules(self, STATE)
+            STATE.draftless = draftless_rows(self)
+            rules = batch_rules(self, STATE) if spec_decode_metadata is not None else None
         except (AttributeError, KeyError, TypeError, IndexError) as error:
             _disable(f"the model runner changed shape: {type(error).__name__}: {error}")
             rules = None
@@ -188,13 +193,13 @@ def _wrap_rejection_sample(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def rejection_sample(draft_token_ids: Any, num_draft_tokens: Any, *args: Any, **kwargs: Any) -> Any:
         rules = _batch_rules.get()
-        if rules and any(rule.fly is not None for rule in rules):
+        if rules and any(rule.active for rule in rules):
             if len(rules) != len(num_draft_tokens):
                 _disable(f"{len(rules)} requests in the batch but {len(num_draft_tokens)} draft counts")
             else:
                 names = REJECTION_SAMPLE_PARAMETERS[2:]
                 bound = dict(zip(names, args, strict=False)) | kwargs
-                outcome = fly_batch(draft_token_ids, num_draft_tokens, bound["target_logits"], rules)
+                outcome = apply_batch(draft_token_ids, num_draft_tokens, bound["target_logits"], rules)
                 metrics.record(outcome)
                 bound["target_logits"] = keep_draft_tokens(
                     bound["target_logits"], draft_token_ids, outcome.loose_positions
@@ -215,24 +220,44 @@ def batch_rules(runner: Any, state: PluginState) -> list[RequestRule]:
     for index, req_id in enumerate(batch.req_ids):
         params = runner.requests[req_id].sampling_params
         greedy = params is not None and params.temperature < GREEDY_TEMPERATURE_EPSILON
+        extra_args = getattr(params, "extra_args", None)
         try:
-            fly = request_fly_config(getattr(params, "extra_args", None), greedy, state.switch, state.profile)
-            vocabulary = vocabulary_of(runner, state) if fly is not None else None
+            options = request_options(extra_args, greedy, state.switch, state.profile, state.guard, state.trusted)
+            active = options.rule is not None or bool(options.shadow)
+            vocabulary = vocabulary_of(runner, state) if active else None
         except ConfigError as error:
             logger.warning("flyspec-vllm: request %s gets vLLM's lossless rule: %s", req_id, error)
-            fly = None
-        if fly is None:
+            active = False
+        if not active:
             rules.append(RequestRule())
             continue
         num_tokens = int(batch.num_tokens_no_spec[index])
+        prompt_length = int(batch.num_prompt_tokens[index])
         context = VerifyContext(
             token_ids=[int(t) for t in batch.token_ids_cpu[index, :num_tokens]],
-            prompt_length=int(batch.num_prompt_tokens[index]),
+            prompt_length=prompt_length,
             vocabulary=vocabulary,
             memo=state.memos.setdefault(req_id, {}),
         )
-        rules.append(RequestRule(fly=fly, guard=state.guard, context=context))
+        start = num_tokens - prompt_length  # the output index of this step's first draft position
+        rules.append(RequestRule(options.rule, context, start, options.record, options.shadow))
     return rules
+
+
+def draftless_rows(runner: Any) -> frozenset[int]:
+    """The batch rows whose request asked for no drafts (``flyspec_draft: false``), for :func:`draftless`."""
+    rows = set()
+    for index, req_id in enumerate(runner.input_batch.req_ids):
+        params = runner.requests[req_id].sampling_params
+        extra_args = getattr(params, "extra_args", None) or {}
+        if extra_args.get("flyspec_draft") is False:
+            rows.add(index)
+    return frozenset(rows)
+
+
+def draftless() -> frozenset[int]:
+    """This step's batch rows that get no drafts: the proposer asks right after ``_sample`` (same batch order)."""
+    return STATE.draftless if STATE is not None and STATE.enabled else frozenset()
 
 
 def vocabulary_of(runner: Any, state: PluginState) -> Vocabulary:

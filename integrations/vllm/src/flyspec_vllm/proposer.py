@@ -3,7 +3,8 @@
 Use ``"model": "flyspec_vllm.NgramProposer"``. The lookup is flyspec's own ``ngram_lookup``
 (most recent match, LZ77-style periodic extension; ``drafters/ngram.py``), so vLLM and
 ``flyspec generate --drafter ngram`` propose the same tokens. n-gram sizes: vLLM's
-``prompt_lookup_max`` / ``prompt_lookup_min`` where given, else flyspec's ``NgramConfig``.
+``prompt_lookup_max`` / ``prompt_lookup_min`` where given, else flyspec's ``NgramConfig``. A request that
+asks for none (``extra_args={"flyspec_draft": false}``) gets no drafts: plain decoding in the same engine.
 """
 
 from __future__ import annotations
@@ -34,10 +35,13 @@ class NgramProposer:
         slot_mappings: Any = None,  # unused (no KV cache)
     ) -> list[list[int]]:
         drafts: list[list[int]] = []
+        from flyspec_vllm.patch import draftless as draftless_rows  # set by the _sample wrapper this step
+
+        draftless = draftless_rows()  # rows whose request asked for plain decoding (flyspec_draft: false)
         for index, sampled in enumerate(sampled_token_ids):
             num_tokens = int(num_tokens_no_spec[index])
             room = min(self.num_draft_tokens, self.max_model_len - num_tokens - 1)
-            if not sampled or room <= 0:
+            if not sampled or room <= 0 or index in draftless:
                 drafts.append([])
                 continue
             context = token_ids_cpu[index, :num_tokens]

@@ -1,16 +1,26 @@
-"""A vLLM engine behind a JSON-lines pipe, for flyspec's bench and eval (run in the vLLM venv).
+"""A vLLM engine behind a JSON-lines pipe, for flyspec's bench, eval and calibrate (run in the vLLM venv).
 
 ``python -m flyspec_vllm.worker --model DIR --method vllm-ngram+fly --dtype float32`` starts one
-``vllm.LLM`` and then answers one JSON object per stdin line:
+``vllm.LLM``, prints ``{"ready": true, "vllm_version": ..., "plugin": ...}`` (or ``{"error": "..."}`` and
+exits 1 when the engine cannot start), then answers one JSON object per stdin line:
 
 ``{"prompts": [[ids], ...], "max_tokens": N}`` → ``{"outputs": [[ids], ...], "seconds": s,
 "drafts": d, "draft_tokens": t, "accepted": a, "loose_accepts": l}``: all prompts of a line are
 submitted at once (one prompt: batch 1), counters are the differences over that call.
 
+``{"requests": [{"key": k, "prompt": [ids], "max_tokens": N, "extra_args": {...}}, ...]}`` →
+``{"outputs": [{"key": k, "token_ids": [...], "finish_reason": ..., "record": {...}}, ...], "seconds": s,
+...counters}``: every request with its own settings (``flyspec_vllm.options``: its lossy rule, no drafts,
+its shadow rules), all submitted at once so that vLLM batches across them; ``record`` is what the plugin
+recorded of the request (``flyspec_vllm.records``: loose accepts, shadow divergences).
+
 Methods: ``vllm-plain`` (no speculation), ``vllm-ngram`` (vLLM's own n-gram proposer, lossless),
 ``vllm-ngram+fly`` (flyspec's n-gram drafter, FLy with the trust guards for every request),
-``vllm-ngram+fly+bare`` (the same with the paper's bare rule: ``FLYSPEC_VLLM_GUARDS=bare``).
+``vllm-ngram+fly+bare`` (the same with the paper's bare rule: ``FLYSPEC_VLLM_GUARDS=bare``),
+``vllm-flyspec-rules`` (flyspec's n-gram drafter; each request's own rule, guards and record, trusted:
+the engine of ``flyspec calibrate --engine vllm`` and ``flyspec eval --engine vllm``).
 ``--model`` is a complete HF directory, or a GGUF file converted to one with this venv's transformers.
+Nothing here assumes a CPU: ``--tensor-parallel-size``, ``--dtype`` and the memory options pass through.
 """
 
 from __future__ import annotations
@@ -25,7 +35,8 @@ from typing import Any
 
 # the KV cache's size: 1 GiB holds ~23k tokens of SmolLM2-135M in float32 (45 KiB each), plenty for a batch of 64
 DEFAULT_KV_CACHE_BYTES = 1 << 30
-METHODS = ("vllm-plain", "vllm-ngram", "vllm-flyspec-ngram", "vllm-ngram+fly", "vllm-ngram+fly+bare")
+RULES_METHOD = "vllm-flyspec-rules"
+METHODS = ("vllm-plain", "vllm-ngram", "vllm-flyspec-ngram", "vllm-ngram+fly", "vllm-ngram+fly+bare", RULES_METHOD)
 
 
 def speculative_config(method: str, num_draft_tokens: int) -> dict[str, Any] | None:
@@ -70,6 +81,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--num-draft-tokens", type=int, default=15)
     parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="vLLM's tensor_parallel_size")
+    parser.add_argument("--max-num-seqs", type=int, help="vLLM's max_num_seqs (default: vLLM's)")
     memory = parser.add_mutually_exclusive_group()
     memory.add_argument(
         "--kv-cache-memory-bytes",
@@ -88,54 +101,112 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    if args.method.startswith("vllm-ngram+fly"):
-        os.environ["FLYSPEC_VLLM_FLY"] = "all"  # read by the plugin in the engine process
-        os.environ["FLYSPEC_VLLM_GUARDS"] = "bare" if args.method.endswith("+bare") else "default"
-    elif args.method != "vllm-plain":
+def _set_plugin_environment(method: str) -> None:
+    """The plugin's operator settings for ``method`` (read by the plugin in the engine process)."""
+    if method.startswith("vllm-ngram+fly"):
+        os.environ["FLYSPEC_VLLM_FLY"] = "all"
+        os.environ["FLYSPEC_VLLM_GUARDS"] = "bare" if method.endswith("+bare") else "default"
+    elif method == RULES_METHOD:
+        os.environ["FLYSPEC_VLLM_FLY"] = "request"
+        os.environ["FLYSPEC_VLLM_TRUST_REQUESTS"] = "1"  # this pipe is flyspec's own: no other client reaches it
+        os.environ.pop("FLYSPEC_VLLM_PROFILE", None)  # a calibration measures settings, a profile would limit them
+    elif method != "vllm-plain":
         os.environ["FLYSPEC_VLLM_FLY"] = "off"
-
-    # one process: the plugin's counters (loose accepts) live where the rule runs
+    # one process: the plugin's counters and records live where the rule runs
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    from vllm import LLM, SamplingParams  # only in the vLLM venv
 
-    from flyspec_vllm import metrics
+
+def start_engine(args: argparse.Namespace) -> Any:
+    from vllm import LLM  # only in the vLLM venv
 
     model = args.model
     if model.endswith(".gguf"):
         from flyspec.runtime.loading import gguf_to_hf_dir
 
         model = str(gguf_to_hf_dir(Path(model)))
-    llm = LLM(
+    optional = {"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {}
+    return LLM(
         model=model,
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         enforce_eager=args.eager,
+        tensor_parallel_size=args.tensor_parallel_size,
         **memory_options(args.kv_cache_memory_bytes, args.gpu_memory_utilization),
+        **optional,
         speculative_config=speculative_config(args.method, args.num_draft_tokens),
+        enable_prefix_caching=True,  # points of a calibration share their prompts (and a continuation its prefix)
         disable_log_stats=False,
         seed=0,
     )
-    print(json.dumps({"ready": True}), flush=True)
-    for line in sys.stdin:
-        if not line.strip():
-            continue
-        request = json.loads(line)
-        params = SamplingParams(temperature=0.0, max_tokens=int(request["max_tokens"]), ignore_eos=False)
+
+
+def answer(llm: Any, request: dict[str, Any]) -> dict[str, Any]:
+    """One request line's reply (see the module docstring)."""
+    from vllm import SamplingParams
+
+    from flyspec_vllm import metrics, records
+
+    if "requests" in request:
+        items = request["requests"]
+        prompts = [{"prompt_token_ids": item["prompt"]} for item in items]
+        params = [
+            SamplingParams(temperature=0.0, max_tokens=int(item["max_tokens"]), extra_args=item.get("extra_args"))
+            for item in items
+        ]
+    else:
+        items = []
         prompts = [{"prompt_token_ids": ids} for ids in request["prompts"]]
-        before, loose_before = spec_counters(llm), metrics.snapshot()["loose_accepts"]
-        started = time.perf_counter()
-        results = llm.generate(prompts, params, use_tqdm=False)
-        seconds = time.perf_counter() - started
-        after = spec_counters(llm)
-        reply = {
-            "outputs": [list(result.outputs[0].token_ids) for result in results],
-            "seconds": seconds,
-            **{name: after[name] - before[name] for name in after},
-            "loose_accepts": metrics.snapshot()["loose_accepts"] - loose_before,
-        }
-        print(json.dumps(reply), flush=True)
+        params = SamplingParams(temperature=0.0, max_tokens=int(request["max_tokens"]), ignore_eos=False)
+    before, loose_before = spec_counters(llm), metrics.snapshot()["loose_accepts"]
+    started = time.perf_counter()
+    results = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - started
+    after = spec_counters(llm)
+    reply: dict[str, Any] = {
+        "seconds": seconds,
+        **{name: after[name] - before[name] for name in after},
+        "loose_accepts": metrics.snapshot()["loose_accepts"] - loose_before,
+    }
+    if not items:
+        reply["outputs"] = [list(result.outputs[0].token_ids) for result in results]
+        return reply
+    outputs = []
+    for item, result in zip(items, results, strict=True):
+        output = result.outputs[0]
+        key = (item.get("extra_args") or {}).get("flyspec_record")
+        outputs.append(
+            {
+                "key": item.get("key"),
+                "token_ids": list(output.token_ids),
+                "finish_reason": output.finish_reason,
+                "record": records.take(key) if key else None,
+            }
+        )
+    reply["outputs"] = outputs
+    return reply
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    _set_plugin_environment(args.method)
+    try:
+        import vllm
+
+        llm = start_engine(args)
+    except Exception as error:  # noqa: BLE001 - any start-up failure is reported to the caller in one line
+        message = " ".join(str(error).split()) or type(error).__name__
+        print(json.dumps({"error": f"{type(error).__name__}: {message}"}), flush=True)
+        return 1
+    from flyspec_vllm import patch
+
+    plugin = "installed" if patch.STATE is not None and patch.STATE.enabled else "not installed"
+    if args.method == RULES_METHOD and plugin != "installed":
+        print(json.dumps({"error": "the flyspec-vllm plugin did not install (see vLLM's log for why)"}), flush=True)
+        return 1
+    print(json.dumps({"ready": True, "vllm_version": vllm.__version__, "plugin": plugin}), flush=True)
+    for line in sys.stdin:
+        if line.strip():
+            print(json.dumps(answer(llm, json.loads(line))), flush=True)
     return 0
 
 

