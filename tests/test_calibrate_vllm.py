@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from flyspec.calibration.vllm_engine import count_steps, step_stats
 from flyspec.config import ConfigError, NgramConfig
+from flyspec.harness.vllm_session import count_steps, step_stats
 from flyspec.harness.vllm_worker import VllmOptions, check_venv, venv_python
 from test_cli import usage_error
 
@@ -110,11 +110,32 @@ def records(path: Path) -> dict[tuple[str, str], dict]:
     return found
 
 
+def unexplained_differences(on_vllm: dict, on_flyspec: dict, k: int = 15) -> list[tuple[str, str]]:
+    """The (prompt, point) whose outputs differ between the engines for a reason other than the one vLLM's
+    construction gives (calibration/vllm_engine.py): near the token limit, where flyspec's engine drafts only
+    the tokens left and vLLM its full k, the guards and windows see different drafts."""
+    from flyspec.calibration import data as calibration_data
+
+    items = calibration_data.load(calibration_data.resolve_tasks("generated", "contains"), 6, False)
+    limits = {item.key: item.task.max_new_tokens for item in items}
+    unexplained = []
+    for key, record in on_vllm.items():
+        other = on_flyspec[key]
+        if key[1] == "plain" or record.get("token_ids") == other.get("token_ids"):
+            continue
+        mine = {entry["index"] for entry in record.get("loose_accepts", [])}
+        theirs = {entry["index"] for entry in other.get("loose_accepts", [])}
+        disputed = min(mine ^ theirs, default=0)
+        if disputed < limits[key[0]] - k - 1:
+            unexplained.append(key)
+    return unexplained
+
+
 @needs_vllm
 def test_vllm_calibration_agrees_with_flyspecs_and_resumes_after_a_kill(tmp_path) -> None:
     """The same grid on both engines, float32: plain and exact identical on both, every point's outputs equal
-    except where vLLM's construction differs (see calibration/vllm_engine.py), each such prompt listed; a vLLM
-    run killed mid-way resumes without decoding a finished prompt again."""
+    except near the token limit (vLLM's construction: calibration/vllm_engine.py); a vLLM run killed mid-way
+    resumes without decoding a finished prompt again."""
     flyspec_run = run_calibrate(tmp_path / "flyspec", "--engine", "flyspec")
     assert flyspec_run.wait(timeout=900) == 0, flyspec_run.stdout.read() if flyspec_run.stdout else ""
     out = tmp_path / "vllm"
@@ -140,8 +161,7 @@ def test_vllm_calibration_agrees_with_flyspecs_and_resumes_after_a_kill(tmp_path
         if point in ("plain", "exact"):
             assert record.get("token_ids") == on_flyspec[(item, point)].get("token_ids"), (item, point)
     assert all(record["identical"] for (item, point), record in after.items() if point == "exact")
-    same = sum(record.get("token_ids") == on_flyspec[key].get("token_ids") for key, record in after.items())
-    assert same >= 0.9 * len(after)
+    assert unexplained_differences(after, on_flyspec) == []
     profile = json.loads((out / "profile.json").read_text())
     assert profile["engine"]["name"] == "vllm" and profile["engine"]["version"].startswith("0.")
     assert profile["engine"]["counter_mismatches"] == 0

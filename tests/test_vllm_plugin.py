@@ -272,6 +272,7 @@ def fake_vllm(*, with_rejection_sample: bool) -> dict[str, SimpleNamespace]:
         patch.SAMPLER_MODULE: sampler,
         patch.RUNNER_MODULE: SimpleNamespace(GPUModelRunner=GPUModelRunner),
         "vllm.config.speculative": SimpleNamespace(),
+        "vllm": SimpleNamespace(__version__="0.32.0"),
     }
 
 
@@ -348,3 +349,147 @@ def test_the_worker_sizes_the_kv_cache_in_bytes_unless_told_a_fraction() -> None
     assert worker.memory_options(256 << 20, 0.9) == {"gpu_memory_utilization": 0.9}  # a GPU user's choice
     args = worker.parse_args(["--model", "m", "--method", "vllm-plain"])
     assert (args.kv_cache_memory_bytes, args.gpu_memory_utilization) == (worker.DEFAULT_KV_CACHE_BYTES, None)
+
+
+class ReferenceKernel:
+    """vLLM 0.33's native FLy kernel as its Triton program is launched (``kernel[grid](*args)``), written in place
+    from ``vllm_fly_reference`` (a torch copy of vLLM's kernels)."""
+
+    def __init__(self, greedy: bool) -> None:
+        self.greedy = greedy
+
+    def __getitem__(self, grid: tuple[int, ...]):  # noqa: ANN204
+        return self.launch
+
+    def launch(self, cu_num, draft, *args, FLY_WINDOW_SIZE: int, **_: object) -> None:  # noqa: N803
+        import vllm_fly_reference as reference
+
+        threshold = args[5] if self.greedy else args[6]  # after (cu_num_draft_tokens, draft_token_ids)
+        start = 0
+        for end in cu_num.tolist():
+            ids = draft[start:end].tolist()
+            if self.greedy:  # target_argmax, target_logits
+                argmax, logits = args[0], args[1]
+                argmax[start:end] = torch.tensor(reference.greedy_argmax(ids, logits[start:end], FLY_WINDOW_SIZE,
+                                                                         threshold, 3))  # fmt: skip
+            else:  # draft_probs, target_probs, uniform_probs
+                target_probs, uniform = args[1], args[2]
+                uniform[start:end] = torch.tensor(reference.random_uniform(
+                    ids, None, target_probs[start:end], uniform[start:end].tolist(), FLY_WINDOW_SIZE, threshold, 3
+                ), dtype=uniform.dtype)  # fmt: skip
+            start = end
+
+
+def test_on_vllms_own_fly_the_guards_veto_its_loose_accepts_and_add_none(monkeypatch) -> None:
+    """vLLM 0.33 with rejection_sample_method='fly': native.py guards its pre-pass kernels. A loose accept the
+    guards refuse (a digit) goes back to the target's choice; one they allow stays; nothing else changes."""
+    from flyspec_vllm import native
+
+    sampler = SimpleNamespace(
+        apply_fly_greedy_acceptance_kernel=ReferenceKernel(greedy=True),
+        apply_fly_random_acceptance_kernel=ReferenceKernel(greedy=False),
+    )
+    rules_now: list = []
+    native.install(sampler, lambda: rules_now)
+    native.install(sampler, lambda: rules_now)  # twice: guarded once
+    assert isinstance(sampler.apply_fly_greedy_acceptance_kernel.kernel, ReferenceKernel)
+    generator = torch.Generator().manual_seed(4)
+    vetoed = kept = 0
+    for _ in range(200):
+        sizes = [8, 8]
+        requests = [random_request(generator, k, VOCAB) for k in sizes]
+        draft = torch.cat([d for d, _ in requests])
+        logits = torch.cat([lg[:-1] for _, lg in requests]).mul(0.3)  # flat distributions: FLy defers often
+        cu_num = torch.tensor([8, 16])
+        argmax = logits.argmax(-1)
+        unguarded = argmax.clone()
+        ReferenceKernel(True).launch(cu_num, draft, unguarded, logits, None, None, VOCAB, 0.1, FLY_WINDOW_SIZE=2)
+        guarded = argmax.clone()
+        context = VerifyContext([1, 2, 3, 4, 19, 13], 4, VOCABULARY)
+        rules_now[:] = [RequestRule(context=context, guard=GuardConfig()), RequestRule()]  # the 2nd: no guards
+        sampler.apply_fly_greedy_acceptance_kernel[(2,)](
+            cu_num, draft, guarded, logits, None, None, VOCAB, 0.1, FLY_WINDOW_SIZE=2
+        )
+        native_loose = unguarded != argmax
+        guarded_loose = guarded != argmax
+        assert bool((guarded_loose & ~native_loose).sum() == 0)  # vetoes only: never a loose accept vLLM did not make
+        assert torch.equal(guarded[8:], unguarded[8:])  # the unguarded request is vLLM's alone
+        context = VerifyContext([1, 2, 3, 4, 19, 13], 4, VOCABULARY)
+        expected, _ = guard_mask(draft[:8], argmax[:8], native_loose[:8], logits[:8], context)
+        first_veto = next((j for j in range(8) if native_loose[j] and not expected[j]), 8)
+        assert guarded_loose[:first_veto].tolist() == native_loose[:first_veto].tolist()
+        vetoed += int((native_loose & ~guarded_loose).sum())
+        kept += int(guarded_loose.sum())
+    assert vetoed > 5 and kept > 5, (vetoed, kept)
+
+
+def guard_mask(draft, argmax, loose, logits, context):  # noqa: ANN001, ANN201
+    from flyspec.verifiers.guard import guard_loose_mask
+
+    return guard_loose_mask(draft == argmax, loose, Draft(draft), logits, GuardConfig(), context)
+
+
+def test_the_plugin_says_which_mode_it_runs_in() -> None:
+    assert "has a built-in FLy" in patch.mode_line(True, "0.33.0") and "veto" in patch.mode_line(True, "0.33.0")
+    assert "has no built-in FLy" in patch.mode_line(False, "0.32.0")
+
+
+def test_sampled_requests_on_vllms_own_fly_get_vetoes_only() -> None:
+    """The random kernel's deferrals (u set to 0) are undone where the guards refuse, and nowhere else."""
+    from flyspec_vllm import native
+
+    from flyspec.sampling import logits_to_probs
+
+    sampler = SimpleNamespace(
+        apply_fly_greedy_acceptance_kernel=ReferenceKernel(greedy=True),
+        apply_fly_random_acceptance_kernel=ReferenceKernel(greedy=False),
+    )
+    rules_now: list = []
+    native.install(sampler, lambda: rules_now)
+    generator = torch.Generator().manual_seed(8)
+    vetoed = kept = 0
+    for _ in range(200):
+        draft, logits = random_request(generator, 10, VOCAB)
+        probs = logits_to_probs(logits[:-1].mul(0.3), SamplingConfig(temperature=1.0))
+        uniform = torch.rand(10, generator=generator, dtype=torch.float64)
+        cu_num = torch.tensor([10])
+        unguarded = uniform.clone()
+        ReferenceKernel(False).launch(cu_num, draft, None, probs, unguarded, None, None, VOCAB, 0.1, FLY_WINDOW_SIZE=2)
+        guarded = uniform.clone()
+        rules_now[:] = [RequestRule(context=VerifyContext([1, 2, 3, 4, 19, 13], 4, VOCABULARY), guard=GuardConfig())]
+        sampler.apply_fly_random_acceptance_kernel[(1,)](
+            cu_num, draft, None, probs, guarded, None, None, VOCAB, 0.1, FLY_WINDOW_SIZE=2
+        )
+        native_loose, guarded_loose = unguarded != uniform, guarded != uniform
+        assert bool((guarded_loose & ~native_loose).sum() == 0)
+        assert torch.equal(guarded[~native_loose], uniform[~native_loose])
+        vetoed += int((native_loose & ~guarded_loose).sum())
+        kept += int(guarded_loose.sum())
+    assert vetoed > 5 and kept > 5, (vetoed, kept)
+
+
+def test_a_continuation_tells_the_guards_where_its_prompt_ended(monkeypatch) -> None:
+    """``flyspec_prompt_length``: the guards see the user's prompt, not the output a continuation resumes from, and
+    the step's output index counts from there (a copy of earlier output is not a copy of the prompt)."""
+    import numpy as np
+
+    tokens = np.zeros((1, 32), dtype=np.int64)
+    tokens[0, :12] = [1, 2, 3, 4, 19, 13, 5, 6, 7, 8, 9, 10]
+    rule = {"verifier": "margin", "margin": {"logit_ratio": 0.7}}
+    params = SimpleNamespace(temperature=0.0, extra_args={"flyspec_rule": rule, "flyspec_prompt_length": 4})
+    runner = SimpleNamespace(
+        input_batch=SimpleNamespace(
+            req_ids=["r"], num_tokens_no_spec=np.array([12]), token_ids_cpu=tokens, num_prompt_tokens=np.array([9])
+        ),
+        requests={"r": SimpleNamespace(sampling_params=params)},
+    )
+    state = patch.PluginState(switch="request", guard=GuardConfig(), trusted=True)
+    monkeypatch.setattr(patch, "vocabulary_of", lambda runner, state: VOCABULARY)
+    [built] = patch.batch_rules(runner, state)
+    assert built.context.prompt_length == 4 and built.context.prompt_ids == [1, 2, 3, 4] and built.start == 8
+    params.extra_args = {"flyspec_rule": rule}  # a request of its own: the engine's prompt length
+    [built] = patch.batch_rules(runner, state)
+    assert built.context.prompt_length == 9 and built.start == 3
+    state.trusted = False  # only flyspec's own worker may say so
+    params.extra_args = {"flyspec_rule": rule, "flyspec_prompt_length": 4}
+    assert patch.batch_rules(runner, state) == [RequestRule()]

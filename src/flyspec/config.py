@@ -22,6 +22,7 @@ from flyspec.names import DRAFT_LENGTH_POLICIES
 DEFAULT_NUM_DRAFT_TOKENS = 15
 DEFAULT_MAX_NEW_TOKENS = 128
 NGRAM_MATCHES = ("recent", "earliest", "frequent")  # NgramConfig.match
+FLY_VARIANTS = ("flyspec", "vllm")  # FlyConfig.variant: the reference code's window, or vLLM 0.33's native rule
 DEFAULT_NUM_PROPOSAL_TOKENS = 6  # tokens a stack level checks per forward (FLy's multi-level drafter)
 GREEDY_BELOW = 1e-5  # temperatures below this are greedy (SamplingConfig)
 # Where models run and in which dtype (``--device``, ``--dtype``, ``device=``/``dtype=`` of the API). ``auto``
@@ -147,7 +148,10 @@ class FlyConfig:
     ``window_size=0`` (no deferred window) and ``entropy_threshold=0`` (no entropy gate) are the
     paper's ablations. ``temperature_rule`` picks how T>0 is handled: ``"rejection"`` applies the
     gate and window over speculative rejection sampling; ``"two-sample"`` is the reference code's
-    rule (see ``verifiers/fly.py``).
+    rule (see ``verifiers/fly.py``). ``variant``: ``"flyspec"`` (the reference code's window: the
+    ``W - 1`` draft tokens after a mismatch must match) or ``"vllm"`` (vLLM 0.33's native FLy: the ``W``
+    tokens after it must match, the draft token needs a non-zero probability under the distribution the
+    target samples from, and at T > 0 the entropy is that distribution's).
     """
 
     window_size: int = 6
@@ -157,9 +161,17 @@ class FlyConfig:
     # a floor on the draft token's own target probability (temperature 1, full vocabulary): the FLy pull
     # request on vLLM (#53987) asks for a non-zero one; a calibration may find a higher one worth its τ
     min_draft_prob: float = 0.0
+    variant: str = "flyspec"  # FLY_VARIANTS
 
     def __post_init__(self) -> None:
         _require(self.window_size >= 0, f"window_size must be >= 0 (got {self.window_size}); 0 disables it")
+        _require(
+            self.variant in FLY_VARIANTS, f"fly variant must be one of {', '.join(FLY_VARIANTS)} (got {self.variant!r})"
+        )
+        _require(
+            self.variant != "vllm" or (self.window_size >= 1 and self.temperature_rule == "rejection"),
+            "the vllm variant needs window_size >= 1 and temperature_rule 'rejection' (as vLLM's native FLy)",
+        )
         _require(
             0 <= self.min_draft_prob < 1,
             f"min_draft_prob must be in [0, 1) (got {self.min_draft_prob}); 0 keeps the paper's rule",

@@ -152,10 +152,16 @@ class Profile:
             f"of {chosen['n']} (bound {chosen['meaning_changed']['high']:.2%})"
         )
 
-    def check(self, target: LoadedModel, spec: SpeculationConfig, draft: LoadedModel | None = None) -> None:
+    def check(
+        self,
+        target: LoadedModel | ServedModel,
+        spec: SpeculationConfig,
+        draft: LoadedModel | None = None,
+        engine: str = "flyspec",
+    ) -> None:
         """Refuse, naming what differs, a model, tokenizer, dtype, drafter or draft model other than the profile's,
-        or a profile measured on another engine than flyspec's that was not shown to agree (:meth:`check_engine`)."""
-        self.check_engine("flyspec")
+        or a profile measured on another engine than ``engine`` that was not shown to agree (:meth:`check_engine`)."""
+        self.check_engine(engine)
         problems = _identity_problems(self.model, target, "model")
         dtype = str(target.dtype).removeprefix("torch.")
         if dtype != self.dtype:
@@ -170,15 +176,17 @@ class Profile:
         if problems:
             raise ConfigError(f"profile {self.path or self.name} does not fit: {'; '.join(problems)}")
 
-    def matches(self, target: LoadedModel, spec: SpeculationConfig, draft: LoadedModel | None) -> bool:
+    def matches(
+        self, target: LoadedModel | ServedModel, spec: SpeculationConfig, draft: LoadedModel | None, engine: str
+    ) -> bool:
         try:
-            self.check(target, spec, draft)
+            self.check(target, spec, draft, engine)
         except ConfigError:
             return False
         return True
 
 
-def _identity_problems(expected: dict[str, str], model: LoadedModel, what: str) -> list[str]:
+def _identity_problems(expected: dict[str, str], model: LoadedModel | ServedModel, what: str) -> list[str]:
     found = model.fingerprints
     problems = []
     if found["tokenizer"] != expected["tokenizer"]:
@@ -213,10 +221,15 @@ def shipped() -> list[Profile]:
     return [_load(str(path)) for path in sorted(SHIPPED.glob("*.json"))]
 
 
-def find_shipped(target: LoadedModel, spec: SpeculationConfig, draft: LoadedModel | None = None) -> Profile | None:
-    """The shipped profile for this model, tokenizer, dtype, drafter (and draft model), if any."""
+def find_shipped(
+    target: LoadedModel | ServedModel,
+    spec: SpeculationConfig,
+    draft: LoadedModel | None = None,
+    engine: str = "flyspec",
+) -> Profile | None:
+    """The shipped profile for this model, tokenizer, dtype, drafter (and draft model) and engine, if any."""
     for profile in shipped():
-        if profile.model["name"] == target.name and profile.matches(target, spec, draft):
+        if profile.model["name"] == target.name and profile.matches(target, spec, draft, engine):
             return profile
     return None
 
@@ -286,19 +299,30 @@ class Resolution:
     profile: Profile | None = None
 
 
-def resolve(spec: SpeculationConfig, target: LoadedModel, draft: LoadedModel | None = None) -> SpeculationConfig:
-    """``spec`` with its profile applied (see the module docstring); ``profile="none"`` afterwards."""
-    return resolution(spec, target, draft).spec
+def resolve(
+    spec: SpeculationConfig,
+    target: LoadedModel | ServedModel,
+    draft: LoadedModel | None = None,
+    engine: str = "flyspec",
+) -> SpeculationConfig:
+    """``spec`` with its profile applied (see the module docstring); ``profile="none"`` afterwards. ``engine``: where
+    it will run (``flyspec`` or ``vllm``), so that a profile measured on the other one is refused unless they agree."""
+    return resolution(spec, target, draft, engine).spec
 
 
-def resolution(spec: SpeculationConfig, target: LoadedModel, draft: LoadedModel | None = None) -> Resolution:
+def resolution(
+    spec: SpeculationConfig,
+    target: LoadedModel | ServedModel,
+    draft: LoadedModel | None = None,
+    engine: str = "flyspec",
+) -> Resolution:
     """:func:`resolve`, also saying which profile decided (a server keeps it as the limit of its requests)."""
     if spec.profile == PROFILE_NONE:
         return Resolution(spec)
     done = dataclasses.replace(spec, profile=PROFILE_NONE)
     lossy = spec.verifier not in LOSSLESS_VERIFIERS
     if spec.profile == PROFILE_AUTO:
-        profile = find_shipped(target, spec, draft) if lossy and lossy_settings_are_defaults(spec) else None
+        profile = find_shipped(target, spec, draft, engine) if lossy and lossy_settings_are_defaults(spec) else None
         if profile is None:
             return Resolution(done)
         resolved = profile.speculation(done, spec.verifier)
@@ -313,7 +337,7 @@ def resolution(spec: SpeculationConfig, target: LoadedModel, draft: LoadedModel 
             resolved = dataclasses.replace(done, verifier="exact")
         return Resolution(resolved, profile)
     profile = Profile.load(spec.profile)
-    profile.check(target, spec, draft)
+    profile.check(target, spec, draft, engine)
     if lossy_settings_are_defaults(spec):
         resolved = profile.speculation(done, spec.verifier if lossy else None)
         if resolved is None:
@@ -420,8 +444,10 @@ def deployment(record: dict[str, Any]) -> dict[str, Any]:
         out["vllm_plugin"]["note"] = "no lossy point was chosen: serve without loose acceptance (lossless)"
         return out
     if spec.verifier == "fly" and spec.guard.is_bare and spec.fly.min_draft_prob == 0 and spec.drafter == "ngram":
+        same = spec.fly.variant == "vllm"
         out["vllm_native"] = {
             "label": "no trust guards",
+            "same_rule": same,
             "speculative_config": {
                 "method": "ngram",
                 "num_speculative_tokens": spec.num_draft_tokens,
@@ -432,8 +458,13 @@ def deployment(record: dict[str, Any]) -> dict[str, Any]:
                 "fly_entropy_threshold": spec.fly.entropy_threshold,
                 "fly_entropy_top_k": spec.fly.entropy_top_k,
             },
-            "note": "vLLM's window checks one more draft token than flyspec's at the same fly_window_size (it keeps "
-            "no more than the calibrated point); its n-gram proposer is vLLM's own, not the one calibrated",
+            "note": (
+                "the calibrated rule itself (vLLM 0.33's native FLy)"
+                if same
+                else "vLLM's window checks one more draft token than flyspec's at the same fly_window_size: it keeps "
+                "no more than the calibrated point"
+            )
+            + "; vLLM's n-gram proposer drafts from its own lookup, not flyspec's (the drafts may differ)",
         }
     return out
 

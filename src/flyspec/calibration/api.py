@@ -40,6 +40,7 @@ from flyspec.calibration.space import points as grid_points
 from flyspec.calibration.vllm_engine import DEFAULT_WAVE, VllmEngine
 from flyspec.config import PROFILE_NONE, ConfigError, SpeculationConfig
 from flyspec.drafters.registry import drafter_levels, make_drafter
+from flyspec.harness.vllm_session import VllmSession
 from flyspec.harness.vllm_worker import VllmOptions, VllmWorker, check_venv, venv_python
 from flyspec.names import VERSION
 from flyspec.profile import PROFILE_FORMAT, Profile, breaker_for, deployment, identity
@@ -220,7 +221,8 @@ def _calibrate_on_vllm(
     _check_resume(config, served, base, items)
     worker = VllmWorker(python, served.path, RULES_METHOD, served.dtype_name, base.num_draft_tokens, config.vllm)
     try:
-        engine = VllmEngine(worker, served, base, points, config.wave_size, config.vllm.max_model_len)
+        session = VllmSession(worker, served, base, config.vllm.max_model_len)
+        engine = VllmEngine(session, points, config.wave_size)
         calibrator = Calibrator(served, points, items, config.budget, config.out_dir, engine, config.use_chat,
                                 config.resume)  # fmt: skip
         _warn_if_too_few(config, len(items))
@@ -234,9 +236,7 @@ def _calibrate_on_vllm(
             "name": "vllm",
             "version": worker.vllm_version,
             "wave_size": config.wave_size,
-            "largest_batch": engine.largest_submission,
-            "submissions": engine.submissions,
-            "counter_mismatches": engine.counter_mismatches,
+            **session.to_dict(),
             "startup_s": round(worker.startup_s, 1),
             **config.vllm.to_dict(),
         }
@@ -392,9 +392,7 @@ def _checked_names(calibrator: Calibrator, chosen: dict[str, Any] | None, items:
     return list(dict.fromkeys([first, *([chosen["name"]] if chosen else []), *([loosest] if loosest else [])]))
 
 
-def _live_tally(
-    calibrator: Calibrator, names: list[str], items: list, live: Any
-) -> dict[str, dict[str, int]]:
+def _live_tally(calibrator: Calibrator, names: list[str], items: list, live: Any) -> dict[str, dict[str, int]]:
     """How many of ``items``' recorded outputs of each point ``live(work, name)`` reproduces, token for token."""
     matches = {name: 0 for name in names}
     checked = {name: 0 for name in names}
@@ -444,8 +442,18 @@ def _live_check_vllm(
     """On vLLM: the baseline, the chosen point and the loosest decoded from the start, each request alone (no
     shadow, no continuation): how many outputs match the calibration's (which stitched divergent paths)."""
     points = {point.name: point for point in calibrator.points}
+    names = _checked_names(calibrator, chosen, items, BASELINE)
+    runs = [
+        (work, name)
+        for item in items
+        if (work := calibrator.work_for(item, fresh=True)) is not None
+        for name in names
+        if (item.key, name) in calibrator.records
+    ]
+    outputs = dict(zip([(work.item.key, name) for work, name in runs], engine.live([(w, points[n]) for w, n in runs]),
+                       strict=True))  # fmt: skip
 
     def live(work: Any, name: str) -> list[int]:
-        return engine.live(work, points[name])
+        return outputs[(work.item.key, name)]
 
-    return _live_tally(calibrator, _checked_names(calibrator, chosen, items, BASELINE), items, live)
+    return _live_tally(calibrator, names, items, live)

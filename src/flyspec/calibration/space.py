@@ -22,6 +22,9 @@ The default grid (``grid="default"``):
 - ``typical`` — typical acceptance: epsilon from 0.8 down to 0.09 (Medusa's), guarded.
 - ``fly bare`` — the paper's bare rule (threshold 0.3, window 6, no guards): the reference point
   that shows what the guards buy.
+- ``fly vllm`` — vLLM 0.33's native rule (``FlyConfig.variant="vllm"``, no guards: what
+  ``rejection_sample_method: "fly"`` runs), from 1.08 down to 0.3 at window 6: a profile whose point is
+  one of these deploys as vLLM's own ``speculative_config``, without flyspec (``profile.deployment``).
 
 ``grid="quick"`` keeps a handful (the tests' and a first look's).
 """
@@ -52,6 +55,7 @@ FLY_WINDOW_THRESHOLDS = (1.04, 1.0, 0.9, 0.8, 0.6, 0.3)  # the other windows' fa
 FLY_WINDOWS = (6, 8, 4)  # the paper's first; 8 is stricter (more tokens must match after), 4 looser
 FLY_FLOORS = (0.3, 0.2, 0.1)
 FLY_FLOOR_THRESHOLDS = (0.8, 0.6, 0.3, 0.0)
+NATIVE_THRESHOLDS = (1.08, 1.04, 1.0, 0.9, 0.6, 0.3)  # vLLM 0.33's native FLy (variant "vllm", no trust guards)
 MARGIN_RATIOS = (0.995, 0.99, 0.98, 0.95, 0.9, 0.8, 0.7)
 TYPICAL_EPSILONS = (0.8, 0.5, 0.3, 0.2, 0.09)
 
@@ -106,16 +110,20 @@ def fly_point(
     window: int,
     floor: float = 0.0,
     bare: bool = False,
+    variant: str = "flyspec",
 ) -> Point:
     settings: dict[str, Any] = {"entropy_threshold": threshold, "window_size": window}
     name = f"fly H>={threshold:g} W{window}"
+    if variant != "flyspec":
+        settings["variant"] = variant
+        name = f"fly {variant} H>={threshold:g} W{window}"
     if floor:
         settings["min_draft_prob"] = floor
         name += f" p>={floor:g}"
-    if bare:
+    if bare and variant == "flyspec":
         settings["guards"] = "bare"
         name += " bare"
-    fly = FlyConfig(window_size=window, entropy_threshold=threshold, min_draft_prob=floor)
+    fly = FlyConfig(window_size=window, entropy_threshold=threshold, min_draft_prob=floor, variant=variant)
     guard = GuardConfig.bare() if bare else GuardConfig()
     return _point(base, "fly", family, order, name, settings, fly=fly, guard=guard)
 
@@ -148,6 +156,11 @@ def points(
                         fly_point(base, f"fly W{windows[0]} p>={floor:g}", order, threshold, windows[0], floor)
                     )
         found.append(fly_point(base, "fly bare", 0, 0.3, windows[0], bare=True))
+        # vLLM 0.33's native rule (no guards): what `rejection_sample_method: "fly"` runs, deployable without flyspec
+        for order, threshold in enumerate((0.3,) if quick else NATIVE_THRESHOLDS):
+            found.append(
+                fly_point(base, f"fly vllm W{windows[0]}", order, threshold, windows[0], bare=True, variant="vllm")
+            )
     if "margin" in rules:
         for order, ratio in enumerate((0.9,) if quick else MARGIN_RATIOS):
             name = f"margin z2/z1>{ratio:g}"

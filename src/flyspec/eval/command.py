@@ -7,7 +7,14 @@ import json
 from pathlib import Path
 from typing import Any
 
-from flyspec.cli_options import add_model_options, add_speculation_options, engine_options, speculation_config
+from flyspec.cli_options import (
+    add_engine_options,
+    add_model_options,
+    add_speculation_options,
+    engine_options,
+    speculation_config,
+    vllm_options,
+)
 from flyspec.config import ConfigError
 from flyspec.eval.scoring import METRICS
 from flyspec.eval.stats import DEFAULT_FLOOR, DEFAULT_RESAMPLES
@@ -48,17 +55,16 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "--methods",
         default=",".join(DEFAULT_METHODS),
         help="comma-separated [DRAFTER+]VERIFIER[+bare|+guard|+digits|+names|+identifiers] (no drafter: --drafter's), "
-        "or vllm-ngram+fly[+bare] (inside vLLM through the flyspec-vllm plugin; needs --vllm-venv; vllm-fly[+bare] "
-        f"is its old name); plain decoding always runs (default {','.join(DEFAULT_METHODS)})",
+        "or vllm-ngram+fly[+bare] (inside vLLM through the flyspec-vllm plugin, one request at a time; needs the vLLM "
+        "venv; vllm-fly[+bare] is its old name; --engine vllm runs every method inside vLLM, batched); plain "
+        f"decoding always runs (default {','.join(DEFAULT_METHODS)})",
     )
     work.add_argument("--limit", type=int, help="first N items per task (default: all)")
     work.add_argument("--max-new-tokens", type=int, help="override every task's default length limit")
     work.add_argument("--drafter", choices=DRAFTERS, help="draft source of the methods that name none (default ngram)")
-    work.add_argument(
-        "--vllm-venv", help="for vllm-ngram+fly[+bare]: the vLLM venv (default: $FLYSPEC_VLLM_VENV, else .venv-vllm)"
-    )
     work.add_argument("--skip-bad-lines", action="store_true", help="skip malformed data lines (with a warning)")
     add_model_options(parser)
+    add_engine_options(parser, "plain decoding and every method run")
     add_speculation_options(parser, components=False)
     out = parser.add_argument_group("output and statistics")
     out.add_argument("--out", default="eval-results", help="output directory (default eval-results)")
@@ -113,6 +119,9 @@ def _build_config(args: argparse.Namespace) -> Any:
         skip_bad_lines=args.skip_bad_lines,
         cache_dir=cache_dir,
         resume=args.resume,
+        engine=args.engine,
+        vllm=vllm_options(args),
+        wave_size=args.wave,
     )
 
 
@@ -171,8 +180,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _evaluate(args: argparse.Namespace, config: Any, console: Any) -> int:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     from flyspec.eval.data import LoadReport
     from flyspec.eval.evaluation import Evaluation, load_all_items
     from flyspec.harness.methods import speculations
@@ -182,11 +189,36 @@ def _evaluate(args: argparse.Namespace, config: Any, console: Any) -> int:
     report = LoadReport()
     items = load_all_items(config, report)
     set_threads(args.threads)
-    resources = Resources(**engine_options(args, speculations(list(config.methods), config.speculation)))
-    target = resources.model(args.target)
+    options = engine_options(args, speculations(list(config.methods), config.speculation))
+    worker = None
+    if config.engine == "vllm":
+        from flyspec.harness.vllm_session import VllmSession
+        from flyspec.harness.vllm_worker import VllmWorker, check_venv, venv_python
+        from flyspec.runtime.loading import load_served
+
+        python = venv_python(config.vllm.venv)
+        check_venv(python)
+        target: Any = load_served(args.target, options["dtype"])
+        k = config.speculation.num_draft_tokens
+        worker = VllmWorker(python, target.path, "vllm-flyspec-rules", target.dtype_name, k, config.vllm)
+        session = VllmSession(worker, target, config.speculation, config.vllm.max_model_len)
+        evaluation = Evaluation(config, target, items, session=session)
+    else:
+        resources = Resources(**options)
+        target = resources.model(args.target)
+        evaluation = Evaluation(config, target, items, resources)
     _write_meta(config, _meta(args, config, target, report.skipped))
-    evaluation = Evaluation(config, target, items, resources)
-    evaluation.check_methods()  # a method a --profile refuses fails here, before the progress bar
+    try:
+        evaluation.check_methods()  # a method a --profile refuses fails here, before the progress bar
+        return _progress(args, config, evaluation, report, console)
+    finally:
+        if worker is not None:
+            worker.close()
+
+
+def _progress(args: argparse.Namespace, config: Any, evaluation: Any, report: Any, console: Any) -> int:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     interrupted = False
     with Progress(*columns, console=console, transient=False) as progress:
@@ -196,7 +228,7 @@ def _evaluate(args: argparse.Namespace, config: Any, console: Any) -> int:
         except KeyboardInterrupt:
             interrupted = True
     if evaluation.skipped:
-        _write_meta(config, _meta(args, config, target, report.skipped + evaluation.skipped))
+        _write_meta(config, _meta(args, config, evaluation.target, report.skipped + evaluation.skipped))
     path = _report(config.out_dir, args.floor, args.resamples)
     if interrupted:
         console.print(f"interrupted: partial results kept in {config.out_dir} (rerun with --resume to continue)")

@@ -27,12 +27,17 @@ from flyspec.eval.tasks import PROMPT_FORMAT, Task, load_items
 from flyspec.generation import Decoder
 from flyspec.harness.data import JsonlWriter, read_records
 from flyspec.harness.methods import PLAIN, Method
+from flyspec.harness.vllm_session import VllmSession
+from flyspec.harness.vllm_worker import VllmOptions
+from flyspec.names import LOSSLESS_VERIFIERS
 from flyspec.profile import resolve as resolve_profile
 from flyspec.resources import Resources
 from flyspec.result import GenerationResult
-from flyspec.runtime.loaded_model import LoadedModel
+from flyspec.runtime.loaded_model import LoadedModel, ServedModel
 from flyspec.sampling import make_generator
+from flyspec.verifiers.registry import rule_mapping
 
+VLLM_RULES = ("fly", "margin", "typical")  # the lossy rules the flyspec-vllm plugin applies per request
 logger = logging.getLogger(__name__)
 
 RECORDS_FILE = "records.jsonl"
@@ -55,6 +60,26 @@ class EvalConfig:
     skip_bad_lines: bool = False
     cache_dir: Path | None = None  # None: no baseline cache
     resume: bool = False
+    engine: str = "flyspec"  # or "vllm": every method inside vLLM through the plugin, a wave of items at a time
+    vllm: VllmOptions = field(default_factory=VllmOptions)
+    wave_size: int = 64  # --engine vllm: items per submission (each with plain decoding and every method)
+
+    def __post_init__(self) -> None:
+        if self.engine == "vllm":
+            check_vllm_methods(self.methods, self.speculation)
+
+
+def check_vllm_methods(methods: tuple[Method, ...], speculation: SpeculationConfig) -> None:
+    """What ``--engine vllm`` can evaluate, refused in one line before anything starts."""
+    for method in methods:
+        if method.engine != "flyspec":
+            raise ConfigError(f"--engine vllm runs every method inside vLLM already: drop {method.name}")
+        if (method.drafter or speculation.drafter) != "ngram":
+            raise ConfigError(f"--engine vllm: {method.name} needs the n-gram drafter (the plugin's proposer)")
+        if method.draft_length not in (None, "fixed") or speculation.draft_length.policy not in ("auto", "fixed"):
+            raise ConfigError(f"--engine vllm drafts a fixed length (num_speculative_tokens): {method.name} cannot")
+        if method.verifier not in (*LOSSLESS_VERIFIERS, *VLLM_RULES):
+            raise ConfigError(f"--engine vllm: the plugin cannot apply verifier {method.verifier!r}")
 
 
 def load_all_items(config: EvalConfig, report: LoadReport) -> dict[str, list[EvalItem]]:
@@ -133,17 +158,21 @@ class Evaluation:
     def __init__(
         self,
         config: EvalConfig,
-        target: LoadedModel,
+        target: LoadedModel | ServedModel,
         items: dict[str, list[EvalItem]],
         resources: Resources | None = None,
+        session: VllmSession | None = None,
     ) -> None:
         self.config = config
         self.target = target
         self.items = items
-        shared = resources or Resources(models=(target,))
-        # each method drafts from n-gram caches of its own (one method's outputs must not feed another's)
-        self.resources = {method.name: shared.isolated() for method in config.methods}
-        self.cache = BaselineCache(config.cache_dir)
+        self.session = session  # --engine vllm: every output comes from it
+        if isinstance(target, LoadedModel):
+            shared = resources or Resources(models=(target,))
+            # each method drafts from n-gram caches of its own (one method's outputs must not feed another's)
+            self.resources = {method.name: shared.isolated() for method in config.methods}
+        # plain outputs are cached per engine: vLLM's are vLLM's (a batch rounds differently)
+        self.cache = BaselineCache(config.cache_dir if session is None else None)
         records_path = config.out_dir / RECORDS_FILE
         self.done = {
             _record_key(r["task"], r["method"], r["item_id"]) for r in read_records(records_path) if config.resume
@@ -154,13 +183,22 @@ class Evaluation:
         self.similarity_model = fidelity.SimilarityModel()
 
     @property
+    def loaded(self) -> LoadedModel:
+        """The target in this process (flyspec's engine); with ``--engine vllm`` only its tokenizer is here."""
+        assert isinstance(self.target, LoadedModel), "flyspec's engine needs the model loaded here"
+        return self.target
+
+    @property
     def total_outputs(self) -> int:
         return sum(len(items) for items in self.items.values()) * (1 + len(self.config.methods))
 
     def run(self, progress: Progress | None = None) -> None:
         try:
             for task in self.config.tasks:
-                self._run_task(task, progress or (lambda description: None))
+                if self.session is not None:
+                    self._run_task_on_vllm(task, self.session, progress or (lambda description: None))
+                else:
+                    self._run_task(task, progress or (lambda description: None))
         finally:
             self.writer.close()
             self.cache.close()
@@ -173,14 +211,14 @@ class Evaluation:
     def _decoders(self, task: Task) -> dict[str, Decoder]:
         max_new_tokens = self._max_new_tokens(task)
         plain_config = DecodeConfig(max_new_tokens=max_new_tokens, stop_strings=task.stop)
-        decoders: dict[str, Decoder] = {PLAIN: PlainDecoder(self.target, plain_config)}
+        decoders: dict[str, Decoder] = {PLAIN: PlainDecoder(self.loaded, plain_config)}
         for method in self.config.methods:
             if method.engine == "vllm":
                 decoders[method.name] = self._vllm_decoder(method, plain_config)
                 continue
             decode = DecodeConfig(max_new_tokens=max_new_tokens, stop_strings=task.stop)
             spec = self.method_spec(method, task)
-            decoders[method.name] = build_decoder(self.target, spec, decode, resources=self.resources[method.name])
+            decoders[method.name] = build_decoder(self.loaded, spec, decode, resources=self.resources[method.name])
         for decoder in decoders.values():  # warm-up: the first call pays one-off costs
             decoder.generate("Hello", config=DecodeConfig(max_new_tokens=2), use_chat=self.config.use_chat)
         return decoders
@@ -194,15 +232,59 @@ class Evaluation:
         for task in self.config.tasks:
             for method in self.config.methods:
                 if method.engine != "vllm":
-                    resolve_profile(self.method_spec(method, task), self.target)
+                    resolve_profile(self.method_spec(method, task), self.target, engine=self.config.engine)
+
+    def _run_task_on_vllm(self, task: Task, session: VllmSession, progress: Progress) -> None:
+        """``task`` on vLLM: a wave of items at a time, plain decoding and every method in one submission."""
+        max_new_tokens = self._max_new_tokens(task)
+        decode = DecodeConfig(max_new_tokens=max_new_tokens, stop_strings=task.stop)
+        rules: dict[str, dict[str, Any]] = {}
+        for method in self.config.methods:
+            spec = resolve_profile(self.method_spec(method, task), self.target, engine="vllm")
+            rules[method.name] = {} if spec.verifier in LOSSLESS_VERIFIERS else {"flyspec_rule": rule_mapping(spec)}
+        items = self.items[task.name]
+        for start in range(0, len(items), self.config.wave_size):
+            runs: list[tuple[EvalItem, str, list[int]]] = []
+            requests = []
+            for item in items[start : start + self.config.wave_size]:
+                prompt = task.prompt(item)
+                try:
+                    prompt_ids = self.target.encode_prompt(prompt, self.config.use_chat)
+                except ConfigError as error:
+                    logger.warning("skipping %s %s: %s", task.name, item.id, error)
+                    self.skipped.append(f"{task.name} {item.id}: {error}")
+                    continue
+                runs.append((item, prompt, prompt_ids))
+                requests.append(
+                    session.request(f"{item.id}|plain", prompt_ids, max_new_tokens, {"flyspec_draft": False})
+                )
+                for method in self.config.methods:
+                    if _record_key(task.name, method.name, item.id) not in self.done:
+                        extra = {**rules[method.name], "flyspec_record": f"{item.id}|{method.name}"}
+                        requests.append(session.request(f"{item.id}|{method.name}", prompt_ids, max_new_tokens, extra))
+            replies = session.submit(requests) if requests else {}
+            for item, prompt, prompt_ids in runs:
+                plain = Output.of(session.result(prompt_ids, decode, replies[f"{item.id}|plain"]["token_ids"], {},
+                                                 drafted=False))  # fmt: skip
+                run = ItemRun(task, item, prompt, prompt_ids, plain)
+                self._write(run, None, plain)
+                progress(f"{task.name} {item.id} plain")
+                for method in self.config.methods:
+                    reply = replies.get(f"{item.id}|{method.name}")
+                    if reply is not None:
+                        loose = {entry["index"]: entry for entry in (reply["record"] or {}).get("loose_accepts", [])}
+                        self._write(
+                            run, method, Output.of(session.result(prompt_ids, decode, reply["token_ids"], loose))
+                        )
+                    progress(f"{task.name} {item.id} {method.name}")
 
     def _vllm_decoder(self, method: Method, config: DecodeConfig) -> Any:
         from flyspec.eval.vllm import VllmDecoder, start_engine  # only with vllm-* methods
 
         if method.name not in self.engines:
             k = self.config.speculation.num_draft_tokens
-            self.engines[method.name] = start_engine(method, self.target, k, self.config.vllm_venv)
-        return VllmDecoder(self.engines[method.name], self.target, config)
+            self.engines[method.name] = start_engine(method, self.loaded, k, self.config.vllm_venv)
+        return VllmDecoder(self.engines[method.name], self.loaded, config)
 
     def _run_task(self, task: Task, progress: Progress) -> None:
         decoders = self._decoders(task)
@@ -222,16 +304,16 @@ class Evaluation:
             progress(f"{task.name} {item.id} plain")
             for method in self.config.methods:
                 if _record_key(task.name, method.name, item.id) not in self.done:
-                    result = decoders[method.name].generate(prompt_ids, generator=make_generator(0, self.target.device))
+                    result = decoders[method.name].generate(prompt_ids, generator=make_generator(0, self.loaded.device))
                     self._write(run, method, Output.of(result))
                 progress(f"{task.name} {item.id} {method.name}")
 
     def _plain_output(self, task: Task, item: EvalItem, decoder: Decoder, prompt_ids: list[int]) -> Output:
-        key = BaselineCache.key(self.target, task, item.id, prompt_ids, self._max_new_tokens(task))
+        key = BaselineCache.key(self.loaded, task, item.id, prompt_ids, self._max_new_tokens(task))
         entry = self.cache.get(key)
         if entry is not None:
             return Output(**{**entry["output"], "cached": True})
-        output = Output.of(decoder.generate(prompt_ids, generator=make_generator(0, self.target.device)))
+        output = Output.of(decoder.generate(prompt_ids, generator=make_generator(0, self.loaded.device)))
         self.cache.put(key, {"task": task.name, "item_id": item.id, "output": output.__dict__})
         return output
 
@@ -277,7 +359,10 @@ class Evaluation:
             "similarity": similarity,
             "token_agreement": fidelity.token_agreement(output.token_ids, plain.token_ids),
             "common_prefix": fidelity.common_prefix(output.token_ids, plain.token_ids),
-            "log_likelihood": fidelity.mean_log_likelihood(self.target, prompt_ids, output.token_ids),
+            # the target's weights are only in vLLM's process with --engine vllm: no likelihood there
+            "log_likelihood": fidelity.mean_log_likelihood(self.target, prompt_ids, output.token_ids)
+            if isinstance(self.target, LoadedModel)
+            else None,
         }
 
     def _trust(self, output: Output, run: ItemRun) -> dict[str, Any]:

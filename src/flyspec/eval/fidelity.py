@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from flyspec.runtime.loaded_model import LoadedModel
+from flyspec.runtime.loaded_model import LoadedModel, PromptCodec
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ class SimilarityModel:
         return float((embeddings[0] * embeddings[1]).sum().clamp(-1.0, 1.0))
 
 
-def highlight_segments(target: LoadedModel, token_ids: list[int], loose_indices: list[int]) -> list[tuple[str, bool]]:
+def highlight_segments(target: PromptCodec, token_ids: list[int], loose_indices: list[int]) -> list[tuple[str, bool]]:
     """The output as ``(text piece, loosely accepted?)`` runs, for the side-by-side report.
 
     Pieces are decoded incrementally (``decode(ids[:i+1]) - decode(ids[:i])``) so that multi-byte

@@ -7,11 +7,11 @@ import os
 import platform
 from typing import Any
 
-from flyspec.runtime.loaded_model import LoadedModel
+from flyspec.runtime.loaded_model import LoadedModel, ServedModel
 from flyspec.runtime.loading import cpu_name, device_name
 
 
-def run_metadata(target: LoadedModel, command: str | None) -> dict[str, Any]:
+def run_metadata(target: LoadedModel | ServedModel, command: str | None) -> dict[str, Any]:
     """Command line, UTC date and time, machine (the GPU first when the target runs on one), library
     versions, target model, dtype, device and kernels."""
     import torch
@@ -19,7 +19,13 @@ def run_metadata(target: LoadedModel, command: str | None) -> dict[str, Any]:
 
     from flyspec.names import VERSION
 
-    gpu = f"{device_name(target.device)}; " if target.device.type == "cuda" else ""
+    if not isinstance(target, LoadedModel):  # --engine vllm: the model runs in vLLM's process, not here
+        engine = {"device": "vLLM's (--engine vllm)", "kernels": "vLLM's"}
+        target_device = None
+    else:
+        engine = {"device": str(target.device), "kernels": "flyspec" if target.kernels else "stock"}
+        target_device = target.device
+    gpu = f"{device_name(target_device)}; " if target_device is not None and target_device.type == "cuda" else ""
     return {
         "command": command,
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
@@ -28,6 +34,5 @@ def run_metadata(target: LoadedModel, command: str | None) -> dict[str, Any]:
         "versions": f"flyspec {VERSION}, torch {torch.__version__}, transformers {transformers.__version__}",
         "target": target.name,
         "dtype": str(target.dtype).removeprefix("torch."),
-        "device": str(target.device),
-        "kernels": "flyspec" if target.kernels else "stock",  # installed (runtime/kernels.py), not just asked for
+        **engine,  # kernels: installed (runtime/kernels.py), not just asked for
     }

@@ -20,6 +20,14 @@ token ``d_j`` when both hold:
    above zero is a calibration's knob (``flyspec calibrate``): a 135M target is "uncertain" nearly
    everywhere, and the floor keeps only the alternatives it gave real weight to.
 
+**vLLM 0.33's native FLy** (``variant="vllm"``, read from ``vllm/v1/spec_decode/fly.py``; a torch
+reference of its kernels is in ``tests/vllm_fly_reference.py``): the same judgeable positions
+(``j <= k - W - 1``), but the window asks the ``W`` draft tokens after a mismatch to match (one more than
+the reference code's ``W - 1``), the draft token must have a non-zero probability under the distribution
+the target samples from (greedy: a finite logit), and at T > 0 the entropy is of that distribution
+(temperature-scaled and filtered) rather than of the raw logits. A flyspec setting with window ``W`` keeps
+everything vLLM's at the same ``fly_window_size`` keeps, and more.
+
 Ablations are values: ``window_size=0`` drops the window (every gated mismatch is kept,
 anywhere), ``entropy_threshold=0`` drops the gate. The committed tokens are the draft up to the
 first position that is neither accepted nor loosely accepted, plus the base rule's recovered (or
@@ -41,10 +49,12 @@ import torch
 
 from flyspec.acceptance import where_needed
 from flyspec.config import FlyConfig, GuardConfig, SamplingConfig
-from flyspec.sampling import choose_tokens
+from flyspec.sampling import choose_tokens, logits_to_probs
 from flyspec.types import Draft, Verdict, VerifyContext
 from flyspec.verifiers.base import loose_verdict
 from flyspec.verifiers.rejection import strict_base_rule
+
+GREEDY = SamplingConfig()
 
 
 def topk_entropy(logits: torch.Tensor, top_k: int) -> torch.Tensor:
@@ -53,22 +63,30 @@ def topk_entropy(logits: torch.Tensor, top_k: int) -> torch.Tensor:
     return -(top_log_probs.exp() * top_log_probs).sum(-1)
 
 
-def deferred_window_mask(base_accept: torch.Tensor, window_size: int) -> torch.Tensor:
+def topk_entropy_of_probs(probs: torch.Tensor, top_k: int) -> torch.Tensor:
+    """``[n, vocab]`` probabilities → ``[n]``: entropy (nats) of the top-k, not renormalised (0 log 0 = 0)."""
+    top = torch.topk(probs.float(), top_k, dim=-1).values
+    return -torch.where(top > 0, top * top.clamp_min(1e-45).log(), torch.zeros_like(top)).sum(-1)
+
+
+def deferred_window_mask(base_accept: torch.Tensor, window_size: int, following: int | None = None) -> torch.Tensor:
     """``[k]`` bool: mismatches whose deferred window is clean and judgeable (see module docstring).
 
-    Mismatch ``j`` qualifies when ``j <= k - W - 1`` and ``d_{j+1} .. d_{j+W-1}`` contain no
-    mismatch, counted with a running sum so the whole mask is a handful of tensor ops.
+    Mismatch ``j`` qualifies when ``j <= k - W - 1`` and ``d_{j+1} .. d_{j+F}`` contain no mismatch, with
+    ``F = following``: ``W - 1`` by default (the reference code's), ``W`` for vLLM 0.33's native rule. Counted
+    with a running sum so the whole mask is a handful of tensor ops.
     """
     mismatch = ~base_accept
     if window_size == 0:
         return mismatch
+    following = window_size - 1 if following is None else following
     k = base_accept.shape[-1]
     judgeable = max(0, k - window_size)  # positions 0 .. k - W - 1
     eligible = torch.zeros_like(base_accept)
     if judgeable:
         mismatches_so_far = mismatch.to(torch.int64).cumsum(-1)  # [k]
-        # mismatches among d_{j+1} .. d_{j+W-1} = count up to j + W - 1 minus count up to j
-        in_window = mismatches_so_far[window_size - 1 : window_size - 1 + judgeable] - mismatches_so_far[:judgeable]
+        # mismatches among d_{j+1} .. d_{j+F} = count up to j + F minus count up to j
+        in_window = mismatches_so_far[following : following + judgeable] - mismatches_so_far[:judgeable]
         eligible[:judgeable] = mismatch[:judgeable] & (in_window == 0)
     return eligible
 
@@ -87,7 +105,8 @@ def fly_candidates(
     base_accept: torch.Tensor,  # [k] bool, the strict base rule's acceptance
     target_logits: torch.Tensor,  # [k (+1), vocab]
     config: FlyConfig,
-    draft_tokens: torch.Tensor | None = None,  # [k]; needed only with config.min_draft_prob
+    draft_tokens: torch.Tensor | None = None,  # [k]; needed with config.min_draft_prob and the vllm variant
+    sampling: SamplingConfig = GREEDY,  # the vllm variant's entropy and non-zero test are of the sampled distribution
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``([k] bool, [k])``: the mismatches FLy would keep (before the trust guards), and the entropy
     at the mismatches whose deferred window holds (NaN at the other positions).
@@ -95,12 +114,33 @@ def fly_candidates(
     The one implementation of the FLy rule: :class:`FlyVerifier` and the vLLM plugin
     (``integrations/vllm``) both call it, so the two cannot drift.
     """
-    window = deferred_window_mask(base_accept, config.window_size)  # [k]
+    native = config.variant == "vllm"
+    window = deferred_window_mask(base_accept, config.window_size, config.window_size if native else None)  # [k]
     # the entropy only where the window holds (NaN elsewhere: not needed, and never >= a threshold)
-    entropy = where_needed(
-        window, target_logits, lambda rows, _: topk_entropy(rows, config.entropy_top_k), float("nan")
-    )
+    if native and not sampling.greedy:  # vLLM: of the temperature-scaled, filtered distribution
+
+        def measure(rows: torch.Tensor, _: torch.Tensor) -> torch.Tensor:
+            return topk_entropy_of_probs(logits_to_probs(rows, sampling), config.entropy_top_k)
+
+    else:
+
+        def measure(rows: torch.Tensor, _: torch.Tensor) -> torch.Tensor:
+            return topk_entropy(rows, config.entropy_top_k)
+
+    entropy = where_needed(window, target_logits, measure, float("nan"))
     candidates = window & (entropy >= config.entropy_threshold)
+    if native:  # vLLM keeps only a draft token the target could have sampled (its logit > -inf, p > 0)
+        if draft_tokens is None:
+            raise ValueError("fly_candidates needs the draft tokens for the vllm variant")
+        tokens = draft_tokens
+
+        def possible(rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            chosen = tokens[positions].unsqueeze(-1)
+            if sampling.greedy:
+                return rows.float().gather(-1, chosen).squeeze(-1) > float("-inf")
+            return logits_to_probs(rows, sampling).gather(-1, chosen).squeeze(-1) > 0
+
+        candidates &= where_needed(candidates, target_logits, possible, False)
     if config.min_draft_prob > 0:
         if draft_tokens is None:
             raise ValueError("fly_candidates needs the draft tokens to apply min_draft_prob")
@@ -145,12 +185,16 @@ class FlyVerifier:
             base_accept = (samples[:, :k] == draft.tokens).any(0)  # [k]
             next_token = samples[0]  # [k + 1]: the recovered token is the first sample
 
-        candidates, entropy = self.candidates(base_accept, draft.tokens, target_logits)
+        candidates, entropy = self.candidates(base_accept, draft.tokens, target_logits, sampling)
         return loose_verdict(draft, target_logits, base_accept, candidates, entropy, next_token, self.guard, context)
 
     def candidates(
-        self, base_accept: torch.Tensor, draft_tokens: torch.Tensor, target_logits: torch.Tensor
+        self,
+        base_accept: torch.Tensor,
+        draft_tokens: torch.Tensor,
+        target_logits: torch.Tensor,
+        sampling: SamplingConfig = GREEDY,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``([k] bool, [k])``: the mismatches this rule would keep before the guards, and its evidence (the
         entropy). What the vLLM plugin applies to a request (``integrations/vllm``: the same code)."""
-        return fly_candidates(base_accept, target_logits, self.config, draft_tokens)
+        return fly_candidates(base_accept, target_logits, self.config, draft_tokens, sampling)

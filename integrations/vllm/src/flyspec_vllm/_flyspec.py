@@ -1,17 +1,22 @@
 """Everything the plugin takes from flyspec, imported in this one place (the core API may move)."""
 
 from flyspec.acceptance import num_leading_true
-from flyspec.config import ConfigError, FlyConfig, GuardConfig, NgramConfig, SpeculationConfig
+from flyspec.breaker import CircuitBreaker
+from flyspec.config import BreakerConfig, ConfigError, FlyConfig, GuardConfig, NgramConfig, SpeculationConfig
 from flyspec.drafters.ngram import ngram_lookup
 from flyspec.profile import Profile, looser
 from flyspec.runtime.loaded_model import tokenizer_fingerprint
+from flyspec.stats import DecodeStats
 from flyspec.types import Draft, VerifyContext
 from flyspec.verifiers.guard import guard_loose_mask
 from flyspec.verifiers.registry import LOSSY_RULE_FIELDS, make_verifier, rule_mapping
 from flyspec.verifiers.tokens import Vocabulary
 
 __all__ = [
+    "BreakerConfig",
+    "CircuitBreaker",
     "ConfigError",
+    "DecodeStats",
     "Draft",
     "FlyConfig",
     "GuardConfig",

@@ -24,7 +24,10 @@ Trusted requests only (``FLYSPEC_VLLM_TRUST_REQUESTS=1``, for flyspec's own cali
 ``flyspec_rule`` may set the trust guards; ``flyspec_record`` (a key) records the request's loose
 accepts for :func:`flyspec_vllm.records.take`; ``flyspec_shadow`` (families of rules, each from strict
 to loose) records, for each rule, where it would first have kept a draft token this request's rule did
-not (``rule.py``: what lets a calibration decode a setting only from where it leaves the shared path).
+not (``rule.py``: what lets a calibration decode a setting only from where it leaves the shared path);
+``flyspec_prompt_length`` says how much of the request's prompt is the user's prompt (the rest: output a
+continuation resumes from), so that the guards that look at the prompt and the recorded output indices see
+the generation as it was.
 
 Operator (environment of the ``vllm serve`` process):
 
@@ -39,7 +42,8 @@ Operator (environment of the ``vllm serve`` process):
     settings and guards come from its chosen point (or its best FLy point for a plain FLy request), and
     a request asking for looser settings gets vLLM's lossless rule instead, logged. A profile with no
     lossy point inside its budget turns loose acceptance off. The profile's tokenizer must be the
-    served model's (checked when a lossy rule first runs). Its circuit breaker is not applied inside vLLM.
+    served model's (checked when a lossy rule first runs). Its circuit breaker applies per request: once a
+    request's loose accepts run far above the calibrated rate, the rest of it is verified strictly.
 ``FLYSPEC_VLLM_TRUST_REQUESTS``
     ``1``: requests may set the guards, record and shadow (above). Never on a server others reach.
 
@@ -53,11 +57,12 @@ import dataclasses
 import logging
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from flyspec_vllm._flyspec import (
     LOSSY_RULE_FIELDS,
+    BreakerConfig,
     ConfigError,
     FlyConfig,
     GuardConfig,
@@ -87,8 +92,9 @@ REQUEST_KEYS = (
     "flyspec_draft",
     "flyspec_record",
     "flyspec_shadow",
+    "flyspec_prompt_length",
 )
-TRUSTED_KEYS = ("flyspec_record", "flyspec_shadow")
+TRUSTED_KEYS = ("flyspec_record", "flyspec_shadow", "flyspec_prompt_length")
 
 
 def operator_switch(environ: Mapping[str, str] = os.environ) -> str:
@@ -121,6 +127,7 @@ class OperatorProfile:
     rule: SpeculationConfig | None  # the chosen point's rule; None: no lossy point inside the budget
     fly: SpeculationConfig | None  # the best FLy point's rule
     tokenizer: str  # the profile's tokenizer fingerprint (flyspec.runtime.loaded_model.tokenizer_fingerprint)
+    breaker: BreakerConfig = field(default_factory=BreakerConfig)  # the chosen point's circuit breaker
 
     @property
     def guard(self) -> GuardConfig:
@@ -143,7 +150,8 @@ def operator_profile(environ: Mapping[str, str] = os.environ) -> OperatorProfile
     def rule_of(point: dict[str, Any] | None) -> SpeculationConfig | None:
         return None if point is None else lossy_rule(SpeculationConfig.from_dict(point["speculation"]))
 
-    return OperatorProfile(profile.name, rule_of(chosen), rule_of(fly), profile.model["tokenizer"])
+    breaker = SpeculationConfig.from_dict((chosen or fly or {"speculation": {}})["speculation"]).breaker
+    return OperatorProfile(profile.name, rule_of(chosen), rule_of(fly), profile.model["tokenizer"], breaker)
 
 
 def lossy_rule(spec: SpeculationConfig) -> SpeculationConfig:
@@ -177,6 +185,7 @@ class RequestOptions:
     draft: bool = True
     record: str | None = None
     shadow: tuple[tuple[SpeculationConfig, ...], ...] = ()
+    prompt_length: int | None = None  # the user's prompt within the request's (a continuation's: the rest is output)
 
 
 def request_options(
@@ -208,10 +217,13 @@ def request_options(
     )
     if shadow and record is None:
         raise ConfigError("flyspec_shadow needs a flyspec_record key (the shadow is read from the record)")
+    prompt_length = args.get("flyspec_prompt_length")
+    if prompt_length is not None and (not isinstance(prompt_length, int) or prompt_length < 1):
+        raise ConfigError(f"flyspec_prompt_length must be a positive number of tokens, not {prompt_length!r}")
     rule = _request_rule(args, greedy, switch, limit, guard or GuardConfig(), trusted)
     if shadow and rule is not None:
         raise ConfigError("flyspec_shadow follows a lossless request's path: leave its own lossy rule out")
-    return RequestOptions(rule, draft, record, shadow)
+    return RequestOptions(rule, draft, record, shadow, prompt_length)
 
 
 def _request_rule(

