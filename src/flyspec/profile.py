@@ -444,6 +444,9 @@ def deployment(record: dict[str, Any]) -> dict[str, Any]:
         },
         "vllm_native": None,
     }
+    schedule = (record.get("schedule") or {}).get("num_speculative_tokens_per_batch_size")
+    if schedule:  # how many tokens to speculate per batch size (flyspec.batch_schedule): vLLM's own key
+        plugin_config["num_speculative_tokens_per_batch_size"] = schedule
     if spec is None:
         out["vllm_plugin"]["note"] = "no lossy point was chosen: serve without loose acceptance (lossless)"
         return out
@@ -461,6 +464,7 @@ def deployment(record: dict[str, Any]) -> dict[str, Any]:
                 "fly_window_size": spec.fly.window_size,
                 "fly_entropy_threshold": spec.fly.entropy_threshold,
                 "fly_entropy_top_k": spec.fly.entropy_top_k,
+                **({"num_speculative_tokens_per_batch_size": schedule} if schedule else {}),
             },
             "note": (
                 "the calibrated rule itself (vLLM 0.33's native FLy)"

@@ -150,3 +150,26 @@ def test_bare_fly_raises_tau_and_changes_outputs_only_at_loose_accepts(
     assert runs["loose_accepts"]["bare"] > 0
     assert runs["tau"]["bare"] > runs["tau"]["strict"]
     assert departures_from_greedy(model_dir, prompts, runs["bare"], top_k=0) == runs["loose_accepts"]["bare"]
+
+
+def test_a_batch_schedule_in_speculative_config_reaches_flyspecs_proposer(
+    model_dir: str, prompts: list[list[int]], runs: dict
+) -> None:
+    """Issue 37: vLLM's own num_speculative_tokens_per_batch_size (which vLLM 0.32 hands only to its built-in
+    proposers) switches flyspec's proposer off above batch 1 here: a batch of 3 decodes with no drafts, as plain."""
+    engine = make_engine(
+        model_dir,
+        {"method": "custom_class", "model": "flyspec_vllm.NgramProposer", "num_speculative_tokens": NUM_DRAFT_TOKENS,
+         "num_speculative_tokens_per_batch_size": [(1, 1, NUM_DRAFT_TOKENS), (2, 64, 0)]},
+    )  # fmt: skip
+    params = vllm.SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)  # all three finish together
+    before = accepted_counts(engine)
+    batch = [list(output.outputs[0].token_ids) for output in engine.generate(
+        [{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)]  # fmt: skip
+    after_batch = accepted_counts(engine)
+    alone = engine.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)
+    assert after_batch == before, "drafts at batch 3, where the schedule says none"
+    assert accepted_counts(engine)[0] > before[0], "no drafts at batch 1, where the schedule says 15"
+    for plain, ids in zip(runs["plain"], batch, strict=True):  # plain greedy (up to its EOS, before ignore_eos)
+        assert ids[: len(plain)] == plain[: len(ids)]
+    assert list(alone[0].outputs[0].token_ids)[:48] == batch[0]

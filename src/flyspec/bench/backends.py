@@ -24,7 +24,7 @@ from flyspec.drafters.cross_tokenizer import tokenizers_match
 from flyspec.generation import Decoder
 from flyspec.harness.methods import Method
 from flyspec.resources import Resources
-from flyspec.runtime.loaded_model import LoadedModel
+from flyspec.runtime.loaded_model import LoadedModel, PromptCodec
 from flyspec.sampling import make_generator
 
 
@@ -200,7 +200,7 @@ def run_prompt(
 
 
 def conversation_ids(
-    target: LoadedModel, turns: tuple[str, ...], answers: list[str], use_chat: bool | None
+    target: PromptCodec, turns: tuple[str, ...], answers: list[str], use_chat: bool | None
 ) -> list[int]:
     """Prompt ids for the last of ``turns`` after the earlier turns and their ``answers``."""
     chat = target.has_chat_template if use_chat is None else use_chat

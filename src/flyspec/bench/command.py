@@ -68,6 +68,35 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     vllm.add_argument(
         "--vllm-eager", action="store_true", help="vLLM's enforce_eager: starts ~3x faster, runs ~15%% slower"
     )
+    load = parser.add_argument_group(
+        "under load (vLLM engines: throughput against batch size, and a batch schedule that never costs throughput)"
+    )
+    load.add_argument(
+        "--concurrency",
+        help="batch sizes to measure, e.g. 1,2,4,8,16,32: each vllm-* method's total tokens/s with that many requests "
+        "decoded together (default methods: vllm-plain, vllm-ngram, vllm-ngram+fly); writes report.md, load.json, "
+        "throughput.png",
+    )
+    load.add_argument(
+        "--derive-schedule",
+        action="store_true",
+        help="sweep draft lengths on flyspec's proposer at each concurrency and derive the batch schedule (how many "
+        "tokens to speculate per batch size; 0 = none) into schedule.json, then measure the methods with it",
+    )
+    load.add_argument("--schedule", help="measure flyspec's proposer with this schedule.json too")
+    load.add_argument(
+        "--online",
+        action="store_true",
+        help="measure OpenAI-compatible servers instead, with that many concurrent streaming clients: vLLM's (the "
+        "vllm-* methods) and flyspec-serve (default: vllm-plain, vllm-ngram, vllm-ngram+fly, flyspec-serve); total "
+        "and per-request tokens/s, time to first token and per output token, p50/p99",
+    )
+    load.add_argument(
+        "--load-prompts", type=int, default=8, help="prompts per point at least (default 8; --quick: 4)"
+    )
+    load.add_argument(
+        "--draft-lengths", default="0,2,4,8,15", help="draft lengths the sweep tries (default 0,2,4,8,15; capped at -k)"
+    )
     add_model_options(parser)
     add_speculation_options(parser, components=False)
     out = parser.add_argument_group("output")
@@ -78,6 +107,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     require_extra("bench", "flyspec bench")
+    if args.concurrency or args.derive_schedule or args.schedule:
+        return _run_load(args)
     # Heavy imports only when benchmarking (keeps `flyspec generate` quick to start).
     from flyspec.bench.backends import BackendSettings, conversation_ids
     from flyspec.bench.data import load_prompts
@@ -142,6 +173,131 @@ def run(args: argparse.Namespace) -> int:
             _close_peers(backends)
             _write_outputs(out_dir, meta, view.records, times, k, args.plots, view.console)
     return 0
+
+
+def _run_load(args: argparse.Namespace) -> int:
+    """``--concurrency``: vLLM engines under load (``bench/load.py``)."""
+    from rich.console import Console
+
+    from flyspec.batch_schedule import BatchSchedule
+    from flyspec.bench import load, online
+    from flyspec.bench.backends import conversation_ids
+    from flyspec.bench.data import load_prompts
+    from flyspec.cli_options import speculation_config
+    from flyspec.config import ConfigError
+    from flyspec.harness.meta import run_metadata
+    from flyspec.harness.vllm_worker import VllmOptions, check_venv, venv_python
+    from flyspec.runtime.loading import cpu_isa, load_served
+
+    if not args.concurrency:
+        raise ConfigError("--derive-schedule and --schedule measure under load: give --concurrency too (e.g. 1,2,4,8)")
+    defaults = (*load.DEFAULT_METHODS, online.FLYSPEC_SERVE) if args.online else load.DEFAULT_METHODS
+    names = [name.strip() for name in (args.methods or ",".join(defaults)).split(",") if name.strip()]
+    schedule = BatchSchedule.load(args.schedule) if args.schedule else None
+    if args.online and args.derive_schedule:
+        raise ConfigError("--derive-schedule measures offline: derive it first, then pass --online --schedule FILE")
+    engines = [name for name in names if not (args.online and name == online.FLYSPEC_SERVE)]
+    load.check_methods(engines, args.derive_schedule, schedule)
+    k = speculation_config(args).num_draft_tokens
+    lengths = tuple(sorted({min(int(part), k) for part in args.draft_lengths.split(",") if part.strip()} | {0}))
+    max_new_tokens = args.max_new_tokens or (QUICK_MAX_NEW_TOKENS if args.quick else 96)
+    minimum = 4 if args.quick and args.load_prompts == 8 else args.load_prompts
+    if minimum < 1 or max_new_tokens < 1 or args.repeats < 1:
+        raise ConfigError("--load-prompts, --max-new-tokens and --repeats must be >= 1")
+    settings = load.LoadSettings(load.parse_concurrencies(args.concurrency), max_new_tokens, minimum, k, lengths,
+                                 args.derive_schedule, schedule, repeats=args.repeats)  # fmt: skip
+    python = venv_python(args.vllm_venv)
+    check_venv(python)
+    out_dir = _prepare_out_dir(Path(args.out))
+    target = load_served(args.target, args.dtype)
+    dataset = load_prompts(args.dataset, categories=tuple(c for c in (args.categories or "").split(",") if c))
+    needed = settings.prompts_at(settings.concurrencies[-1])
+    prompts = [conversation_ids(target, p.turns[:1], [], args.use_chat) for p in _interleaved(dataset)[:needed]]
+    console = Console(stderr=True)
+    if args.online:
+        return _run_online(args, names, target, dataset, settings, schedule, python, out_dir, console)
+    options = VllmOptions(eager=args.vllm_eager)
+    workers = load.start_workers(names, python, target.path, target.dtype_name, settings, options)
+    try:
+        first = next(iter(workers.values()))
+        meta = {**run_metadata(target, getattr(args, "command_line", None)), "cpu_isa": cpu_isa(),
+                "vllm_version": first.vllm_version, "eager": args.vllm_eager, "num_draft_tokens": k,
+                "max_new_tokens": max_new_tokens, "min_prompts": minimum, "repeats": args.repeats,
+                "concurrencies": list(settings.concurrencies)}  # fmt: skip
+        run = load.LoadRun()
+        try:
+            run = load.run_load(workers, prompts, settings, console.print)
+        finally:
+            run.startup_s = {name: worker.startup_s for name, worker in workers.items()}
+            written = load.write_outputs(out_dir, meta, run, args.plots)
+    finally:
+        load.close_workers(workers)
+    console.print("wrote " + ", ".join(str(path) for path in written))
+    return 0
+
+
+def _run_online(
+    args: argparse.Namespace, names: list[str], target: Any, dataset: list, settings: Any, schedule: Any,
+    python: Path, out_dir: Path, console: Any,
+) -> int:  # fmt: skip
+    """``--concurrency ... --online``: each server under concurrent streaming clients (``bench/online.py``)."""
+    import json
+    import tempfile
+
+    from flyspec.bench import load, online
+    from flyspec.config import ConfigError
+    from flyspec.harness.meta import run_metadata
+    from flyspec.runtime.loading import cpu_isa
+
+    chat = target.has_chat_template if args.use_chat is None else args.use_chat
+    if not chat:
+        raise ConfigError("--online sends chat completions: the target needs a chat template")
+    turns = [prompt.turns[0] for prompt in _interleaved(dataset)[: settings.prompts_at(settings.concurrencies[-1])]]
+    messages = [[{"role": "user", "content": turn}] for turn in turns]
+    logs = Path(tempfile.mkdtemp(prefix="flyspec-online-"))
+
+    def starter(method: str) -> Any:
+        def start() -> online.Server:
+            port = online.free_port()
+            command, environment = online.server_command(method, python, target.path, args.target,
+                                                         target.dtype_name, port, settings.num_draft_tokens,
+                                                         schedule, args.vllm_eager)  # fmt: skip
+            return online.Server(command, environment, port, logs / f"{method}.log")
+
+        return start
+
+    def label(name: str) -> str:  # a server that follows the schedule is named as offline: "<method> scheduled"
+        return name + load.SCHEDULED if schedule is not None and name in load.FLYSPEC_PROPOSER else name
+
+    starts = {label(name): starter(name) for name in names}
+    rows, startup = online.run_online(starts, messages, settings.concurrencies, settings.prompts_at,
+                                      settings.max_new_tokens, console.print)  # fmt: skip
+    meta = {**run_metadata(target, getattr(args, "command_line", None)), "cpu_isa": cpu_isa(),
+            "eager": args.vllm_eager, "num_draft_tokens": settings.num_draft_tokens,
+            "max_new_tokens": settings.max_new_tokens, "min_prompts": settings.min_prompts,
+            "schedule": schedule.to_vllm() if schedule else None, "server_logs": str(logs)}  # fmt: skip
+    (out_dir / "online.json").write_text(json.dumps({"meta": meta, "rows": rows, "startup_s": startup}, indent=1))
+    header = ["# flyspec bench --concurrency --online", "",
+              f"- {meta['date']}; {meta['machine']} (CPU flags: {meta['cpu_isa']}); {meta['versions']}",
+              f"- target {meta['target']}, {meta['dtype']}, {'enforce_eager' if args.vllm_eager else 'compiled'}; "
+              f"k = {settings.num_draft_tokens}, {settings.max_new_tokens} new tokens; schedule: "
+              f"{schedule.describe() if schedule else 'none'}"]  # fmt: skip
+    (out_dir / "online.md").write_text("\n".join(header + online.online_report(rows, startup)) + "\n")
+    written = [out_dir / "online.json", out_dir / "online.md"]
+    if args.plots:
+        meta["vllm_version"] = "server"
+        written.append(load.plot(out_dir / "online.png", meta, [row for row in rows if row.get("num_requests")]))
+    console.print("wrote " + ", ".join(str(path) for path in written))
+    return 0
+
+
+def _interleaved(prompts: list) -> list:
+    """Prompts taking turns by category, so that every wave mixes the kinds of requests."""
+    by_category: dict[str, list] = {}
+    for prompt in prompts:
+        by_category.setdefault(prompt.category, []).append(prompt)
+    queues = list(by_category.values())
+    return [queue[i] for i in range(max(map(len, queues), default=0)) for queue in queues if i < len(queue)]
 
 
 def _run_batched(backends: dict, target: Any, prompts: list, max_new_tokens: int, use_chat: bool | None) -> dict:

@@ -82,6 +82,7 @@ class CalibrationConfig:
     draft_length: str | None = None  # the points' policy (space.base_speculation); None: the engine's default
     vllm: VllmOptions = field(default_factory=VllmOptions)  # --engine vllm: how its engine runs
     wave_size: int = DEFAULT_WAVE  # --engine vllm: prompts per wave (vLLM batches each wave's requests)
+    schedule: str | None = None  # a batch schedule file (bench --derive-schedule's) for the profile to carry
 
     def __post_init__(self) -> None:
         if self.speculation.drafter in UNSUPPORTED_DRAFTERS:
@@ -95,6 +96,10 @@ class CalibrationConfig:
             raise ConfigError(f"unknown engine {self.engine!r}; choose one of {', '.join(ENGINES)}")
         if self.wave_size < 1:
             raise ConfigError(f"--wave must be >= 1 (got {self.wave_size})")
+        if self.schedule is not None:
+            from flyspec.batch_schedule import BatchSchedule
+
+            BatchSchedule.load(self.schedule)  # refused before any work when unreadable
         if self.engine == "vllm":
             _check_vllm_calibration(self.speculation)
             if self.draft_length not in (None, "fixed"):
@@ -253,8 +258,9 @@ def _profile_record(
     tasks: list[str],
     num_items: int,
 ) -> dict[str, Any]:
-    """What a profile says about how it was made (``flyspec.profile`` reads it): model, dtype, drafter, data."""
-    return {
+    """What a profile says about how it was made (``flyspec.profile`` reads it): model, dtype, drafter, data, and
+    the batch schedule it carries (``--schedule``: measured by ``flyspec bench --concurrency --derive-schedule``)."""
+    record = {
         "flyspec_profile": PROFILE_FORMAT,
         "created": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "flyspec_version": VERSION,
@@ -270,6 +276,12 @@ def _profile_record(
         "budget": config.budget.to_dict(),
         "min_items": min_items(config.budget.max_meaning_change, config.budget.confidence),
     }
+    if config.schedule is not None:
+        from flyspec.batch_schedule import VLLM_KEY, BatchSchedule
+
+        schedule = BatchSchedule.load(config.schedule)
+        record["schedule"] = {VLLM_KEY: schedule.to_vllm(), "description": schedule.describe(), "file": config.schedule}
+    return record
 
 
 def _write_outputs(record: dict[str, Any], calibrator: Calibrator, out_dir: Path) -> None:

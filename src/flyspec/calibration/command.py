@@ -82,6 +82,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     out.add_argument("--out", help="output directory (default calibration/<model>-<drafter>-<dtype>)")
     out.add_argument("--resume", action="store_true", help="continue the records in --out")
     out.add_argument(
+        "--schedule",
+        help="a batch schedule (flyspec bench --concurrency ... --derive-schedule's schedule.json) for the profile to "
+        "carry: its deploy block then sets num_speculative_tokens_per_batch_size, so speculation stops where it "
+        "would cost throughput",
+    )
+    out.add_argument(
         "--live-check", type=int, default=20, help="prompts re-run live to check the replay (default 20; 0 = none)"
     )
     out.add_argument("-v", "--verbose", action="store_true", help="log model loading")
@@ -132,6 +138,7 @@ def build_config(args: argparse.Namespace) -> Any:
         draft_length=None if args.draft_length == "auto" else args.draft_length,
         vllm=vllm_options(args),
         wave_size=args.wave,
+        schedule=args.schedule,
     )
 
 

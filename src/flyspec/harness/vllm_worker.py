@@ -26,6 +26,25 @@ DEFAULT_VENV = ".venv-vllm"  # the Makefile's VLLM_VENV
 DEFAULT_KV_CACHE_BYTES = 1 << 30  # flyspec_vllm.worker's default: the same on every machine (issue 35)
 
 
+def speculative_config(
+    method: str, num_draft_tokens: int, schedule: list[list[int]] | None = None
+) -> dict[str, Any] | None:
+    """vLLM's ``speculative_config`` for a method of the worker (``flyspec_vllm.worker``) and of ``flyspec bench
+    --online``'s vLLM server; ``schedule``: its ``num_speculative_tokens_per_batch_size`` (``batch_schedule.py``)."""
+    if method == "vllm-plain":
+        return None
+    config: dict[str, Any]
+    if method == "vllm-ngram":
+        config = {"method": "ngram", "num_speculative_tokens": num_draft_tokens, "prompt_lookup_max": 4,
+                  "prompt_lookup_min": 1}  # fmt: skip
+    else:
+        proposer = "flyspec_vllm.NgramProposer"
+        config = {"method": "custom_class", "model": proposer, "num_speculative_tokens": num_draft_tokens}
+    if schedule:
+        config["num_speculative_tokens_per_batch_size"] = [list(entry) for entry in schedule]
+    return config
+
+
 def venv_python(venv: str | None) -> Path:
     """The vLLM venv's interpreter: ``--vllm-venv``, else ``$FLYSPEC_VLLM_VENV``, else ``.venv-vllm``."""
     return Path(venv or os.environ.get(VENV_VARIABLE) or DEFAULT_VENV) / "bin" / "python"

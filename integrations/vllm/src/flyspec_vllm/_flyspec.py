@@ -1,6 +1,7 @@
 """Everything the plugin takes from flyspec, imported in this one place (the core API may move)."""
 
 from flyspec.acceptance import num_leading_true
+from flyspec.batch_schedule import BatchSchedule
 from flyspec.breaker import CircuitBreaker
 from flyspec.config import BreakerConfig, ConfigError, FlyConfig, GuardConfig, NgramConfig, SpeculationConfig
 from flyspec.drafters.ngram import ngram_lookup
@@ -13,6 +14,7 @@ from flyspec.verifiers.registry import LOSSY_RULE_FIELDS, make_verifier, rule_ma
 from flyspec.verifiers.tokens import Vocabulary
 
 __all__ = [
+    "BatchSchedule",
     "BreakerConfig",
     "CircuitBreaker",
     "ConfigError",

@@ -5,15 +5,51 @@ Use ``"model": "flyspec_vllm.NgramProposer"``. The lookup is flyspec's own ``ngr
 ``flyspec generate --drafter ngram`` propose the same tokens. n-gram sizes: vLLM's
 ``prompt_lookup_max`` / ``prompt_lookup_min`` where given, else flyspec's ``NgramConfig``. A request that
 asks for none (``extra_args={"flyspec_draft": false}``) gets no drafts: plain decoding in the same engine.
+
+A batch-size schedule (``flyspec.batch_schedule``) caps the drafts by the step's batch size: vLLM's own
+``speculative_config["num_speculative_tokens_per_batch_size"]`` (vLLM 0.32 hands it only to its built-in
+proposers, so this one reads it itself), else the file ``$FLYSPEC_VLLM_SCHEDULE`` names (a schedule.json or
+a profile carrying one). ``k = 0`` in a range: no drafts at those batch sizes, plain decoding.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import os
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
-from flyspec_vllm._flyspec import NgramConfig, ngram_lookup
+from flyspec_vllm._flyspec import BatchSchedule, ConfigError, NgramConfig, ngram_lookup
+
+logger = logging.getLogger(__name__)
+SCHEDULE_VARIABLE = "FLYSPEC_VLLM_SCHEDULE"
+VLLM_SCHEDULE_KEY = "num_speculative_tokens_per_batch_size"
+_override: list[BatchSchedule] = []  # flyspec's worker sweeps draft lengths on one engine (:func:`overriding`)
+
+
+def operator_schedule(speculative: Any, environ: Any = os.environ) -> BatchSchedule | None:
+    """The batch-size schedule: ``speculative_config``'s, else ``$FLYSPEC_VLLM_SCHEDULE``'s, else None."""
+    entries = getattr(speculative, VLLM_SCHEDULE_KEY, None)
+    if entries:
+        return BatchSchedule.from_entries(entries)
+    path = environ.get(SCHEDULE_VARIABLE, "").strip()
+    return BatchSchedule.load(path) if path else None
+
+
+@contextlib.contextmanager
+def overriding(schedule: BatchSchedule | None) -> Iterator[None]:
+    """Within the block, every proposer in this process follows ``schedule`` (None: the configured one)."""
+    if schedule is None:
+        yield
+        return
+    _override.append(schedule)
+    try:
+        yield
+    finally:
+        _override.pop()
 
 
 class NgramProposer:
@@ -26,6 +62,17 @@ class NgramProposer:
         self.max_ngram = int(getattr(speculative, "prompt_lookup_max", None) or defaults.max_ngram)
         self.min_ngram = int(getattr(speculative, "prompt_lookup_min", None) or defaults.min_ngram)
         self.max_model_len = int(vllm_config.model_config.max_model_len)
+        try:
+            self.schedule = operator_schedule(speculative)
+        except ConfigError as error:
+            raise ConfigError(f"flyspec_vllm.NgramProposer: {error}") from None
+        if self.schedule is not None:
+            logger.info("flyspec-vllm: n-gram proposer follows the batch schedule (%s)", self.schedule.describe())
+
+    def draft_limit(self, batch_size: int) -> int:
+        """At most this many draft tokens per request at this batch size."""
+        schedule = _override[-1] if _override else self.schedule
+        return self.num_draft_tokens if schedule is None else min(self.num_draft_tokens, schedule.k_for(batch_size))
 
     def propose(
         self,
@@ -38,9 +85,10 @@ class NgramProposer:
         from flyspec_vllm.patch import draftless as draftless_rows  # set by the _sample wrapper this step
 
         draftless = draftless_rows()  # rows whose request asked for plain decoding (flyspec_draft: false)
+        limit = self.draft_limit(len(sampled_token_ids))
         for index, sampled in enumerate(sampled_token_ids):
             num_tokens = int(num_tokens_no_spec[index])
-            room = min(self.num_draft_tokens, self.max_model_len - num_tokens - 1)
+            room = min(limit, self.max_model_len - num_tokens - 1)
             if not sampled or room <= 0 or index in draftless:
                 drafts.append([])
                 continue

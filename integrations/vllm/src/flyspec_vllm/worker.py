@@ -6,7 +6,9 @@ exits 1 when the engine cannot start), then answers one JSON object per stdin li
 
 ``{"prompts": [[ids], ...], "max_tokens": N}`` → ``{"outputs": [[ids], ...], "seconds": s,
 "drafts": d, "draft_tokens": t, "accepted": a, "loose_accepts": l}``: all prompts of a line are
-submitted at once (one prompt: batch 1), counters are the differences over that call.
+submitted at once (one prompt: batch 1), counters are the differences over that call. Optional, for flyspec's
+proposer: ``"num_draft_tokens": k`` (at most k drafts per request in this call) or ``"schedule": [[start, end, k],
+...]`` (a batch-size schedule for this call, ``flyspec.batch_schedule``) — one engine sweeps every draft length.
 
 ``{"requests": [{"key": k, "prompt": [ids], "max_tokens": N, "extra_args": {...}}, ...]}`` →
 ``{"outputs": [{"key": k, "token_ids": [...], "finish_reason": ..., "record": {...}}, ...], "seconds": s,
@@ -33,19 +35,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from flyspec.harness.vllm_worker import speculative_config
+
 # the KV cache's size: 1 GiB holds ~23k tokens of SmolLM2-135M in float32 (45 KiB each), plenty for a batch of 64
 DEFAULT_KV_CACHE_BYTES = 1 << 30
 RULES_METHOD = "vllm-flyspec-rules"
 METHODS = ("vllm-plain", "vllm-ngram", "vllm-flyspec-ngram", "vllm-ngram+fly", "vllm-ngram+fly+bare", RULES_METHOD)
-
-
-def speculative_config(method: str, num_draft_tokens: int) -> dict[str, Any] | None:
-    if method == "vllm-plain":
-        return None
-    if method == "vllm-ngram":
-        return {"method": "ngram", "num_speculative_tokens": num_draft_tokens, "prompt_lookup_max": 4,
-                "prompt_lookup_min": 1}  # fmt: skip
-    return {"method": "custom_class", "model": "flyspec_vllm.NgramProposer", "num_speculative_tokens": num_draft_tokens}
 
 
 def memory_options(kv_cache_memory_bytes: int | None, gpu_memory_utilization: float | None) -> dict[str, Any]:
@@ -97,6 +92,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="size the KV cache as vLLM does by default instead: this fraction of the device's memory (on the CPU "
         "backend, of the NUMA node's memory, which differs between machines)",
     )
+    parser.add_argument(
+        "--schedule",
+        help="a batch-size schedule file (flyspec bench --derive-schedule's schedule.json, or a profile with one): "
+        "passed as speculative_config's num_speculative_tokens_per_batch_size",
+    )
     parser.add_argument("--eager", action="store_true", help="enforce_eager (starts ~3x faster, runs ~15%% slower)")
     return parser.parse_args(argv)
 
@@ -125,6 +125,11 @@ def start_engine(args: argparse.Namespace) -> Any:
 
         model = str(gguf_to_hf_dir(Path(model)))
     optional = {"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {}
+    schedule = None
+    if args.schedule:
+        from flyspec.batch_schedule import BatchSchedule
+
+        schedule = BatchSchedule.load(args.schedule).to_vllm()
     return LLM(
         model=model,
         dtype=args.dtype,
@@ -133,18 +138,29 @@ def start_engine(args: argparse.Namespace) -> Any:
         tensor_parallel_size=args.tensor_parallel_size,
         **memory_options(args.kv_cache_memory_bytes, args.gpu_memory_utilization),
         **optional,
-        speculative_config=speculative_config(args.method, args.num_draft_tokens),
+        speculative_config=speculative_config(args.method, args.num_draft_tokens, schedule),
         enable_prefix_caching=True,  # points of a calibration share their prompts (and a continuation its prefix)
         disable_log_stats=False,
         seed=0,
     )
 
 
+def call_schedule(request: dict[str, Any]) -> Any:
+    """The batch-size schedule a request line sets for its call (``num_draft_tokens`` or ``schedule``), or None."""
+    from flyspec.batch_schedule import BatchSchedule
+
+    if request.get("schedule") is not None:
+        return BatchSchedule.from_entries(request["schedule"])
+    if request.get("num_draft_tokens") is not None:
+        return BatchSchedule(((1, 1, int(request["num_draft_tokens"])),))
+    return None
+
+
 def answer(llm: Any, request: dict[str, Any]) -> dict[str, Any]:
     """One request line's reply (see the module docstring)."""
     from vllm import SamplingParams
 
-    from flyspec_vllm import metrics, records
+    from flyspec_vllm import metrics, proposer, records
 
     if "requests" in request:
         items = request["requests"]
@@ -159,7 +175,8 @@ def answer(llm: Any, request: dict[str, Any]) -> dict[str, Any]:
         params = SamplingParams(temperature=0.0, max_tokens=int(request["max_tokens"]), ignore_eos=False)
     before, loose_before = spec_counters(llm), metrics.snapshot()["loose_accepts"]
     started = time.perf_counter()
-    results = llm.generate(prompts, params, use_tqdm=False)
+    with proposer.overriding(call_schedule(request)):
+        results = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - started
     after = spec_counters(llm)
     reply: dict[str, Any] = {

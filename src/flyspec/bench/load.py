@@ -1,0 +1,294 @@
+"""``flyspec bench --concurrency 1,2,4,...``: throughput against batch size on vLLM, and a batch schedule from it.
+
+Speculation spends compute a lone request leaves idle, and a batch uses that compute up. This measures
+where it stops paying. Each vLLM method is one engine (``flyspec_vllm.worker``), started once; at
+concurrency ``c`` the first ``c·⌈min_prompts / c⌉`` prompts (first turns, categories interleaved) are
+submitted in waves of ``c`` (one ``LLM.generate`` each, so a wave ends with its slowest request), and the
+figure is total new tokens ÷ total time. At each concurrency every method runs before the next
+concurrency starts, so drift on a shared machine hits them alike.
+
+``--derive-schedule`` first sweeps draft lengths on flyspec's proposer (the first ``vllm-flyspec-ngram`` /
+``vllm-ngram+fly*`` method): at each concurrency, at most ``k`` drafts per request for every ``k`` in
+``draft_lengths`` (0: none), on the same engine. :func:`flyspec.batch_schedule.derive_schedule` turns the
+sweep into a batch-size schedule (schedule.json, vLLM's ``num_speculative_tokens_per_batch_size``), and every
+flyspec-proposer method then also runs with it (``<method> scheduled``). ``--schedule FILE`` runs a given one.
+The verdict compares each scheduled method with ``max(vllm-plain, vllm-ngram)`` of the same run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from flyspec.batch_schedule import DEFAULT_MARGIN, BatchSchedule, derive_schedule
+from flyspec.config import ConfigError
+from flyspec.harness.vllm_worker import VllmOptions, VllmWorker
+
+DEFAULT_CONCURRENCIES = (1, 2, 4, 8, 16, 32)
+DEFAULT_DRAFT_LENGTHS = (0, 2, 4, 8, 15)
+DEFAULT_METHODS = ("vllm-plain", "vllm-ngram", "vllm-ngram+fly")
+FLYSPEC_PROPOSER = ("vllm-flyspec-ngram", "vllm-ngram+fly", "vllm-ngram+fly+bare")
+LOAD_METHODS = ("vllm-plain", "vllm-ngram", *FLYSPEC_PROPOSER)
+SCHEDULED = " scheduled"
+PEERS = ("vllm-plain", "vllm-ngram")  # what a scheduled method is held against: vLLM without flyspec
+FAIR_SHARE = 0.97  # the goal: a scheduled method keeps at least this share of the best non-flyspec method
+
+
+def parse_concurrencies(text: str) -> tuple[int, ...]:
+    """``"1,2,4"`` → (1, 2, 4); a clear error for anything else."""
+    try:
+        values = tuple(sorted({int(part) for part in text.split(",") if part.strip()}))
+    except ValueError:
+        raise ConfigError(f"--concurrency {text!r}: give batch sizes such as 1,2,4,8,16,32") from None
+    if not values or values[0] < 1:
+        raise ConfigError(f"--concurrency {text!r}: give batch sizes >= 1 such as 1,2,4,8,16,32")
+    return values
+
+
+def check_methods(names: Sequence[str], derive: bool, schedule: BatchSchedule | None) -> None:
+    unknown = [name for name in names if name not in LOAD_METHODS]
+    if unknown:
+        raise ConfigError(
+            f"--concurrency measures vLLM engines ({', '.join(LOAD_METHODS)}), not {', '.join(unknown)}; flyspec's "
+            "own engine decodes one request at a time (flyspec serve runs one decoder per request)"
+        )
+    if (derive or schedule is not None) and not any(name in FLYSPEC_PROPOSER for name in names):
+        raise ConfigError(
+            "--derive-schedule / --schedule need a method with flyspec's proposer: " + ", ".join(FLYSPEC_PROPOSER)
+        )
+
+
+@dataclass(frozen=True)
+class LoadSettings:
+    concurrencies: tuple[int, ...] = DEFAULT_CONCURRENCIES
+    max_new_tokens: int = 96
+    min_prompts: int = 8  # prompts per point at least (a lone request's figure is not one prompt's)
+    num_draft_tokens: int = 15  # each speculative engine's k (the sweep's largest)
+    draft_lengths: tuple[int, ...] = DEFAULT_DRAFT_LENGTHS
+    derive: bool = False
+    schedule: BatchSchedule | None = None
+    margin: float = DEFAULT_MARGIN
+    repeats: int = 1  # each point this many times, the median run kept (this VM's runs of one point differ by ~10 %)
+
+    def prompts_at(self, concurrency: int) -> int:
+        return concurrency * math.ceil(self.min_prompts / concurrency)
+
+
+@dataclass
+class LoadRun:
+    """Everything measured: one row per (method, concurrency), the sweep's rows, the schedule."""
+
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    sweep: list[dict[str, Any]] = field(default_factory=list)
+    schedule: BatchSchedule | None = None
+    startup_s: dict[str, float] = field(default_factory=dict)
+
+
+def measure(worker: VllmWorker, prompts: list[list[int]], concurrency: int, max_tokens: int, **call: Any) -> dict:
+    """One point: ``prompts`` in waves of ``concurrency``; totals over the waves (``call``: the worker's draft cap)."""
+    tokens = seconds = drafts = accepted = 0.0
+    for start in range(0, len(prompts), concurrency):
+        reply = worker.request({"prompts": prompts[start : start + concurrency], "max_tokens": max_tokens, **call})
+        tokens += sum(len(ids) for ids in reply["outputs"])
+        seconds += reply["seconds"]
+        drafts += reply.get("draft_tokens", 0)
+        accepted += reply.get("accepted", 0)
+    return {
+        "concurrency": concurrency,
+        "num_prompts": len(prompts),
+        "num_new_tokens": int(tokens),
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
+        "draft_tokens": int(drafts),
+        "accepted": int(accepted),
+        "tau": tokens / (tokens - accepted) if tokens > accepted else None,  # each request-step commits accepted + 1
+    }
+
+
+def measure_median(worker: VllmWorker, prompts: list[list[int]], concurrency: int, settings: LoadSettings,
+                   **call: Any) -> dict:  # fmt: skip
+    """:func:`measure` ``settings.repeats`` times; the run with the median tokens/s, and every run's figure."""
+    runs = [measure(worker, prompts, concurrency, settings.max_new_tokens, **call) for _ in range(settings.repeats)]
+    runs.sort(key=lambda row: row["tokens_per_s"])
+    return {**runs[len(runs) // 2], "tokens_per_s_runs": [row["tokens_per_s"] for row in runs]}
+
+
+def run_load(
+    workers: dict[str, VllmWorker],
+    prompts: list[list[int]],
+    settings: LoadSettings,
+    on_row: Callable[[str], None] = lambda line: None,
+) -> LoadRun:
+    """The sweep (if deriving), then every method and every scheduled method at every concurrency."""
+    run = LoadRun(schedule=settings.schedule)
+    for worker in workers.values():
+        worker.request({"prompts": prompts[:1], "max_tokens": 8})  # warm-up
+    scheduled = [name for name in workers if name in FLYSPEC_PROPOSER]
+    if settings.derive:
+        sweeper = workers[scheduled[0]]
+        for concurrency in settings.concurrencies:
+            batch = prompts[: settings.prompts_at(concurrency)]
+            for k in settings.draft_lengths:
+                row = {"method": sweeper.method, "k": k, **measure_median(sweeper, batch, concurrency, settings,
+                                                                          num_draft_tokens=k)}  # fmt: skip
+                run.sweep.append(row)
+                on_row(f"sweep {sweeper.method} k={k} at {concurrency}: {row['tokens_per_s']:.1f} tok/s")
+        throughput: dict[int, dict[int, float]] = {}
+        for row in run.sweep:
+            throughput.setdefault(row["k"], {})[row["concurrency"]] = row["tokens_per_s"]
+        run.schedule = derive_schedule(throughput, settings.margin)
+        on_row(f"schedule: {run.schedule.describe()}")
+    for concurrency in settings.concurrencies:
+        batch = prompts[: settings.prompts_at(concurrency)]
+        for name, worker in workers.items():
+            run.rows.append({"method": name, **measure_median(worker, batch, concurrency, settings)})
+            on_row(f"{name} at {concurrency}: {run.rows[-1]['tokens_per_s']:.1f} tok/s")
+        if run.schedule is not None:
+            for name in scheduled:
+                row = measure_median(workers[name], batch, concurrency, settings, schedule=run.schedule.to_vllm())
+                run.rows.append({"method": name + SCHEDULED, **row})
+                on_row(f"{name}{SCHEDULED} at {concurrency}: {row['tokens_per_s']:.1f} tok/s")
+    return run
+
+
+def verdicts(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per concurrency and scheduled method: its share of ``max(vllm-plain, vllm-ngram)`` and of vllm-plain."""
+    table = {(row["method"], row["concurrency"]): row["tokens_per_s"] for row in rows}
+    result = []
+    for (method, concurrency), rate in table.items():
+        if not method.endswith(SCHEDULED):
+            continue
+        peers = {name: table[name, concurrency] for name in PEERS if (name, concurrency) in table}
+        if not peers:
+            continue
+        best = max(peers.values())
+        result.append(
+            {
+                "method": method,
+                "concurrency": concurrency,
+                "share_of_best": rate / best,
+                "over_plain": rate / peers["vllm-plain"] if "vllm-plain" in peers else None,
+                "meets_goal": rate >= FAIR_SHARE * best,
+            }
+        )
+    return result
+
+
+def start_workers(
+    names: Sequence[str], python: Path, model_path: str, dtype: str, settings: LoadSettings, options: VllmOptions
+) -> dict[str, VllmWorker]:
+    """One engine per method; all started before any is timed (their start-up reported separately)."""
+    workers: dict[str, VllmWorker] = {}
+    try:
+        for name in names:
+            workers[name] = VllmWorker(python, model_path, name, dtype, settings.num_draft_tokens, options)
+    except BaseException:
+        close_workers(workers)
+        raise
+    return workers
+
+
+def close_workers(workers: dict[str, VllmWorker]) -> None:
+    for worker in workers.values():
+        worker.close()
+
+
+def load_report(meta: dict[str, Any], run: LoadRun) -> str:
+    """report.md of a load run: the throughput table, the verdicts, the sweep and the schedule."""
+    methods = list(dict.fromkeys(row["method"] for row in run.rows))
+    concurrencies = sorted({row["concurrency"] for row in run.rows})
+    table = {(row["method"], row["concurrency"]): row for row in run.rows}
+    lines = [
+        "# flyspec bench --concurrency: throughput against batch size on vLLM",
+        "",
+        f"- {meta['date']}; {meta['machine']} (CPU flags: {meta['cpu_isa']}); {meta['versions']}",
+        f"- target {meta['target']}, {meta['dtype']}, vLLM {meta['vllm_version']}, "
+        f"{'enforce_eager' if meta['eager'] else 'compiled'}; k = {meta['num_draft_tokens']}, "
+        f"{meta['max_new_tokens']} new tokens, waves of c prompts (at least {meta['min_prompts']} per point), "
+        f"median of {meta.get('repeats', 1)} run(s) per point",
+        "- engine start-up (not in the figures): "
+        + ", ".join(f"{name} {seconds:.0f} s" for name, seconds in run.startup_s.items()),
+        "",
+        "Total tokens/s (τ in brackets where the method speculates):",
+        "",
+        "| method | " + " | ".join(f"c = {c}" for c in concurrencies) + " |",
+        "|---|" + "---:|" * len(concurrencies),
+    ]
+    for method in methods:
+        cells = []
+        for concurrency in concurrencies:
+            row = table.get((method, concurrency))
+            tau = f" ({row['tau']:.2f})" if row and row["draft_tokens"] and row["tau"] else ""
+            cells.append(f"{row['tokens_per_s']:.1f}{tau}" if row else "–")
+        lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    found = verdicts(run.rows)
+    if found:
+        goal = f"Goal: a scheduled method keeps ≥ {FAIR_SHARE:.0%} of max(vllm-plain, vllm-ngram) at every c."
+        lines += ["", goal, ""]
+        lines += ["| method | c | share of the best | over vllm-plain | goal |", "|---|---:|---:|---:|---|"]
+        for verdict in found:
+            plain = verdict["over_plain"]
+            lines.append(
+                f"| {verdict['method']} | {verdict['concurrency']} | {verdict['share_of_best']:.2f} "
+                f"| {'–' if plain is None else f'{plain:.2f}x'} | {'met' if verdict['meets_goal'] else 'MISSED'} |"
+            )
+    if run.sweep:
+        ks = sorted({row["k"] for row in run.sweep})
+        lines += ["", f"Draft-length sweep on {run.sweep[0]['method']} (tokens/s; k = 0: no drafts):", ""]
+        lines += ["| c | " + " | ".join(f"k = {k}" for k in ks) + " |", "|---:|" + "---:|" * len(ks)]
+        sweep = {(row["concurrency"], row["k"]): row["tokens_per_s"] for row in run.sweep}
+        for concurrency in sorted({row["concurrency"] for row in run.sweep}):
+            lines.append(f"| {concurrency} | " + " | ".join(f"{sweep.get((concurrency, k), 0):.1f}" for k in ks) + " |")
+    if run.schedule is not None:
+        lines += ["", f"Schedule ({run.schedule.describe()}), as vLLM's speculative_config key:", "",
+                  f"    \"num_speculative_tokens_per_batch_size\": {json.dumps(run.schedule.to_vllm())}"]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def write_outputs(out_dir: Path, meta: dict[str, Any], run: LoadRun, plots: bool) -> list[Path]:
+    """load.json, report.md, schedule.json (when there is one) and throughput.png."""
+    written = [out_dir / "load.json", out_dir / "report.md"]
+    payload = {"meta": meta, "rows": run.rows, "sweep": run.sweep, "verdicts": verdicts(run.rows),
+               "schedule": run.schedule.to_vllm() if run.schedule else None, "startup_s": run.startup_s}  # fmt: skip
+    written[0].write_text(json.dumps(payload, indent=1), encoding="utf-8")
+    written[1].write_text(load_report(meta, run), encoding="utf-8")
+    if run.schedule is not None:
+        schedule = {
+            "num_speculative_tokens_per_batch_size": run.schedule.to_vllm(),
+            "description": run.schedule.describe(),
+            "measured": {key: meta[key] for key in ("date", "machine", "cpu_isa", "target", "dtype", "vllm_version")},
+            "method": run.sweep[0]["method"] if run.sweep else None,
+        }
+        (out_dir / "schedule.json").write_text(json.dumps(schedule, indent=1), encoding="utf-8")
+        written.append(out_dir / "schedule.json")
+    if plots and run.rows:
+        written.append(plot(out_dir / "throughput.png", meta, run.rows))
+    return written
+
+
+def plot(path: Path, meta: dict[str, Any], rows: list[dict[str, Any]]) -> Path:
+    import matplotlib  # heavy; only when writing plots
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(6.5, 4.2))
+    for method in dict.fromkeys(row["method"] for row in rows):
+        points = sorted((row["concurrency"], row["tokens_per_s"]) for row in rows if row["method"] == method)
+        axes.plot([c for c, _ in points], [rate for _, rate in points], marker="o", label=method,
+                  linestyle="--" if method.endswith(SCHEDULED) else "-")  # fmt: skip
+    axes.set_xscale("log", base=2)
+    axes.set_xlabel("concurrency (requests decoded together)")
+    axes.set_ylabel("total tokens/s")
+    title = f"{Path(meta['target']).name}, {meta['dtype']}, {meta['cpu_isa']}, vLLM {meta['vllm_version']}"
+    axes.set_title(title, fontsize=9)
+    axes.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path
+

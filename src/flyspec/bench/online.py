@@ -1,0 +1,263 @@
+"""``flyspec bench --concurrency 1,2,4,8 --online``: OpenAI-compatible servers under concurrent streaming clients.
+
+One server at a time is started, measured at every concurrency and stopped:
+
+* ``vllm-plain``, ``vllm-ngram``, ``vllm-flyspec-ngram``, ``vllm-ngram+fly``: vLLM's OpenAI server from the vLLM
+  venv (``python -m vllm.entrypoints.openai.api_server``) with the offline methods' ``speculative_config``
+  (``flyspec_vllm.worker.speculative_config``; ``--schedule``: with the batch schedule) and plugin switches;
+* ``flyspec-serve``: ``flyspec serve`` with its defaults (n-gram drafts, exact verification), which decodes
+  one request at a time and queues the rest.
+
+At concurrency ``c``, ``c`` clients each stream chat completions back to back (greedy, ``max_tokens``,
+usage included) until ``c·⌈min_prompts / c⌉`` requests are answered. Figures: total tokens/s (every
+completion token ÷ the time from the first request to the last answer), per-request tokens/s (median),
+time to first token (TTFT) and time per output token after the first (TPOT, per request), p50 and p99.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from flyspec.batch_schedule import BatchSchedule
+from flyspec.config import ConfigError
+
+FLYSPEC_SERVE = "flyspec-serve"
+SERVED_NAME = "bench"
+START_TIMEOUT_S = 600.0
+REQUEST_TIMEOUT_S = 900.0
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def server_command(
+    method: str, python: Path, model_path: str, target: str, dtype: str, port: int, k: int,
+    schedule: BatchSchedule | None, eager: bool,
+) -> tuple[list[str], dict[str, str]]:  # fmt: skip
+    """The command line and extra environment that start ``method``'s server on ``port``."""
+    if method == FLYSPEC_SERVE:
+        command = [sys.executable, "-m", "flyspec", "serve", "--target", target, "--dtype", dtype, "--port", str(port),
+                   "--served-model-name", SERVED_NAME, "--log-level", "warning"]  # fmt: skip
+        return command, {}
+    from flyspec.bench.load import FLYSPEC_PROPOSER, LOAD_METHODS
+
+    if method not in LOAD_METHODS:
+        raise ConfigError(f"--online measures {', '.join([*LOAD_METHODS, FLYSPEC_SERVE])}, not {method}")
+    from flyspec.harness.vllm_worker import speculative_config
+
+    entries = schedule.to_vllm() if schedule is not None and method in FLYSPEC_PROPOSER else None
+    speculative = speculative_config(method, k, entries)
+    command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", model_path, "--port", str(port),
+               "--served-model-name", SERVED_NAME, "--dtype", dtype, "--max-model-len", "4096",
+               "--kv-cache-memory-bytes", str(512 << 20), "--seed", "0", "--disable-uvicorn-access-log",
+               *(["--enforce-eager"] if eager else []),
+               *(["--speculative-config", json.dumps(speculative)] if speculative else [])]  # fmt: skip
+    environment = {"FLYSPEC_VLLM_FLY": "all" if method.startswith("vllm-ngram+fly") else "off"}
+    if method.endswith("+bare"):
+        environment["FLYSPEC_VLLM_GUARDS"] = "bare"
+    return command, environment
+
+
+class Server:
+    """A started server process; its log kept in a temporary file for the error when it dies."""
+
+    def __init__(self, command: list[str], environment: dict[str, str], port: int, log: Path) -> None:
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = log
+        with log.open("w", encoding="utf-8") as sink:
+            self.process = subprocess.Popen(command, env={**os.environ, **environment}, stdout=sink, stderr=sink)
+        self.started = time.perf_counter()
+        self.startup_s = 0.0
+
+    def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
+        import httpx
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the server exited ({self.process.returncode}): {self.tail()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    self.startup_s = time.perf_counter() - self.started
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(1.0)
+        self.stop()
+        raise RuntimeError(f"the server was not ready within {timeout_s:.0f} s: {self.tail()}")
+
+    def tail(self) -> str:
+        lines = [line.strip() for line in self.log.read_text(errors="replace").splitlines() if line.strip()]
+        return " | ".join(lines[-3:])
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+async def stream_one(client: Any, url: str, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
+    """One streamed chat completion: its start, first-token and end times and its completion tokens."""
+    body = {"model": SERVED_NAME, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    started = time.perf_counter()
+    first: float | None = None
+    tokens = 0
+    async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
+        if response.status_code != 200:
+            return {"error": f"status {response.status_code}: {(await response.aread())[:200]!r}"}
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line.removeprefix("data: "))
+            choices = event.get("choices") or []
+            if first is None and any((choice.get("delta") or {}).get("content") for choice in choices):
+                first = time.perf_counter()
+            if event.get("usage"):
+                tokens = int(event["usage"]["completion_tokens"])
+    ended = time.perf_counter()
+    return {"started": started, "first": first or ended, "ended": ended, "tokens": tokens}
+
+
+async def run_clients(url: str, prompts: Sequence[list[dict[str, str]]], concurrency: int, max_tokens: int) -> list:
+    """``concurrency`` clients streaming ``prompts`` back to back; every request's timings."""
+    import httpx
+
+    queue: asyncio.Queue[list[dict[str, str]]] = asyncio.Queue()
+    for messages in prompts:
+        queue.put_nowait(messages)
+    results: list[dict[str, Any]] = []
+    limits = httpx.Limits(max_connections=concurrency + 2)
+    async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S, limits=limits) as client:
+
+        async def worker() -> None:
+            while not queue.empty():
+                messages = queue.get_nowait()
+                try:
+                    results.append(await stream_one(client, url, messages, max_tokens))
+                except (httpx.HTTPError, json.JSONDecodeError) as error:  # counted as failed, never dropped
+                    results.append({"error": f"{type(error).__name__}: {error}"})
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return results
+
+
+def percentile(values: Sequence[float], fraction: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(fraction * (len(ordered) - 1)))] if ordered else float("nan")
+
+
+def summarize(method: str, concurrency: int, results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row: totals and latency percentiles over the requests answered (failures counted, never dropped)."""
+    answered = [result for result in results if "error" not in result]
+    failed = [result["error"] for result in results if "error" in result]
+    if not answered:
+        return {"method": method, "concurrency": concurrency, "failed": failed, "tokens_per_s": 0.0}
+    span = max(r["ended"] for r in answered) - min(r["started"] for r in answered)
+    tokens = sum(r["tokens"] for r in answered)
+    ttft = [r["first"] - r["started"] for r in answered]
+    tpot = [(r["ended"] - r["first"]) / (r["tokens"] - 1) for r in answered if r["tokens"] > 1]
+    return {
+        "method": method,
+        "concurrency": concurrency,
+        "num_requests": len(answered),
+        "num_new_tokens": tokens,
+        "seconds": span,
+        "tokens_per_s": tokens / span if span > 0 else 0.0,
+        "per_request_tokens_per_s": statistics.median(r["tokens"] / (r["ended"] - r["started"]) for r in answered),
+        "ttft_p50_s": percentile(ttft, 0.5),
+        "ttft_p99_s": percentile(ttft, 0.99),
+        "tpot_p50_s": percentile(tpot, 0.5),
+        "tpot_p99_s": percentile(tpot, 0.99),
+        "failed": failed,
+    }
+
+
+def run_online(
+    starts: dict[str, Callable[[], Server]],
+    prompts: list[list[dict[str, str]]],
+    concurrencies: Sequence[int],
+    prompts_at: Callable[[int], int],
+    max_tokens: int,
+    on_row: Callable[[str], None] = lambda line: None,
+) -> tuple[list[dict[str, Any]], dict[str, float]]:
+    """Every server in turn at every concurrency (a warm-up request first); rows and start-up times."""
+    rows: list[dict[str, Any]] = []
+    startup: dict[str, float] = {}
+    for method, start in starts.items():
+        server = start()
+        try:
+            server.wait_ready()
+            startup[method] = server.startup_s
+            asyncio.run(run_clients(server.url, prompts[:1], 1, 8))  # warm-up
+            for concurrency in concurrencies:
+                batch = prompts[: prompts_at(concurrency)]
+                rows.append(summarize(method, concurrency, asyncio.run(run_clients(server.url, batch, concurrency,
+                                                                                   max_tokens))))  # fmt: skip
+                row = rows[-1]
+                on_row(f"online {method} at {concurrency}: {row['tokens_per_s']:.1f} tok/s, TTFT p50 "
+                       f"{row.get('ttft_p50_s', float('nan')):.2f} s, failed {len(row['failed'])}")  # fmt: skip
+        finally:
+            server.stop()
+    return rows, startup
+
+
+def move_to_vllm_at(rows: list[dict[str, Any]]) -> int | None:
+    """The smallest concurrency from which a vLLM server's total tokens/s beats ``flyspec serve``'s at every
+    concurrency measured (None: it never does in this run)."""
+    by_c: dict[int, dict[str, float]] = {}
+    for row in rows:
+        by_c.setdefault(row["concurrency"], {})[row["method"]] = row["tokens_per_s"]
+    answer = None
+    for concurrency in sorted(by_c, reverse=True):
+        rates = by_c[concurrency]
+        vllm = max((rate for name, rate in rates.items() if name.startswith("vllm-")), default=0.0)
+        if FLYSPEC_SERVE not in rates or vllm <= rates[FLYSPEC_SERVE]:
+            break
+        answer = concurrency
+    return answer
+
+
+def online_report(rows: list[dict[str, Any]], startup: dict[str, float]) -> list[str]:
+    """The report's online section."""
+    lines = [
+        "",
+        "## Online: OpenAI-compatible servers, streaming clients",
+        "",
+        "Server start-up (not in the figures): " + ", ".join(f"{name} {s:.0f} s" for name, s in startup.items()),
+        "",
+        "| server | c | total tok/s | per-request tok/s | TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) | failed |",
+        "|---|---:|---:|---:|---|---|---:|",
+    ]
+    for row in rows:
+        if not row.get("num_requests"):
+            lines.append(f"| {row['method']} | {row['concurrency']} | – | – | – | – | {len(row['failed'])} |")
+            continue
+        lines.append(
+            f"| {row['method']} | {row['concurrency']} | {row['tokens_per_s']:.1f} "
+            f"| {row['per_request_tokens_per_s']:.1f} | {row['ttft_p50_s']:.2f} / {row['ttft_p99_s']:.2f} "
+            f"| {1000 * row['tpot_p50_s']:.0f} / {1000 * row['tpot_p99_s']:.0f} | {len(row['failed'])} |"
+        )
+    if any(row["method"] == FLYSPEC_SERVE for row in rows):
+        at = move_to_vllm_at(rows)
+        lines += ["", "Move from `flyspec serve` to vLLM: " + (
+            f"from {at} concurrent clients on (vLLM's total tokens/s is higher there and at every larger "
+            "concurrency measured)" if at is not None else "not within the concurrencies measured")]  # fmt: skip
+    return lines

@@ -1,0 +1,153 @@
+"""Issue 37: ``flyspec bench --concurrency`` — the load sweep, the derived schedule and its verdict, without vLLM
+(a stand-in engine whose step costs grow with the tokens verified; the real engines: tests/vllm_engine/)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from flyspec.batch_schedule import BatchSchedule
+from flyspec.bench import load
+from flyspec.config import ConfigError
+from test_bench import usage_error
+
+
+class StandInEngine:
+    """Answers the worker's ``prompts`` lines like a compute-bound engine: each step costs 4 + (tokens verified) ms,
+    every request takes ``max_tokens`` tokens, each step commits ``1 + accepted(k)`` per request."""
+
+    def __init__(self, method: str) -> None:
+        self.method = method
+        self.calls: list[dict] = []
+
+    def k(self, batch: int, line: dict) -> int:
+        if self.method in ("vllm-plain",):
+            return 0
+        if line.get("schedule") is not None:
+            return BatchSchedule.from_entries(line["schedule"]).k_for(batch)
+        if line.get("num_draft_tokens") is not None:
+            return int(line["num_draft_tokens"])
+        return 15
+
+    def request(self, line: dict) -> dict:
+        self.calls.append(line)
+        batch, max_tokens = len(line["prompts"]), int(line["max_tokens"])
+        k = self.k(batch, line)
+        per_step = 1 + (0.8 * k**0.5 if k else 0.0)  # tokens committed per request per step
+        steps = -(-max_tokens // per_step)
+        seconds = steps * (4 + batch * (k + 1)) / 1000
+        accepted = int(batch * max_tokens * (1 - 1 / per_step))
+        return {"outputs": [[1] * max_tokens] * batch, "seconds": seconds, "draft_tokens": int(batch * steps * k),
+                "accepted": accepted}  # fmt: skip
+
+
+def test_the_sweep_derives_a_schedule_that_keeps_the_throughput_of_no_drafts() -> None:
+    workers = {name: StandInEngine(name) for name in ("vllm-plain", "vllm-ngram", "vllm-ngram+fly")}
+    settings = load.LoadSettings(concurrencies=(1, 2, 4, 8, 16, 32), max_new_tokens=64, min_prompts=4, derive=True)
+    prompts = [[i, i + 1] for i in range(32)]
+    run = load.run_load(workers, prompts, settings)  # type: ignore[arg-type]
+    assert run.schedule is not None
+    assert run.schedule.k_for(1) > 0 and run.schedule.k_for(32) == 0
+    assert {(row["k"], row["concurrency"]) for row in run.sweep} == {
+        (k, c) for k in settings.draft_lengths for c in settings.concurrencies
+    }
+    found = load.verdicts(run.rows)
+    assert [v["concurrency"] for v in found] == list(settings.concurrencies)
+    assert all(v["meets_goal"] for v in found), found
+    assert next(v for v in found if v["concurrency"] == 1)["over_plain"] > 1.2  # where speculation pays
+    unscheduled = {row["concurrency"]: row["tokens_per_s"] for row in run.rows if row["method"] == "vllm-ngram+fly"}
+    plain = {row["concurrency"]: row["tokens_per_s"] for row in run.rows if row["method"] == "vllm-plain"}
+    assert unscheduled[32] < 0.5 * plain[32]  # the stand-in does cost throughput at batch 32 without the schedule
+    waves = [len(call["prompts"]) for call in workers["vllm-plain"].calls[1:]]
+    assert waves[:4] == [1, 1, 1, 1] and waves[-1] == 32  # min_prompts at batch 1, one wave of 32
+
+
+def test_the_outputs_say_what_was_measured(tmp_path: Path) -> None:
+    workers = {name: StandInEngine(name) for name in ("vllm-plain", "vllm-ngram+fly")}
+    settings = load.LoadSettings(concurrencies=(1, 8), max_new_tokens=32, min_prompts=2, derive=True)
+    run = load.run_load(workers, [[1, 2]] * 8, settings)  # type: ignore[arg-type]
+    meta = {"date": "2026-11-25 20:00 UTC", "machine": "stand-in", "cpu_isa": "AVX2", "versions": "v",
+            "target": "smollm2", "dtype": "float32", "vllm_version": "0.32.0", "eager": True, "num_draft_tokens": 15,
+            "max_new_tokens": 32, "min_prompts": 2}  # fmt: skip
+    written = load.write_outputs(tmp_path, meta, run, plots=True)
+    assert {path.name for path in written} == {"load.json", "report.md", "schedule.json", "throughput.png"}
+    report = (tmp_path / "report.md").read_text()
+    assert "CPU flags: AVX2" in report and "vllm-ngram+fly scheduled" in report and "num_speculative_tokens" in report
+    schedule = json.loads((tmp_path / "schedule.json").read_text())
+    assert BatchSchedule.load(tmp_path / "schedule.json") == run.schedule
+    assert schedule["measured"]["cpu_isa"] == "AVX2"
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--concurrency", "0,2"], "batch sizes >= 1"),
+        (["--concurrency", "one"], "give batch sizes"),
+        (["--concurrency", "1,2", "--methods", "ngram+fly"], "measures vLLM engines"),
+        (["--concurrency", "1", "--methods", "vllm-plain", "--derive-schedule"], "flyspec's proposer"),
+        (["--derive-schedule"], "give --concurrency too"),
+        (["--concurrency", "1", "--schedule", "/nonexistent/schedule.json"], "cannot read the batch schedule"),
+        (["--concurrency", "1", "--online", "--derive-schedule"], "derive it first"),
+        (["--concurrency", "1", "--online", "--methods", "flyspec-serve,ngram+exact"], "measures vLLM engines"),
+    ],
+)
+def test_bad_load_input_exits_2(capsys: pytest.CaptureFixture[str], tmp_path: Path, extra: list, message: str) -> None:
+    assert message in usage_error(capsys, ["bench", "--out", str(tmp_path / "out"), *extra])
+
+
+# --- online: servers under concurrent streaming clients --------------------------------------------------------
+
+
+def test_the_vllm_server_gets_the_offline_engines_config_and_the_schedule() -> None:
+    from flyspec.bench import online
+
+    schedule = BatchSchedule.from_entries([[1, 2, 4], [3, 64, 0]])
+    command, environment = online.server_command("vllm-ngram+fly", Path("py"), "DIR", "t", "float32", 9, 15, schedule,
+                                                 True)  # fmt: skip
+    config = json.loads(command[command.index("--speculative-config") + 1])
+    assert config["model"] == "flyspec_vllm.NgramProposer" and config["num_speculative_tokens"] == 15
+    assert config["num_speculative_tokens_per_batch_size"] == [[1, 2, 4], [3, 64, 0]]
+    assert environment == {"FLYSPEC_VLLM_FLY": "all"} and "--enforce-eager" in command
+    command, _ = online.server_command("vllm-ngram", Path("py"), "DIR", "t", "float32", 9, 15, schedule, False)
+    assert "num_speculative_tokens_per_batch_size" not in command[command.index("--speculative-config") + 1]
+    command, _ = online.server_command("vllm-plain", Path("py"), "DIR", "t", "float32", 9, 15, None, False)
+    assert "--speculative-config" not in command
+    with pytest.raises(ConfigError, match="--online measures"):
+        online.server_command("ngram+fly", Path("py"), "DIR", "t", "float32", 9, 15, None, False)
+
+
+def test_where_to_move_to_vllm_and_failures_are_counted() -> None:
+    from flyspec.bench import online
+
+    rows = [{"method": m, "concurrency": c, "tokens_per_s": rate} for m, c, rate in [
+        ("flyspec-serve", 1, 30.0), ("vllm-plain", 1, 20.0), ("flyspec-serve", 2, 30.0), ("vllm-plain", 2, 35.0),
+        ("flyspec-serve", 4, 30.0), ("vllm-plain", 4, 60.0)]]  # fmt: skip
+    assert online.move_to_vllm_at(rows) == 2
+    rows[3]["tokens_per_s"] = 25.0  # vLLM behind again at 2: from 4 only
+    assert online.move_to_vllm_at(rows) == 4
+    row = online.summarize("vllm-plain", 2, [{"error": "status 500"}, {"started": 0.0, "first": 0.5, "ended": 2.5,
+                                                                       "tokens": 21}])  # fmt: skip
+    assert row["failed"] == ["status 500"] and row["num_requests"] == 1
+    assert row["tokens_per_s"] == pytest.approx(21 / 2.5) and row["tpot_p50_s"] == pytest.approx(0.1)
+
+
+def test_flyspec_serve_measured_under_concurrent_streaming_clients(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A real `flyspec serve` subprocess (the tiny model) through the same client code as vLLM's server."""
+    from flyspec.bench import online
+
+    def start() -> online.Server:
+        port = online.free_port()
+        command, environment = online.server_command(online.FLYSPEC_SERVE, Path(), "", str(tiny_model_dir),
+                                                     "float32", port, 4, None, True)  # fmt: skip
+        return online.Server(command, environment, port, tmp_path / "serve.log")
+
+    prompts = [[{"role": "user", "content": f"Count to {n}."}] for n in range(4)]
+    rows, startup = online.run_online({online.FLYSPEC_SERVE: start}, prompts, (1, 2), lambda c: 4, 6)
+    assert [row["concurrency"] for row in rows] == [1, 2] and startup[online.FLYSPEC_SERVE] > 0
+    for row in rows:
+        assert row["failed"] == [] and row["num_requests"] == 4 and 0 < row["num_new_tokens"] <= 4 * 6
+        assert 0 < row["ttft_p50_s"] <= row["ttft_p99_s"]
+    report = "\n".join(online.online_report(rows, startup))
+    assert "| flyspec-serve | 2 |" in report
