@@ -176,8 +176,8 @@ def test_vllm_calibration_agrees_with_flyspecs_and_resumes_after_a_kill(tmp_path
 def test_a_profile_says_how_to_deploy_its_point() -> None:
     """Issue 36/40: the plugin always; vLLM 0.33's own speculative_config only for FLy without the guards, the same
     rule exactly for the native family (variant "vllm"), labelled "no trust guards"."""
+    from flyspec.calibration.deploy import deployment
     from flyspec.config import FlyConfig, GuardConfig, SpeculationConfig
-    from flyspec.profile import deployment
 
     def record(spec: SpeculationConfig | None) -> dict:
         return {"engine": {"name": "vllm"}, "chosen": {"speculation": spec.to_dict()} if spec else None}
@@ -203,8 +203,8 @@ def test_a_profile_carries_a_batch_schedule_into_both_deploy_blocks(tmp_path) ->
     """Issue 37: calibrate --schedule puts bench --derive-schedule's schedule into the profile; its deploy blocks set
     vLLM's num_speculative_tokens_per_batch_size (the plugin's proposer and vLLM's own read the same key)."""
     from flyspec.calibration.api import CalibrationConfig, _profile_record
+    from flyspec.calibration.deploy import deployment
     from flyspec.config import ConfigError, FlyConfig, GuardConfig, SpeculationConfig
-    from flyspec.profile import deployment
 
     path = tmp_path / "schedule.json"
     path.write_text('{"num_speculative_tokens_per_batch_size": [[1, 2, 8], [3, 64, 0]]}')

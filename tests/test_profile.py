@@ -18,6 +18,7 @@ from flyspec import profile as profile_module
 from flyspec.api import build_decoder
 from flyspec.breaker import CircuitBreaker
 from flyspec.calibration.budget import Budget
+from flyspec.calibration.deploy import breaker_for
 from flyspec.cli import main
 from flyspec.config import (
     PROFILE_NONE,
@@ -30,7 +31,7 @@ from flyspec.config import (
     MarginConfig,
     SpeculationConfig,
 )
-from flyspec.profile import Profile, breaker_for, identity, looser, resolution, resolve
+from flyspec.profile import Profile, identity, looser, resolution, resolve
 from flyspec.resources import Resources
 from flyspec.runtime.loaded_model import LoadedModel
 from flyspec.server.app import create_app

@@ -41,7 +41,6 @@ from flyspec.config import (
     DEFAULT_DTYPE,
     PROFILE_AUTO,
     PROFILE_NONE,
-    BreakerConfig,
     ConfigError,
     GuardConfig,
     SpeculationConfig,
@@ -420,67 +419,3 @@ def _looser_breaker(limit: SpeculationConfig, spec: SpeculationConfig) -> list[s
     if not mine.enabled or mine.max_loose_per_100 > theirs.max_loose_per_100:
         return [f"the circuit breaker trips later than the profile's {theirs.max_loose_per_100:g} per 100 tokens"]
     return []
-
-
-def deployment(record: dict[str, Any]) -> dict[str, Any]:
-    """How to deploy a profile's chosen point (``profile.json``'s ``deploy``): on flyspec's engine, with the vLLM
-    plugin, and, where the point is FLy's bare rule (no trust guards, no draft-probability floor), as the native
-    ``speculative_config`` of vLLM 0.33+ (pull request #53987)."""
-    chosen = record.get("chosen")
-    spec = SpeculationConfig.from_dict(chosen["speculation"]) if chosen else None
-    engine = str((record.get("engine") or {}).get("name", "flyspec"))
-    plugin_config = {
-        "method": "custom_class",
-        "model": "flyspec_vllm.NgramProposer",
-        "num_speculative_tokens": spec.num_draft_tokens if spec else SpeculationConfig().num_draft_tokens,
-    }
-    out: dict[str, Any] = {
-        "measured_on": engine,
-        "flyspec": "flyspec serve --profile PROFILE (or --profile PROFILE for generate, bench, eval)",
-        "vllm_plugin": {
-            "environment": {"FLYSPEC_VLLM_PROFILE": "PROFILE", "FLYSPEC_VLLM_FLY": "all"},
-            "speculative_config": plugin_config,
-            "note": "the plugin applies the chosen point with its trust guards to every greedy request",
-        },
-        "vllm_native": None,
-    }
-    schedule = (record.get("schedule") or {}).get("num_speculative_tokens_per_batch_size")
-    if schedule:  # how many tokens to speculate per batch size (flyspec.batch_schedule): vLLM's own key
-        plugin_config["num_speculative_tokens_per_batch_size"] = schedule
-    if spec is None:
-        out["vllm_plugin"]["note"] = "no lossy point was chosen: serve without loose acceptance (lossless)"
-        return out
-    if spec.verifier == "fly" and spec.guard.is_bare and spec.fly.min_draft_prob == 0 and spec.drafter == "ngram":
-        same = spec.fly.variant == "vllm"
-        out["vllm_native"] = {
-            "label": "no trust guards",
-            "same_rule": same,
-            "speculative_config": {
-                "method": "ngram",
-                "num_speculative_tokens": spec.num_draft_tokens,
-                "prompt_lookup_max": spec.ngram.max_ngram,
-                "prompt_lookup_min": spec.ngram.min_ngram,
-                "rejection_sample_method": "fly",
-                "fly_window_size": spec.fly.window_size,
-                "fly_entropy_threshold": spec.fly.entropy_threshold,
-                "fly_entropy_top_k": spec.fly.entropy_top_k,
-                **({"num_speculative_tokens_per_batch_size": schedule} if schedule else {}),
-            },
-            "note": (
-                "the calibrated rule itself (vLLM 0.33's native FLy)"
-                if same
-                else "vLLM's window checks one more draft token than flyspec's at the same fly_window_size: it keeps "
-                "no more than the calibrated point"
-            )
-            + "; vLLM's n-gram proposer drafts from its own lookup, not flyspec's (the drafts may differ)",
-        }
-    return out
-
-
-def breaker_for(summary: dict[str, Any], factor: float = 3.0) -> BreakerConfig:
-    """The breaker of a chosen point: trip above ``factor`` × its calibrated loose accepts per 100 tokens,
-    or the 99th percentile of its prompts' own rates, whichever is higher (off for a lossless point)."""
-    if summary["lossless"] or not summary["loose_per_100_tokens"]:
-        return BreakerConfig()
-    limit = max(factor * summary["loose_per_100_tokens"], summary.get("loose_per_100_p99") or 0.0)
-    return BreakerConfig(max_loose_per_100=round(limit, 2))

@@ -31,6 +31,7 @@ import torch
 
 from flyspec.calibration import data as calibration_data
 from flyspec.calibration.budget import Budget, min_items
+from flyspec.calibration.deploy import breaker_for, deployment
 from flyspec.calibration.frontier import BASELINE, PLAIN, best_lossless, choose, final_verdict, summarize_point
 from flyspec.calibration.projection import CostModel, measure_draft_cost
 from flyspec.calibration.report import PLOT_FILE, plot_frontier, write_report
@@ -43,7 +44,7 @@ from flyspec.drafters.registry import drafter_levels, make_drafter
 from flyspec.harness.vllm_session import VllmSession
 from flyspec.harness.vllm_worker import VllmOptions, VllmWorker, check_venv, venv_python
 from flyspec.names import VERSION
-from flyspec.profile import PROFILE_FORMAT, Profile, breaker_for, deployment, identity
+from flyspec.profile import PROFILE_FORMAT, Profile, identity
 from flyspec.resources import ModelRef, Resources
 from flyspec.runtime.cached_model import CachedModel
 from flyspec.runtime.loaded_model import LoadedModel, ServedModel

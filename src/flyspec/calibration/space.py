@@ -24,7 +24,7 @@ The default grid (``grid="default"``):
   that shows what the guards buy.
 - ``fly vllm`` — vLLM 0.33's native rule (``FlyConfig.variant="vllm"``, no guards: what
   ``rejection_sample_method: "fly"`` runs), from 1.08 down to 0.3 at window 6: a profile whose point is
-  one of these deploys as vLLM's own ``speculative_config``, without flyspec (``profile.deployment``).
+  one of these deploys as vLLM's own ``speculative_config``, without flyspec (``calibration/deploy.py``).
 
 ``grid="quick"`` keeps a handful (the tests' and a first look's).
 """
