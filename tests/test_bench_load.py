@@ -151,3 +151,8 @@ def test_flyspec_serve_measured_under_concurrent_streaming_clients(tiny_model_di
         assert 0 < row["ttft_p50_s"] <= row["ttft_p99_s"]
     report = "\n".join(online.online_report(rows, startup))
     assert "| flyspec-serve | 2 |" in report
+    meta = {"date": "d", "machine": "m", "cpu_isa": "AVX2", "versions": "v", "target": "tiny", "dtype": "float32",
+            "eager": True, "num_draft_tokens": 4, "max_new_tokens": 6}  # fmt: skip
+    written = online.write_outputs(tmp_path, meta, rows, startup, None, plots=True)
+    assert [path.name for path in written] == ["online.json", "online.md", "online.png"]
+    assert "| flyspec-serve | 1 |" in (tmp_path / "online.md").read_text()

@@ -211,11 +211,11 @@ def _run_load(args: argparse.Namespace) -> int:
     out_dir = _prepare_out_dir(Path(args.out))
     target = load_served(args.target, args.dtype)
     dataset = load_prompts(args.dataset, categories=tuple(c for c in (args.categories or "").split(",") if c))
-    needed = settings.prompts_at(settings.concurrencies[-1])
-    prompts = [conversation_ids(target, p.turns[:1], [], args.use_chat) for p in _interleaved(dataset)[:needed]]
     console = Console(stderr=True)
     if args.online:
         return _run_online(args, names, target, dataset, settings, schedule, python, out_dir, console)
+    needed = settings.prompts_at(settings.concurrencies[-1])
+    prompts = [conversation_ids(target, p.turns[:1], [], args.use_chat) for p in _interleaved(dataset)[:needed]]
     options = VllmOptions(eager=args.vllm_eager)
     workers = load.start_workers(names, python, target.path, target.dtype_name, settings, options)
     try:
@@ -241,7 +241,6 @@ def _run_online(
     python: Path, out_dir: Path, console: Any,
 ) -> int:  # fmt: skip
     """``--concurrency ... --online``: each server under concurrent streaming clients (``bench/online.py``)."""
-    import json
     import tempfile
 
     from flyspec.bench import load, online
@@ -276,17 +275,7 @@ def _run_online(
             "eager": args.vllm_eager, "num_draft_tokens": settings.num_draft_tokens,
             "max_new_tokens": settings.max_new_tokens, "min_prompts": settings.min_prompts,
             "schedule": schedule.to_vllm() if schedule else None, "server_logs": str(logs)}  # fmt: skip
-    (out_dir / "online.json").write_text(json.dumps({"meta": meta, "rows": rows, "startup_s": startup}, indent=1))
-    header = ["# flyspec bench --concurrency --online", "",
-              f"- {meta['date']}; {meta['machine']} (CPU flags: {meta['cpu_isa']}); {meta['versions']}",
-              f"- target {meta['target']}, {meta['dtype']}, {'enforce_eager' if args.vllm_eager else 'compiled'}; "
-              f"k = {settings.num_draft_tokens}, {settings.max_new_tokens} new tokens; schedule: "
-              f"{schedule.describe() if schedule else 'none'}"]  # fmt: skip
-    (out_dir / "online.md").write_text("\n".join(header + online.online_report(rows, startup)) + "\n")
-    written = [out_dir / "online.json", out_dir / "online.md"]
-    if args.plots:
-        meta["vllm_version"] = "server"
-        written.append(load.plot(out_dir / "online.png", meta, [row for row in rows if row.get("num_requests")]))
+    written = online.write_outputs(out_dir, meta, rows, startup, schedule, args.plots)
     console.print("wrote " + ", ".join(str(path) for path in written))
     return 0
 

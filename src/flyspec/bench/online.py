@@ -261,3 +261,24 @@ def online_report(rows: list[dict[str, Any]], startup: dict[str, float]) -> list
             f"from {at} concurrent clients on (vLLM's total tokens/s is higher there and at every larger "
             "concurrency measured)" if at is not None else "not within the concurrencies measured")]  # fmt: skip
     return lines
+
+
+def write_outputs(
+    out_dir: Path, meta: dict[str, Any], rows: list[dict[str, Any]], startup: dict[str, float],
+    schedule: BatchSchedule | None, plots: bool,
+) -> list[Path]:  # fmt: skip
+    """online.json, online.md and (``plots``) online.png."""
+    from flyspec.bench.load import plot
+
+    (out_dir / "online.json").write_text(json.dumps({"meta": meta, "rows": rows, "startup_s": startup}, indent=1))
+    header = ["# flyspec bench --concurrency --online", "",
+              f"- {meta['date']}; {meta['machine']} (CPU flags: {meta['cpu_isa']}); {meta['versions']}",
+              f"- target {meta['target']}, {meta['dtype']}, {'enforce_eager' if meta['eager'] else 'compiled'}; "
+              f"k = {meta['num_draft_tokens']}, {meta['max_new_tokens']} new tokens; schedule: "
+              f"{schedule.describe() if schedule else 'none'}"]  # fmt: skip
+    (out_dir / "online.md").write_text("\n".join(header + online_report(rows, startup)) + "\n")
+    written = [out_dir / "online.json", out_dir / "online.md"]
+    if plots:
+        answered = [row for row in rows if row.get("num_requests")]
+        written.append(plot(out_dir / "online.png", {**meta, "vllm_version": "server"}, answered))
+    return written
