@@ -4,7 +4,6 @@ from flyspec.acceptance import num_leading_true
 from flyspec.batch_schedule import BatchSchedule
 from flyspec.breaker import CircuitBreaker
 from flyspec.config import BreakerConfig, ConfigError, FlyConfig, GuardConfig, NgramConfig, SpeculationConfig
-from flyspec.drafters.ngram import ngram_lookup
 from flyspec.profile import Profile, looser
 from flyspec.runtime.loaded_model import tokenizer_fingerprint
 from flyspec.stats import DecodeStats
@@ -31,7 +30,6 @@ __all__ = [
     "guard_loose_mask",
     "looser",
     "make_verifier",
-    "ngram_lookup",
     "num_leading_true",
     "rule_mapping",
     "tokenizer_fingerprint",

@@ -1,8 +1,8 @@
 """flyspec's n-gram drafter as a vLLM proposer (``speculative_config={"method": "custom_class", ...}``).
 
 Use ``"model": "flyspec_vllm.NgramProposer"``. The lookup is flyspec's own ``ngram_lookup``
-(most recent match, LZ77-style periodic extension; ``drafters/ngram.py``), so vLLM and
-``flyspec generate --drafter ngram`` propose the same tokens. n-gram sizes: vLLM's
+(most recent match, LZ77-style periodic extension; ``drafters/ngram.py``), compiled for the whole batch
+(``lookup.py``, numba), so vLLM and ``flyspec generate --drafter ngram`` propose the same tokens. n-gram sizes: vLLM's
 ``prompt_lookup_max`` / ``prompt_lookup_min`` where given, else flyspec's ``NgramConfig``. A request that
 asks for none (``extra_args={"flyspec_draft": false}``) gets no drafts: plain decoding in the same engine.
 
@@ -22,7 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from flyspec_vllm._flyspec import BatchSchedule, ConfigError, NgramConfig, ngram_lookup
+from flyspec_vllm._flyspec import BatchSchedule, ConfigError, NgramConfig
+from flyspec_vllm.lookup import lookup_rows
 
 logger = logging.getLogger(__name__)
 SCHEDULE_VARIABLE = "FLYSPEC_VLLM_SCHEDULE"
@@ -66,6 +67,7 @@ class NgramProposer:
             self.schedule = operator_schedule(speculative)
         except ConfigError as error:
             raise ConfigError(f"flyspec_vllm.NgramProposer: {error}") from None
+        lookup_rows(np.zeros((1, 2), dtype=np.int32), [2], [0], [1], 1, 1)  # numba compiles now, not in a step
         if self.schedule is not None:
             logger.info("flyspec-vllm: n-gram proposer follows the batch schedule (%s)", self.schedule.describe())
 
@@ -81,19 +83,24 @@ class NgramProposer:
         token_ids_cpu: np.ndarray,  # [max_batch, max_model_len]
         slot_mappings: Any = None,  # unused (no KV cache)
     ) -> list[list[int]]:
-        drafts: list[list[int]] = []
         from flyspec_vllm.patch import draftless as draftless_rows  # set by the _sample wrapper this step
 
         draftless = draftless_rows()  # rows whose request asked for plain decoding (flyspec_draft: false)
-        limit = self.draft_limit(len(sampled_token_ids))
-        for index, sampled in enumerate(sampled_token_ids):
-            num_tokens = int(num_tokens_no_spec[index])
-            room = min(limit, self.max_model_len - num_tokens - 1)
-            if not sampled or room <= 0 or index in draftless:
-                drafts.append([])
-                continue
-            context = token_ids_cpu[index, :num_tokens]
-            drafts.append([int(t) for t in ngram_lookup(context, room, self.max_ngram, self.min_ngram)])
+        batch = len(sampled_token_ids)
+        limit = self.draft_limit(batch)
+        drafts: list[list[int]] = [[] for _ in range(batch)]
+        if limit <= 0:
+            return drafts
+        lengths = np.asarray(num_tokens_no_spec[:batch], dtype=np.int64)
+        rooms = np.minimum(limit, self.max_model_len - lengths - 1)
+        rows = [
+            index
+            for index, sampled in enumerate(sampled_token_ids)
+            if sampled and rooms[index] > 0 and index not in draftless
+        ]
+        found = lookup_rows(token_ids_cpu, lengths[rows], rows, rooms[rows], self.max_ngram, self.min_ngram)
+        for index, draft in zip(rows, found, strict=True):
+            drafts[index] = draft
         return drafts
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
