@@ -65,8 +65,11 @@ GPU_BENCH_ARGS ?= --device cuda
 gpu-bench:
 	PYTHONPATH=src PYTHONUNBUFFERED=1 $(PYTHON) scripts/gpu_bench.py --out "$${OUT:-gpu-bench-out}" $(GPU_BENCH_ARGS)
 
-# The device-parametrised tests (they add a cuda case where a GPU is visible), from the bare repo tree
+# The device-parametrised tests (they add a cuda case where a GPU is visible), from the bare repo tree: a machine
+# with torch + transformers; what the tests need besides (pytest, hypothesis, scipy, tokenizers) is installed here.
+GPU_TEST_REQUIREMENTS := pytest hypothesis scipy tokenizers numpy
 gpu-test:
+	$(PYTHON) -m pip install --quiet $(GPU_TEST_REQUIREMENTS)
 	PYTHONPATH=src:tests $(PYTHON) -m pytest -q -p no:cacheprovider tests/test_devices.py tests/test_reference.py \
 		tests/test_rejection_sampling.py tests/test_verifiers.py
 

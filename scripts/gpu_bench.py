@@ -220,6 +220,8 @@ def read_acceptance(path: Path | None) -> dict[str, Any]:
         "source": str(path.relative_to(REPO) if path.is_relative_to(REPO) else path),
         "target": meta.get("target"),
         "dtype": meta.get("dtype"),
+        "machine": meta.get("machine"),
+        "date": meta.get("date"),
         "num_draft_tokens": meta.get("num_draft_tokens"),
         "methods": methods,
     }
@@ -291,7 +293,9 @@ def report(results: dict[str, Any]) -> str:
             lines += [
                 "",
                 f"**Projected** speedup (not measured): τ from `{source['source']}` ({source['target']}, "
-                f"{source['dtype']}, CPU) with the costs above.",
+                f"{source['dtype']}, measured {source.get('date') or 'on an unrecorded date'} on "
+                f"{source.get('machine') or 'an unrecorded CPU machine'}) with the costs above, measured on "
+                f"{results['meta']['machine']} ({results['meta']['dtype']}).",
                 "",
                 "| method | τ (CPU) | k | cost only τ·t(1)/t(k+1) | with measured draft + engine time |",
                 "|---|---|---|---|---|",

@@ -265,6 +265,9 @@ def fake_vllm(*, with_rejection_sample: bool) -> dict[str, SimpleNamespace]:
         def _sample(self, logits, spec_decode_metadata):
             return "vllm's sample"
 
+        def load_model(self):
+            return "vllm's model"
+
     sampler = SimpleNamespace(RejectionSampler=RejectionSampler)
     if with_rejection_sample:
         sampler.rejection_sample = rejection_sample
@@ -549,3 +552,36 @@ def test_a_continuation_tells_the_guards_where_its_prompt_ended(monkeypatch) -> 
     state.trusted = False  # only flyspec's own worker may say so
     params.extra_args = {"flyspec_rule": rule, "flyspec_prompt_length": 4}
     assert patch.batch_rules(runner, state) == [RequestRule()]
+
+
+def test_a_requests_context_is_extended_step_by_step_not_rebuilt() -> None:
+    """Issue 39: the guards' context is kept per request and extended by the newly committed tokens."""
+    import numpy as np
+
+    row = np.array([5, 6, 7, 8, 9, 10, 0, 0])
+    memo: dict = {}
+    first = patch.context_tokens(memo, row, 4)
+    assert first == [5, 6, 7, 8]
+    assert patch.context_tokens(memo, row, 6) is first and first == [5, 6, 7, 8, 9, 10]  # the same list, extended
+    assert patch.context_tokens(memo, row, 3) == [5, 6, 7]  # fewer committed tokens than seen: read anew
+    other = np.array([1, 2, 3, 4, 0, 0, 0, 0])  # other tokens under the same memo: read anew
+    assert patch.context_tokens(memo, other, 4) == [1, 2, 3, 4]
+
+
+def test_the_token_tables_are_built_when_vllm_loads_the_model_not_in_a_step(monkeypatch, caplog) -> None:
+    """Issue 39: the guards' vocabulary scan (seconds at 128k tokens) runs at start-up, after load_model."""
+    modules = fake_vllm(with_rejection_sample=True)
+    monkeypatch.setattr(patch, "STATE", None)
+    prepared = []
+    monkeypatch.setattr(patch, "prepare_tables", lambda runner, state: prepared.append(runner))
+    assert patch.install(modules.__getitem__) is True
+    runner = modules[patch.RUNNER_MODULE].GPUModelRunner()
+    assert runner.load_model() == "vllm's model" and prepared == [runner]
+
+    def failing(runner, state):  # noqa: ANN001, ANN202
+        raise OSError("no tokenizer here")
+
+    monkeypatch.setattr(patch, "prepare_tables", failing)
+    with caplog.at_level(logging.WARNING, logger="flyspec_vllm"):
+        assert runner.load_model() == "vllm's model"  # not fatal: built at the first FLy step instead
+    assert "not built at start-up" in caplog.text

@@ -93,8 +93,9 @@ def draft_probs_or_one_hot(draft: Draft, vocab_size: int) -> torch.Tensor:
     A draft model may have a padded vocabulary of another size than the target's (same
     tokenizer): columns are cut or zero-padded to the target's size.
     """
-    if draft.draft_probs is None:
-        return torch.nn.functional.one_hot(draft.tokens, vocab_size).float()
+    if draft.draft_probs is None:  # scatter, not one_hot: one_hot checks the ids' range, a host sync
+        one_hot = torch.zeros(draft.num_tokens, vocab_size, device=draft.tokens.device)
+        return one_hot.scatter_(1, draft.tokens.long().unsqueeze(-1), 1.0)
     probs = draft.draft_probs.float()
     if probs.shape[-1] > vocab_size:
         return probs[:, :vocab_size]

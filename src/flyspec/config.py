@@ -317,9 +317,7 @@ class BreakerConfig:
             math.isfinite(self.max_loose_per_100) and self.max_loose_per_100 >= 0,
             f"breaker max_loose_per_100 must be a finite number >= 0 (got {self.max_loose_per_100}); 0 is off",
         )
-        _require(
-            self.min_loose_accepts >= 1, f"breaker min_loose_accepts must be >= 1 (got {self.min_loose_accepts})"
-        )
+        _require(self.min_loose_accepts >= 1, f"breaker min_loose_accepts must be >= 1 (got {self.min_loose_accepts})")
 
     @property
     def enabled(self) -> bool:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -10,6 +9,7 @@ from typing import Any, Literal
 
 import torch
 
+from flyspec.runtime.clock import device_clock
 from flyspec.types import Verdict
 
 
@@ -42,17 +42,15 @@ class DecodeStats:
     ) -> Iterator[None]:
         """Add the time spent in the block to ``<phase>_time_s``.
 
-        On a CUDA ``device`` the block's kernels are waited for, so the time is the phase's and not
-        only its launch (the verifier would wait for them right after anyway).
+        On an asynchronous ``device`` (CUDA, XPU, MPS) the work queued before the block and the block's own
+        are waited for (``runtime/clock.py``), so the time is the phase's and not only its launch.
         """
-        started = time.perf_counter()
+        started = device_clock(device)
         try:
             yield
         finally:
-            if device is not None and device.type == "cuda":
-                torch.cuda.synchronize(device)
             name = f"{phase}_time_s"
-            setattr(self, name, getattr(self, name) + time.perf_counter() - started)
+            setattr(self, name, getattr(self, name) + device_clock(device) - started)
 
     def observe(
         self, num_proposed: int, verdict: Verdict | None, num_committed: int, requested: int | None = None

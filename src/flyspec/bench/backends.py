@@ -8,7 +8,6 @@ sees the method's own earlier answers (Spec-Bench's MT-bench protocol).
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -24,6 +23,7 @@ from flyspec.drafters.cross_tokenizer import tokenizers_match
 from flyspec.generation import Decoder
 from flyspec.harness.methods import Method
 from flyspec.resources import Resources
+from flyspec.runtime.clock import device_clock
 from flyspec.runtime.loaded_model import LoadedModel, PromptCodec
 from flyspec.sampling import make_generator
 
@@ -145,13 +145,13 @@ class HFGenerateBackend:
         inputs = torch.tensor([prompt_ids], dtype=torch.long, device=device)
         extra = self.assistant if self.method.name == "hf-assisted" else {}
         torch.manual_seed(seed)
-        started = time.perf_counter()
+        started = device_clock(device)
         with torch.inference_mode():
             # transformers types PreTrainedModel without GenerationMixin; every causal LM it loads has generate
             output = self.target.model.generate(  # type: ignore[operator]
                 inputs, attention_mask=torch.ones_like(inputs), generation_config=config, **extra
             )
-        wall = time.perf_counter() - started
+        wall = device_clock(device) - started
         new_tokens = _cut_at_eos(output[0, len(prompt_ids) :].tolist(), self.target.eos_token_ids)
         return TurnOutput(new_tokens, self.target.decode(new_tokens), wall)
 

@@ -91,9 +91,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "vllm-* methods) and flyspec-serve (default: vllm-plain, vllm-ngram, vllm-ngram+fly, flyspec-serve); total "
         "and per-request tokens/s, time to first token and per output token, p50/p99",
     )
-    load.add_argument(
-        "--load-prompts", type=int, default=8, help="prompts per point at least (default 8; --quick: 4)"
-    )
+    load.add_argument("--load-prompts", type=int, default=8, help="prompts per point at least (default 8; --quick: 4)")
     load.add_argument(
         "--draft-lengths", default="0,2,4,8,15", help="draft lengths the sweep tries (default 0,2,4,8,15; capped at -k)"
     )

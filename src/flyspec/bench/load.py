@@ -291,4 +291,3 @@ def plot(path: Path, meta: dict[str, Any], rows: list[dict[str, Any]]) -> Path:
     figure.savefig(path, dpi=120)
     plt.close(figure)
     return path
-

@@ -22,7 +22,6 @@ import importlib.util
 import json
 import logging
 import os
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,6 +46,7 @@ from flyspec.names import VERSION
 from flyspec.profile import PROFILE_FORMAT, Profile, identity
 from flyspec.resources import ModelRef, Resources
 from flyspec.runtime.cached_model import CachedModel
+from flyspec.runtime.clock import device_clock
 from flyspec.runtime.loaded_model import LoadedModel, ServedModel
 from flyspec.runtime.loading import cpu_isa, cpu_name, load_served
 
@@ -318,9 +318,9 @@ def _measure_costs(
     def target_step(context: list[int]) -> float:  # one cached one-token forward after ``context``
         cached.reset()
         cached.forward(context[:-1], logits_to_keep=1)
-        started = time.perf_counter()
+        started = device_clock(cached.device)
         cached.forward(context[-1:], logits_to_keep=1)
-        return time.perf_counter() - started
+        return device_clock(cached.device) - started
 
     drafter = make_drafter(base, target, resources)
     ratio = measure_draft_cost(drafter, prompts, base.num_draft_tokens, target_step)

@@ -21,13 +21,13 @@ approaches (``flyspec bench`` measures it).
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from flyspec.config import SamplingConfig
 from flyspec.drafters.base import Drafter
+from flyspec.runtime.clock import device_clock
 from flyspec.runtime.step_cost import StepCost
 
 DRAFT_COST_ROUNDS = 3  # timed drafts per prompt, after one untimed
@@ -97,13 +97,14 @@ def measure_draft_cost(
     t(1): a ratio measured in one moment survives a busy machine, an absolute time does not."""
     greedy = SamplingConfig()
     per_token: list[float] = []
+    device = getattr(drafter, "device", None)  # a model drafter's: its forwards are waited for (runtime/clock.py)
     for prompt_ids in prompts:
         drafter.reset(list(prompt_ids))
         sequence = list(prompt_ids)
         for round_index in range(DRAFT_COST_ROUNDS + 1):
-            started = time.perf_counter()
+            started = device_clock(device)
             draft = drafter.propose(sequence, num_draft_tokens, greedy, None)
-            seconds = time.perf_counter() - started
+            seconds = device_clock(device) - started
             if not draft.num_tokens:
                 break
             if round_index:  # the first draft of a prompt includes the drafter's prefill

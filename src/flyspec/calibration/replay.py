@@ -30,14 +30,13 @@ Greedy only: sampling draws random numbers whose order depends on the path.
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from flyspec.config import SamplingConfig
 from flyspec.drafters.base import Drafter
 from flyspec.drafters.cross_tokenizer import CrossTokenizerDrafter, common_prefix_length
 from flyspec.runtime.cached_model import CachedModel
+from flyspec.runtime.clock import device_clock
 from flyspec.runtime.loaded_model import LoadedModel
 from flyspec.types import Draft
 
@@ -169,6 +168,7 @@ class DraftStore:
     """
 
     def __init__(self, drafter: Drafter) -> None:
+        self.device = getattr(drafter, "device", None)  # a model drafter's: its forwards are waited for
         self.drafter = drafter
         self.levels = _path_levels(drafter)
         self.prompt_ids: list[int] = []
@@ -206,9 +206,9 @@ class DraftStore:
             self.drafter.rollback(min(shared + 1, len(token_ids)))
         for level, state in zip(self.levels, self.states[previous], strict=True):
             level.restore_path_state(state)
-        started = time.perf_counter()
+        started = device_clock(self.device)
         draft = self.drafter.propose(token_ids, num_draft_tokens, sampling, generator)
-        self.seconds += time.perf_counter() - started
+        self.seconds += device_clock(self.device) - started
         self.num_drafted += draft.num_tokens
         self.seen = list(token_ids) + draft.tokens.tolist()
         self.drafts[key] = draft

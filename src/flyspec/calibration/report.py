@@ -165,8 +165,11 @@ def write_report(record: dict[str, Any], records: list[dict[str, Any]], out_dir:
         f"- **Cost model** (projection): t(1) = {cost['t1_ms']:.1f} ms, t(16)/t(1) = "
         f"{cost['t_relative'].get('16', float('nan')):.2f}, drafter {cost['draft_ms_per_token']:.2f} ms "
         f"per draft token ({cost['draft_relative_to_t1']:.2f} t(1))"
-        + (" (fitted on vLLM, one prompt at a time: t(n) linear in n, the proposer included)"
-           if (record.get("engine") or {}).get("name") == "vllm" else ""),
+        + (
+            " (fitted on vLLM, one prompt at a time: t(n) linear in n, the proposer included)"
+            if (record.get("engine") or {}).get("name") == "vllm"
+            else ""
+        ),
         "",
         *_choice(record),
         "",

@@ -97,9 +97,7 @@ class ReplayEngine:
 
     wave_size = 1
 
-    def __init__(
-        self, target: LoadedModel, base: SpeculationConfig, points: list[Point], resources: Resources
-    ) -> None:
+    def __init__(self, target: LoadedModel, base: SpeculationConfig, points: list[Point], resources: Resources) -> None:
         self.target, self.points, self.resources = target, points, resources
         self.scores = ScoreStore(target)
         self.drafts = DraftStore(make_drafter(base, target, resources))

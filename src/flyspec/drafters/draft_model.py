@@ -48,11 +48,14 @@ def check_proposal(
     At T>0 a proposal without probabilities counts as one-hot, which keeps the result distributed
     as the draft model's own samples (see ``verifiers/rejection.py``).
     """
-    tokens = proposal.tokens.tolist()
     if sampling.greedy:
-        choice = logits.argmax(-1)
-        kept = num_leading_true(proposal.tokens == choice[: len(tokens)])
-        return tokens[:kept] + [int(choice[kept])], None
+        # the proposal and the model's choices in one device-to-host transfer (one host sync per draft forward)
+        n = proposal.num_tokens
+        host = torch.cat([proposal.tokens.long(), logits.argmax(-1)]).tolist()
+        tokens, choice = host[:n], host[n:]
+        kept = next((i for i in range(n) if tokens[i] != choice[i]), n)
+        return tokens[:kept] + [choice[kept]], None
+    tokens = proposal.tokens.tolist() if proposal.num_tokens else []  # no transfer for an empty proposal
     model_probs = logits_to_probs(logits, sampling)  # [len + 1, vocab]
     proposal_probs = draft_probs_or_one_hot(proposal, model_probs.shape[-1])  # [len, vocab]
     uniforms = uniform((len(tokens),), generator, logits.device)

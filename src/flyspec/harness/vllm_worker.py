@@ -110,8 +110,9 @@ class VllmOptions:
         return {
             "tensor_parallel_size": self.tensor_parallel_size,
             "max_model_len": self.max_model_len,
-            "kv_cache_memory_bytes": None if self.gpu_memory_utilization else self.kv_cache_memory_bytes
-            or DEFAULT_KV_CACHE_BYTES,
+            "kv_cache_memory_bytes": None
+            if self.gpu_memory_utilization
+            else self.kv_cache_memory_bytes or DEFAULT_KV_CACHE_BYTES,
             "gpu_memory_utilization": self.gpu_memory_utilization,
             "max_num_seqs": self.max_num_seqs,
             "enforce_eager": self.eager,

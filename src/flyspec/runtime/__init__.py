@@ -8,6 +8,7 @@
 - ``kernels.py``        flyspec's CPU kernels (``--kernels auto``): decode attention, in-place KV cache
 - ``packed_linears.py`` oneDNN-prepacked linears for the kernels
 - ``step_cost.py``      the target's measured forward cost t(n), cached on disk
+- ``clock.py``          clock reads that wait for the device first (GPU kernels run asynchronously)
 
 Nothing here imports the rest of flyspec except the torch-free declarations every layer shares
 (``config.py`` with ``config_mapping.py``, ``names.py``): ``tests/test_layout.py`` checks it. The

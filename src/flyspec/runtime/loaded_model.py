@@ -122,6 +122,7 @@ class LoadedModel(PromptCodec):
                 ids.update(int(i) for i in source)
         return frozenset(ids)
 
+
 FINGERPRINT_SAMPLES = 64  # weight values hashed per tensor (evenly spaced)
 
 

@@ -34,6 +34,7 @@ import torch
 import transformers
 
 from flyspec.runtime.cached_model import CachedModel
+from flyspec.runtime.clock import device_clock
 from flyspec.runtime.loaded_model import LoadedModel
 from flyspec.runtime.loading import cache_root
 
@@ -113,12 +114,10 @@ def measure(
     device = cached.device
     for round_index in range(max(rounds, 2)):
         for size in sizes:
-            started = time.perf_counter()
+            started = device_clock(device)
             cached.forward(probe[:size])
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
             if round_index > 0:  # the first round warms up (allocations, oneDNN primitives, kernels)
-                times[size].append(time.perf_counter() - started)
+                times[size].append(device_clock(device) - started)
             cached.crop_to(prefix)
     return StepCost(sizes, tuple(statistics.median(times[size]) for size in sizes), prefix)
 

@@ -244,8 +244,10 @@ class CacheFile:
             "tenants": {
                 name: {
                     "last_used": round(tenant.last_used, 3),
-                    "caches": {model: [[list(key), following] for key, following in entries]
-                               for model, entries in tenant.caches.items()},  # fmt: skip
+                    "caches": {
+                        model: [[list(key), following] for key, following in entries]
+                        for model, entries in tenant.caches.items()
+                    },  # fmt: skip
                 }
                 for name, tenant in kept.items()
             },

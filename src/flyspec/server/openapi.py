@@ -38,8 +38,9 @@ ERROR = {
 USAGE = {
     "type": "object",
     "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
-    "properties": {name: {"type": "integer", "minimum": 0}
-                   for name in ("prompt_tokens", "completion_tokens", "total_tokens")},  # fmt: skip
+    "properties": {
+        name: {"type": "integer", "minimum": 0} for name in ("prompt_tokens", "completion_tokens", "total_tokens")
+    },  # fmt: skip
 }
 FINISH_REASON = {"type": "string", "enum": ["stop", "length"]}
 # one server-sent event: its data is a chunk (JSON), an error object (JSON), or [DONE]

@@ -124,22 +124,22 @@ def prepare(vocabulary: Vocabulary, config: GuardConfig) -> None:
     meets a loose candidate (a server's first request, a benchmark's first timed prompt)."""
     wide = _wide_classes(config)
     if wide:
-        vocabulary.mask(wide)
+        vocabulary.contains(wide, 0)
     if "names" in config.protect:
-        vocabulary.mask(("identifiers",))
+        vocabulary.contains(("identifiers",), 0)
 
 
 def _protected(token: int, position: int, draft_ids: list[int], config: GuardConfig, context: VerifyContext) -> bool:
     vocabulary = context.vocabulary
     wide = _wide_classes(config)
-    if wide and bool(vocabulary.mask(wide)[token]):
+    if wide and vocabulary.contains(wide, token):
         return True
     if "names" not in config.protect:
         return False
     names, prompt_is_code = _prompt_names(context)
     if token in names:
         return True
-    if not bool(vocabulary.mask(("identifiers",))[token]):
+    if not vocabulary.contains(("identifiers",), token):
         return False
     in_code = prompt_is_code != vocabulary.opens_code(context.output_ids + draft_ids[:position])
     return in_code

@@ -21,6 +21,7 @@ import re
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -117,6 +118,7 @@ class Vocabulary:
     eos_token_ids: frozenset[int]
     vocab_size: int  # width of the target's logits (may exceed the tokenizer's vocabulary)
     _masks: dict[tuple[str, ...], torch.Tensor] = field(default_factory=dict, repr=False)
+    _tables: dict[tuple[str, ...], Any] = field(default_factory=dict, repr=False)  # the masks as numpy arrays
     _texts: list[str] | None = field(default=None, repr=False)
 
     def mask(self, classes: Sequence[str]) -> torch.Tensor:
@@ -128,6 +130,15 @@ class Vocabulary:
                 self._texts = token_texts(self.tokenizer)
             self._masks[key] = protected_mask(self.tokenizer, key, self.vocab_size, self._texts)
         return self._masks[key]
+
+    def contains(self, classes: Sequence[str], token: int) -> bool:
+        """Whether ``token`` is in the classes' :meth:`mask`: read on the host (a numpy view of the mask, made
+        once), so a guard's per-token lookup is never a tensor read (a host sync on a GPU: runtime/syncs.py)."""
+        key = tuple(sorted(classes))
+        table = self._tables.get(key)
+        if table is None:
+            table = self._tables[key] = self.mask(classes).numpy()
+        return bool(table[token])
 
     def pieces(self, token_ids: Sequence[int]) -> list[str]:
         return self.tokenizer.batch_decode([[token_id] for token_id in token_ids])

@@ -9,6 +9,7 @@ from flyspec.runtime.loaded_model import tokenizer_fingerprint
 from flyspec.stats import DecodeStats
 from flyspec.types import Draft, VerifyContext
 from flyspec.verifiers.guard import guard_loose_mask
+from flyspec.verifiers.guard import prepare as prepare_guards
 from flyspec.verifiers.registry import LOSSY_RULE_FIELDS, make_verifier, rule_mapping
 from flyspec.verifiers.tokens import Vocabulary
 
@@ -31,6 +32,7 @@ __all__ = [
     "looser",
     "make_verifier",
     "num_leading_true",
+    "prepare_guards",
     "rule_mapping",
     "tokenizer_fingerprint",
 ]

@@ -34,6 +34,7 @@ from flyspec_vllm._flyspec import (
     GuardConfig,
     VerifyContext,
     Vocabulary,
+    prepare_guards,
     tokenizer_fingerprint,
 )
 from flyspec_vllm.options import (
@@ -178,6 +179,8 @@ def install(import_module: Callable[[str], Any] = importlib.import_module) -> bo
     logger.info("%s", mode_line(internals.builtin_fly, _version(import_module)))
     _wrap(internals.sampler_module, "rejection_sample", _wrap_rejection_sample)
     _wrap(internals.runner_class, "_sample", _wrap_sample)
+    if callable(getattr(internals.runner_class, "load_model", None)):  # else the tables are built at the first FLy step
+        _wrap(internals.runner_class, "load_model", _wrap_load_model)
     logger.info("flyspec-vllm: FLy installed (switch=%s, guards=%s)", switch, guard)
     return True
 
@@ -223,6 +226,31 @@ def _wrap_sample(original: Callable[..., Any]) -> Callable[..., Any]:
             _batch_rules.reset(token)
 
     return _sample
+
+
+def _wrap_load_model(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def load_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        if STATE is not None and STATE.enabled:
+            try:
+                prepare_tables(self, STATE)
+            except Exception as error:  # noqa: BLE001 - not fatal: the first FLy step builds them instead
+                logger.warning(
+                    "flyspec-vllm: token tables not built at start-up (%s); built at the first FLy step", error
+                )
+        return result
+
+    return load_model
+
+
+def prepare_tables(runner: Any, state: PluginState) -> None:
+    """At start-up (after vLLM loaded the model): the target's vocabulary facts and the guards' token-class
+    tables (a scan of the whole vocabulary, seconds at 128k tokens) that the first FLy step would build."""
+    vocabulary = vocabulary_of(runner, state)
+    prepare_guards(vocabulary, state.guard)
+    if state.profile is not None:
+        prepare_guards(vocabulary, state.profile.guard)
 
 
 def _wrap_rejection_sample(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -286,7 +314,7 @@ def batch_rules(runner: Any, state: PluginState, native_fly: bool = False) -> li
             prompt_length = min(prompt_length, options.prompt_length)
         memo = state.memos.setdefault(req_id, {})
         context = VerifyContext(
-            token_ids=[int(t) for t in batch.token_ids_cpu[index, :num_tokens]],
+            token_ids=context_tokens(memo, batch.token_ids_cpu[index], num_tokens),
             prompt_length=prompt_length,
             vocabulary=vocabulary,
             memo=memo,
@@ -296,6 +324,17 @@ def batch_rules(runner: Any, state: PluginState, native_fly: bool = False) -> li
         guard = state.guard if native_fly else None
         rules.append(RequestRule(options.rule, context, start, options.record, options.shadow, guard))
     return rules
+
+
+def context_tokens(memo: dict[str, Any], row: Any, num_tokens: int) -> list[int]:
+    """The request's committed tokens as a list, kept in its memo and extended by what is new since the last
+    step (not rebuilt from vLLM's token table every step: that is linear in the context, per request)."""
+    tokens: list[int] = memo.setdefault("token_ids", [])
+    if len(tokens) > num_tokens or (tokens and tokens[-1] != int(row[len(tokens) - 1])):
+        tokens.clear()  # fewer committed tokens than seen, or other ones (a request id reused): read anew
+    if len(tokens) < num_tokens:
+        tokens.extend(int(token) for token in row[len(tokens) : num_tokens])
+    return tokens
 
 
 def _breaker(state: PluginState, memo: dict[str, Any], generated: int) -> CircuitBreaker | None:

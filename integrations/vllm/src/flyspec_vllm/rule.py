@@ -23,7 +23,7 @@ that keeps nothing.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -36,7 +36,6 @@ from flyspec_vllm._flyspec import (
     VerifyContext,
     guard_loose_mask,
     make_verifier,
-    num_leading_true,
 )
 
 
@@ -87,32 +86,53 @@ def verifier_for(rule: SpeculationConfig):  # type: ignore[no-untyped-def]  # a 
 
 
 def judge(
-    draft_tokens: torch.Tensor,  # [k] int64
+    draft_tokens: torch.Tensor,  # [k] int64, on the logits' device
     target_logits: torch.Tensor,  # [k, vocab]
     rule: SpeculationConfig,
     context: VerifyContext | None,
 ) -> Judgement:
-    """One request under ``rule`` (greedy): flyspec's candidates, then its trust guards."""
+    """One request under ``rule`` (greedy): flyspec's candidates, then its trust guards.
+
+    Computed where the logits are (no copy of them to the host). Host syncs: one when no candidate could
+    be committed; otherwise one more in the guards, one for what they kept and one for the evidence of
+    the loose accepts (``tests/test_syncs.py`` holds the plugin to that)."""
+    k = draft_tokens.shape[0]
     target_tokens = target_logits.argmax(-1)  # [k]
     base_accept = draft_tokens == target_tokens  # greedy: exact match on the target's argmax
     candidates, evidence = verifier_for(rule).candidates(base_accept, draft_tokens, target_logits)
+    host = torch.cat([base_accept.long(), candidates.long()]).tolist()  # sync: the masks, 2k integers
+    base_host, candidate_host = host[:k], host[k:]
     # only candidates before the first position neither rule accepts could ever be committed
-    reachable = int(candidates[: num_leading_true(base_accept | candidates)].sum())
+    prefix = _leading(base or candidate for base, candidate in zip(base_host, candidate_host, strict=True))
+    reachable = sum(candidate_host[:prefix])
     if not reachable:
         return Judgement()
     kept, vetoes = guard_loose_mask(base_accept, candidates, Draft(draft_tokens), target_logits, rule.guard, context)
-    accepted = num_leading_true(base_accept | kept)
-    loose = tuple(int(j) for j in torch.nonzero(kept[:accepted]).flatten().tolist())
+    kept_host = kept.tolist()  # sync: what the guards kept
+    accepted = _leading(base or keep for base, keep in zip(base_host, kept_host, strict=True))
+    loose = tuple(position for position in range(accepted) if kept_host[position])
     if not loose:
         return Judgement(candidates=reachable, vetoes=tuple(vetoes.get(accepted, ())))
-    index = torch.tensor(loose, dtype=torch.long)
+    index = torch.tensor(loose, dtype=torch.long, device=target_logits.device)
+    # sync: the rule's measure and the target's choice at the loose accepts (float64 holds token ids exactly)
+    measured, chosen = torch.stack([evidence[index].double(), target_tokens[index].double()]).tolist()
     return Judgement(
         loose,
         reachable,
         tuple(vetoes.get(accepted, ())),
-        tuple(float(value) for value in evidence[index].tolist()),
-        tuple(int(token) for token in target_tokens[index].tolist()),
+        tuple(measured),
+        tuple(int(token) for token in chosen),
     )
+
+
+def _leading(flags: Iterable[object]) -> int:
+    """How many leading ``flags`` are true."""
+    count = 0
+    for flag in flags:
+        if not flag:
+            break
+        count += 1
+    return count
 
 
 def loose_accepts(
@@ -131,9 +151,12 @@ def shadow_divergences(
     target_logits: torch.Tensor,  # [k, vocab]
     rule: RequestRule,
     diverged: set[int],  # flat indices of the shadow rules that already left this request's path
+    mismatch: bool | None = None,  # known already (apply_batch): whether any draft token misses the argmax
 ) -> list[int]:
     """The flat indices of the shadow rules that leave the request's path at this step (see the module docstring)."""
-    if bool((draft_tokens == target_logits.argmax(-1)).all()):
+    if mismatch is None:
+        mismatch = not bool((draft_tokens == target_logits.argmax(-1)).all())
+    if not mismatch:
         return []  # no mismatch: every rule commits what the request's own rule commits
     leaving: list[int] = []
     offset = 0
@@ -154,28 +177,41 @@ def apply_batch(
     rules: Sequence[RequestRule],  # [batch], in batch order
 ) -> BatchOutcome:
     """The loose accepts of a whole batch, as flat positions into ``draft_token_ids``; a recorded request's
-    loose accepts and its shadow rules' divergences go to :mod:`records`."""
+    loose accepts and its shadow rules' divergences go to :mod:`records`.
+
+    Everything stays on the logits' device: one host sync for the batch (its draft tokens and where they
+    miss the target's argmax), then :func:`judge` only for the requests with a rule and a miss."""
     outcome = BatchOutcome()
-    start = 0
-    draft_cpu = draft_token_ids.to("cpu", torch.int64)
-    for count, rule in zip(num_draft_tokens, rules, strict=True):
-        end = start + int(count)
-        if rule.active and end > start:
-            draft, logits = draft_cpu[start:end], target_logits[start:end].cpu()
-            if rule.shadow and rule.record is not None:
-                leaving = shadow_divergences(draft, logits, rule, records.diverged(rule.record))
-                records.add_divergences(rule.record, leaving, rule.start)
-            if rule.rule is not None:
-                outcome.fly_requests += 1
-                judgement = judge(draft, logits, rule.rule, rule.context)
-                outcome.loose_positions.extend(start + j for j in judgement.loose)
-                outcome.candidates += judgement.candidates
-                outcome.vetoed += bool(judgement.vetoes)
-                if rule.context is not None and rule.context.breaker is not None:
-                    rule.context.breaker.stats.num_loose_accepts += len(judgement.loose)
-                if rule.record is not None:
-                    records.add_judgement(rule.record, judgement, rule.start, draft.tolist())
-        start = end
+    spans, start = [], 0
+    for count in num_draft_tokens:
+        spans.append((start, start + int(count)))
+        start += int(count)
+    if not any(rule.active and end > begin for rule, (begin, end) in zip(rules, spans, strict=True)):
+        return outcome
+    draft = draft_token_ids.to(torch.int64)
+    num_tokens = draft.shape[0]
+    missed = draft != target_logits[:num_tokens].argmax(-1)
+    host = torch.cat([draft, missed.long()]).tolist()  # the batch's one sync: tokens and misses
+    draft_host, missed_host = host[:num_tokens], host[num_tokens:]
+    for rule, (begin, end) in zip(rules, spans, strict=True):
+        if not rule.active or end == begin:
+            continue
+        mismatch = any(missed_host[begin:end])
+        tokens, logits = draft[begin:end], target_logits[begin:end]
+        if rule.shadow and rule.record is not None:
+            leaving = shadow_divergences(tokens, logits, rule, records.diverged(rule.record), mismatch)
+            records.add_divergences(rule.record, leaving, rule.start)
+        if rule.rule is None:
+            continue
+        outcome.fly_requests += 1
+        judgement = judge(tokens, logits, rule.rule, rule.context) if mismatch else Judgement()
+        outcome.loose_positions.extend(begin + j for j in judgement.loose)
+        outcome.candidates += judgement.candidates
+        outcome.vetoed += bool(judgement.vetoes)
+        if rule.context is not None and rule.context.breaker is not None:
+            rule.context.breaker.stats.num_loose_accepts += len(judgement.loose)
+        if rule.record is not None:
+            records.add_judgement(rule.record, judgement, rule.start, draft_host[begin:end])
     return outcome
 
 
