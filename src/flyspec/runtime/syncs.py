@@ -65,7 +65,7 @@ class SyncCounter(TorchDispatchMode):
         super().__init__()
 
     # -- counting -----------------------------------------------------------------------------------
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         kind = SYNCING_OPS.get(func)
         if kind is None and func is aten.index.Tensor and _has_mask_index(args):
