@@ -157,6 +157,30 @@ def test_plain_decoding_replayed_after_exact_needs_no_forward(models) -> None:
     assert live.token_ids == expected.token_ids
 
 
+def test_replay_keeps_its_rows_on_the_device_within_a_budget(models) -> None:
+    """Issue 39: past the budget the oldest forwards' rows move to the host; answers and outputs unchanged."""
+    target = models["target"]
+    prompt_ids = target.encode_prompt(PROMPTS[1], False)
+    outputs, stores = [], []
+    for budget in (1 << 30, 1):  # everything on the device; only the newest forward's rows
+        scores = ScoreStore(target, device_budget_bytes=budget)
+        scores.begin(prompt_ids)
+        for spec in _verifier_specs("ngram"):
+            decoder = build_decoder(target, spec, DecodeConfig(max_new_tokens=30))
+            drafts = DraftStore(decoder.drafter)
+            drafts.begin(prompt_ids)
+            decoder.scorer, decoder.drafter = ReplayTarget(scores), ReplayDrafter(drafts, "ngram")
+            outputs.append(decoder.generate(prompt_ids).token_ids)
+        stores.append(scores)
+    half = len(outputs) // 2
+    assert outputs[:half] == outputs[half:]
+    roomy, tight = stores
+    assert roomy.num_forwards == tight.num_forwards  # moved to the host, never recomputed
+    newest = tight.blocks[-1]
+    assert len(tight.blocks) > 3 and tight.device_bytes == newest.numel() * newest.element_size()
+    assert roomy.device_bytes == sum(block.numel() * block.element_size() for block in roomy.blocks)
+
+
 def test_replay_refuses_another_prompt_and_sampling(models) -> None:
     target = models["target"]
     scores = ScoreStore(target)

@@ -255,7 +255,7 @@ def test_kernels_apply_only_where_they_can(tiny_target: LoadedModel) -> None:
 
 def test_cached_steps_match_stock_through_rollbacks(tiny_target: LoadedModel) -> None:
     """The in-place cache and the kernels, through prefill, steps of several sizes and rollbacks."""
-    stock, fast = CachedModel(tiny_target), CachedModel(with_kernels(tiny_target))
+    stock, fast = CachedModel(tiny_target, in_place=False), CachedModel(with_kernels(tiny_target))
     assert isinstance(fast.cache.layers[0], GrowingLayer) and not isinstance(stock.cache.layers[0], GrowingLayer)
     ids = tiny_target.encode_prompt(PROMPT, use_chat=False)
     for model in (stock, fast):
@@ -309,7 +309,7 @@ def test_bfloat16_kernels_agree_with_stock(tokenizer) -> None:
     ids = target.encode_prompt(PROMPT, use_chat=False)
     steps = [[(7 * index + offset) % 200 + 2 for offset in range(size)] for index, size in enumerate([1, 3, 1, 6] * 5)]
     rows = []
-    for model in (CachedModel(target), CachedModel(with_kernels(target))):
+    for model in (CachedModel(target, in_place=False), CachedModel(with_kernels(target))):
         model.forward(ids, logits_to_keep=1)
         rows.append(torch.cat([model.forward(step) for step in steps]))
     stock, fast = rows

@@ -26,6 +26,10 @@ The rows are the target's float32 logits computed in other batch shapes than a l
 use, so a replayed output equals a live one up to floating-point rounding, as speculative and plain
 decoding agree in float32 (tested: ``tests/test_calibrate_replay.py`` runs every drafter both ways).
 Greedy only: sampling draws random numbers whose order depends on the path.
+
+The rows stay on the target's device up to ``device_budget_bytes`` (default 1 GiB: a 128k vocabulary's
+float32 rows are 0.5 MB each); past it the oldest forwards' rows move to host memory, and come back when
+asked again. Moved, not dropped: an answer is still the row first computed for its prefix.
 """
 
 from __future__ import annotations
@@ -43,15 +47,22 @@ from flyspec.types import Draft
 Key = tuple[int, ...]  # output tokens after the prompt
 
 
+DEVICE_BUDGET_BYTES = 1 << 30
+
+
 class ScoreStore:
     """The target's logits after every prefix scored for one prompt; one real KV cache behind them."""
 
-    def __init__(self, target: LoadedModel) -> None:
+    def __init__(self, target: LoadedModel, device_budget_bytes: int = DEVICE_BUDGET_BYTES) -> None:
         self.cached_model = CachedModel(target)
         self.device = self.cached_model.device
+        self.device_budget_bytes = device_budget_bytes
         self.prompt_ids: list[int] = []
-        # output tokens → (a forward's logits [n, vocab], the row predicting the next position)
-        self.rows: dict[Key, tuple[torch.Tensor, int]] = {}
+        # output tokens → (which forward's logits [n, vocab] in ``blocks``, the row predicting the next position)
+        self.rows: dict[Key, tuple[int, int]] = {}
+        self.blocks: list[torch.Tensor] = []  # each forward's kept rows, in order; the oldest may be on the host
+        self.device_bytes = 0  # bytes of ``blocks`` on the device
+        self._oldest_on_device = 0  # blocks before it are on the host
         self.cached: list[int] = []  # the tokens whose keys and values the real cache holds
         self.num_forwards = 0  # real forwards, this prompt
         self.num_scored_tokens = 0  # real tokens forwarded, prefills included
@@ -60,6 +71,8 @@ class ScoreStore:
         """Forget the previous prompt's rows; the next question prefills this one."""
         self.prompt_ids = list(prompt_ids)
         self.rows.clear()
+        self.blocks.clear()
+        self.device_bytes = self._oldest_on_device = 0
         self.cached_model.reset()
         self.cached = []
         self.num_forwards = self.num_scored_tokens = 0
@@ -89,9 +102,9 @@ class ScoreStore:
         prefix is its row for good, so an answer never depends on the order of the questions."""
         found = [self.rows[key] for key in keys]
         block, first = found[0]
-        if all(tensor is block and index == first + offset for offset, (tensor, index) in enumerate(found)):
-            return block[first : first + len(keys)]
-        return torch.stack([tensor[index] for tensor, index in found])
+        if all(number == block and index == first + offset for offset, (number, index) in enumerate(found)):
+            return self.blocks[block][first : first + len(keys)].to(self.device)  # a view, unless moved to the host
+        return torch.stack([self.blocks[number][index].to(self.device) for number, index in found])
 
     def _forward(self, sequence: list[int], begin: int, end: int) -> None:
         """Forward ``sequence[begin:end]`` onto the cache; keep the rows after every output prefix.
@@ -108,8 +121,20 @@ class ScoreStore:
             return
         rows = logits[-wanted:]  # [wanted, vocab]
         first = end - wanted  # the absolute position of the first kept row's last token
+        block = len(self.blocks)
+        self.blocks.append(rows)
+        self.device_bytes += rows.numel() * rows.element_size()
         for offset in range(wanted):
-            self.rows.setdefault(tuple(sequence[start : first + offset + 1]), (rows, offset))
+            self.rows.setdefault(tuple(sequence[start : first + offset + 1]), (block, offset))
+        self._bound()
+
+    def _bound(self) -> None:
+        """Move the oldest blocks to the host while the device holds more than the budget (the newest stays)."""
+        while self.device_bytes > self.device_budget_bytes and self._oldest_on_device < len(self.blocks) - 1:
+            oldest = self.blocks[self._oldest_on_device]
+            self.device_bytes -= oldest.numel() * oldest.element_size()
+            self.blocks[self._oldest_on_device] = oldest.to("cpu")  # a host copy; nothing is recomputed
+            self._oldest_on_device += 1
 
 
 class ReplayTarget:

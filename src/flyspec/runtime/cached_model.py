@@ -1,7 +1,9 @@
 """A causal LM run incrementally over one sequence, with a KV cache that can be cropped.
 
 The target (``target.py``) and every model drafter (draft model, layer-skip) run through it;
-rollback is ``crop_to``. Caches that cannot be cropped are refused when it is made.
+rollback is ``crop_to``. Caches that cannot be cropped are refused when it is made. Plain layers
+keep their keys and values in place (``kernels.GrowingLayer``: a buffer that doubles when full, a
+rollback shortens a length) on every device; sliding-window layers keep transformers' own.
 """
 
 from __future__ import annotations
@@ -30,12 +32,14 @@ class CachedModel:
     (memory then grows with the sequence, not the window). The target crops once per forward.
     """
 
-    def __init__(self, model: LoadedModel, full_history: bool = False) -> None:
+    def __init__(self, model: LoadedModel, full_history: bool = False, in_place: bool = True) -> None:
         self.full_history = full_history
         self.model = model.model
         self.compiled = model.step_forward is not None
-        # flyspec's kernels: the in-place cache (kernels.GrowingLayer), eager or compiled
-        self.in_place = model.kernels
+        # the in-place cache (kernels.GrowingLayer) on every device, with or without flyspec's CPU kernels: a
+        # step writes its keys and values into a buffer instead of concatenating (copying) the whole cache
+        # (``in_place=False``: transformers' concatenating layers, the reference the tests compare against)
+        self.in_place = in_place
         self.step_forward = model.step_forward or model.model  # compiled (compiled_steps.compile_steps) or eager
         self.device = next(self.model.parameters()).device
         # transformers 5.2x renamed the forward's past_key_values to cache (the old name warns); older ones lack it

@@ -158,13 +158,15 @@ def load_model(
     hf_dir = _resolve_to_hf_source(name_or_path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(hf_dir)
-        model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch_dtype)
+        # straight onto the device (accelerate places each weight as it is read): a GPU model is not staged
+        # whole in host memory first
+        model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch_dtype, device_map=torch_device)
     except (OSError, ValueError) as error:
         raise ModelLoadError(
             f"could not load model {name_or_path!r} ({_first_line(error)}); give a local model directory, "
             f"a .gguf file, one of {', '.join(PACKAGED_MODELS)}, or a hub id with network access"
         ) from error
-    model.to(torch_device).eval()  # type: ignore[arg-type]  # transformers wraps `.to`; its stub is wrong
+    model.eval()
     fingerprint = weights_fingerprint(model)  # before packing: packed weights leave the state dict
     installed = install_kernels(model, kernels)
     loaded = LoadedModel(
