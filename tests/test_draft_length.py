@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from flyspec import DecodeConfig, PlainDecoder, SpeculativeDecoder, build_decoder, make_verifier
-from flyspec.config import ConfigError, DraftLengthConfig, SpeculationConfig
+from flyspec.config import ConfigError, DraftLengthConfig, SamplingConfig, SpeculationConfig
 from flyspec.draft_length import (
     AcceptanceModel,
     CostAwareLength,
@@ -255,9 +255,31 @@ def test_auto_is_cost_for_lossless_copy_drafts_and_fixed_otherwise(tiny_target: 
     assert by_hand.draft_length_policy == "fixed"
     assert resolve_policy(DraftLengthConfig(), lossless=True, drafter="ngram-cache") == "cost"
     assert resolve_policy(DraftLengthConfig(), lossless=False, drafter="ngram") == "fixed"
-    # a model drafter's cost is timed as it runs: a seeded sample would depend on the timings
-    assert resolve_policy(DraftLengthConfig(), lossless=True, drafter="multilevel") == "fixed"
+    # a model drafter: cost-aware when greedy (issue 39: a fixed k is k sequential draft forwards); when
+    # sampling its cost is timed as it runs, so a seeded sample would depend on the timings: fixed
+    assert resolve_policy(DraftLengthConfig(), lossless=True, drafter="multilevel") == "cost"
+    assert resolve_policy(DraftLengthConfig(), lossless=True, drafter="draft-model", greedy=False) == "fixed"
+    assert resolve_policy(DraftLengthConfig(), lossless=True, drafter="ngram", greedy=False) == "cost"
     assert resolve_policy(DraftLengthConfig(policy="heuristic"), lossless=False, drafter="ngram") == "heuristic"
+
+
+def test_a_model_drafter_is_cost_aware_when_greedy_and_reproducible_when_sampling(
+    tiny_target: LoadedModel, tiny_draft: LoadedModel
+) -> None:
+    resources = Resources("float32", models=(tiny_target, tiny_draft))
+    spec = SpeculationConfig(drafter="draft-model", draft_model=tiny_draft.name, num_draft_tokens=6)
+    decoder = build_decoder(tiny_target, spec, resources=resources)
+    assert decoder.draft_length_policy == "cost" and decoder.step_cost is not None
+    assert type(decoder.new_draft_length()).__name__ == "CostAwareLength"
+    assert type(decoder.new_draft_length(greedy=False)).__name__ == "DraftLength"  # this call samples: fixed
+    sampling = DecodeConfig(max_new_tokens=16, sampling=SamplingConfig(temperature=0.9))
+    outputs = [
+        decoder.generate("the cat sat", config=sampling, generator=torch.Generator().manual_seed(3)).token_ids
+        for _ in range(2)
+    ]
+    assert outputs[0] == outputs[1]
+    sampled = build_decoder(tiny_target, spec, sampling, resources=resources)
+    assert sampled.draft_length_policy == "fixed" and sampled.step_cost is None
 
 
 def test_a_decoder_without_a_step_cost_refuses_the_cost_policy(tiny_target: LoadedModel) -> None:

@@ -67,9 +67,9 @@ def build_decoder(
     if not verifier.lossless:  # the trust guards' token-class masks, built before any timed step
         prepare_guards(vocabulary_of(target_model), spec.guard)
     # the cost-aware draft length weighs t(k + 1): measured once per model and machine, then cached
-    costed = resolve_policy(spec.draft_length, verifier.lossless, spec.drafter) == "cost"
-    cost = resources.step_cost(target_model, spec.num_draft_tokens + 1) if costed else None
     decode = decode or DecodeConfig()
+    costed = resolve_policy(spec.draft_length, verifier.lossless, spec.drafter, decode.sampling.greedy) == "cost"
+    cost = resources.step_cost(target_model, spec.num_draft_tokens + 1) if costed else None
     return SpeculativeDecoder(target_model, drafter, verifier, decode, spec, step_cost=cost, profile=resolved.profile)
 
 

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 from flyspec.breaker import CircuitBreaker
 from flyspec.config import DecodeConfig, SpeculationConfig
-from flyspec.draft_length import DraftLength, decoder_policy, new_draft_length
+from flyspec.draft_length import DraftLength, decoder_policy, new_draft_length, resolve_policy
 from flyspec.drafters.base import Drafter
 from flyspec.generation import Decoder, Generation
 from flyspec.names import COPY_DRAFTERS
@@ -52,11 +52,17 @@ class SpeculativeDecoder(Decoder):
         self.drafter, self.verifier, self.speculation = drafter, verifier, speculation
         self.step_cost, self.profile = step_cost, profile
         # the policy that runs, ``auto`` decided (``draft_length.decoder_policy``)
-        self.draft_length_policy = decoder_policy(speculation.draft_length, verifier.lossless, drafter.name, step_cost)
+        self.draft_length_policy = decoder_policy(
+            speculation.draft_length, verifier.lossless, drafter.name, step_cost, self.config.sampling.greedy
+        )
 
-    def new_draft_length(self) -> DraftLength:
+    def new_draft_length(self, greedy: bool = True) -> DraftLength:
         speculation, verifier = self.speculation, self.verifier
-        config = dataclasses.replace(speculation.draft_length, policy=self.draft_length_policy)
+        policy = self.draft_length_policy
+        # a call that samples: ``auto`` with a model drafter must not make a seeded sample depend on timings
+        if policy == "cost" and not greedy:
+            policy = resolve_policy(speculation.draft_length, verifier.lossless, self.drafter.name, greedy=False)
+        config = dataclasses.replace(speculation.draft_length, policy=policy)
         copies = self.drafter.name in COPY_DRAFTERS  # a copy costs nothing per token: propose all, cut later
         return new_draft_length(config, speculation.num_draft_tokens, verifier.min_draft_tokens, self.step_cost, copies)
 

@@ -37,23 +37,28 @@ from flyspec.types import UNKNOWN_SOURCE, Draft
 MAX_MATCH_BUCKET = 8  # longer matches share a bucket
 
 
-def resolve_policy(config: DraftLengthConfig, lossless: bool, drafter: str) -> str:
-    """The policy that runs with this verifier (lossless or not) and drafter: ``auto`` decided.
+def resolve_policy(config: DraftLengthConfig, lossless: bool, drafter: str, greedy: bool = True) -> str:
+    """The policy that runs with this verifier (lossless or not), drafter and decoding: ``auto`` decided.
 
-    ``auto`` is ``cost`` for the copy drafters under a lossless verifier, where the length changes
-    only the speed, and ``fixed`` otherwise: a lossy output depends on the length (FLy's window must
-    fit in the draft), and a model drafter's cost is timed as it runs, so a seeded sample would
-    depend on the timings.
+    ``auto`` is ``cost`` under a lossless verifier, where the length changes only the speed: for every
+    drafter in greedy decoding (a model drafter's tokens each cost a forward: on a GPU a fixed k = 15 is 15
+    sequential draft forwards per step, whatever the acceptance) and for the copy drafters when sampling.
+    It is ``fixed`` otherwise: a lossy output depends on the length (FLy's window must fit in the draft),
+    and at T > 0 a model drafter's cost is timed as it runs, so a seeded sample would depend on the timings.
     """
     if config.policy != "auto":
         return config.policy
-    return "cost" if lossless and drafter in COPY_DRAFTERS else "fixed"
+    if not lossless:
+        return "fixed"
+    return "cost" if greedy or drafter in COPY_DRAFTERS else "fixed"
 
 
-def decoder_policy(config: DraftLengthConfig, lossless: bool, drafter: str, step_cost: StepCost | None) -> str:
+def decoder_policy(
+    config: DraftLengthConfig, lossless: bool, drafter: str, step_cost: StepCost | None, greedy: bool = True
+) -> str:
     """The policy a decoder runs: :func:`resolve_policy`, where ``cost`` needs the target's ``step_cost``
     (``build_decoder`` measures it). Without one, ``auto`` drafts a fixed k and an explicit ``cost`` is refused."""
-    policy = resolve_policy(config, lossless, drafter)
+    policy = resolve_policy(config, lossless, drafter, greedy)
     if policy != "cost" or step_cost is not None:
         return policy
     if config.policy == "auto":

@@ -132,10 +132,10 @@ class Decoder:
             )
         prompt_ids = encode(self.target, prompt, use_chat)
         stopper = make_stopper(self.target, config, len(prompt_ids))
-        generation = Generation(prompt_ids, config, generator, stopper, self.new_draft_length())
+        generation = Generation(prompt_ids, config, generator, stopper, self.new_draft_length(config.sampling.greedy))
         return GenerationStream(self._steps(generation), generation.stopper, generation.stats, prompt_ids)
 
-    def new_draft_length(self) -> DraftLength | None:
+    def new_draft_length(self, greedy: bool = True) -> DraftLength | None:
         """A generation's draft-length policy (None: this decoder drafts nothing)."""
         return None
 
