@@ -221,8 +221,8 @@ def add_drafter_options(parser: argparse.ArgumentParser) -> None:
         help="how many tokens to draft each step, -k at most: cost (the length with the most expected tokens per "
         "second, from the target's forward cost t(n), measured once per machine and cached, and the acceptance so "
         "far), fixed (always -k), heuristic (+2 after a fully kept draft, -1 after a rejection), or auto (default: "
-        "cost for the n-gram drafters under a lossless verifier, else fixed, since a lossy output or a seeded "
-        "model-drafter sample would depend on the machine's timings)",
+        "cost under a lossless verifier, for every drafter when greedy and for the n-gram drafters when sampling; "
+        "else fixed, since a lossy output or a seeded model-drafter sample would depend on the machine's timings)",
     )
     drafting.add_argument(
         "--adaptive-draft",

@@ -85,7 +85,8 @@ class DraftLengthConfig:
     """How many tokens to draft each step; ``num_draft_tokens`` is the most.
 
     ``policy``: ``cost`` (the most expected tokens per second), ``fixed``, ``heuristic``, or ``auto``
-    (``cost`` for n-gram drafters under a lossless verifier, else ``fixed``): see ``draft_length.py``.
+    (``cost`` under a lossless verifier — every drafter when greedy, n-gram drafters when sampling — else
+    ``fixed``): see ``draft_length.py``.
     The adaptive policies stay within ``min_tokens`` .. ``num_draft_tokens`` (``cost`` may also draft
     nothing). ``confidence_threshold`` (model drafters): stop drafting once the draft model's own top
     probability falls below it (after keeping that token); 0 never stops early.
