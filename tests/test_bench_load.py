@@ -78,6 +78,12 @@ def test_the_outputs_say_what_was_measured(tmp_path: Path) -> None:
     schedule = json.loads((tmp_path / "schedule.json").read_text())
     assert BatchSchedule.load(tmp_path / "schedule.json") == run.schedule
     assert schedule["measured"]["cpu_isa"] == "AVX2"
+    assert "derived from the sweep above" in report
+    given = load.run_load(workers, [[1, 2]] * 8, load.LoadSettings(concurrencies=(1,), schedule=run.schedule))  # type: ignore[arg-type]
+    (tmp_path / "schedule.json").unlink()
+    written = load.write_outputs(tmp_path, meta, given, plots=False)
+    assert {path.name for path in written} == {"load.json", "report.md"}  # its schedule.json is the user's own
+    assert "given with --schedule" in (tmp_path / "report.md").read_text()
 
 
 @pytest.mark.parametrize(

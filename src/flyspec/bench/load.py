@@ -244,19 +244,21 @@ def load_report(meta: dict[str, Any], run: LoadRun) -> str:
         for concurrency in sorted({row["concurrency"] for row in run.sweep}):
             lines.append(f"| {concurrency} | " + " | ".join(f"{sweep.get((concurrency, k), 0):.1f}" for k in ks) + " |")
     if run.schedule is not None:
-        lines += ["", f"Schedule ({run.schedule.describe()}), as vLLM's speculative_config key:", "",
+        origin = "derived from the sweep above" if run.sweep else "given with --schedule, not derived in this run"
+        lines += ["", f"Schedule ({run.schedule.describe()}; {origin}), as vLLM's speculative_config key:", "",
                   f"    \"num_speculative_tokens_per_batch_size\": {json.dumps(run.schedule.to_vllm())}"]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
 def write_outputs(out_dir: Path, meta: dict[str, Any], run: LoadRun, plots: bool) -> list[Path]:
-    """load.json, report.md, schedule.json (when there is one) and throughput.png."""
+    """load.json, report.md, schedule.json (when this run derived one: a schedule given with ``--schedule`` was
+    measured elsewhere, and a copy stamped with this run's machine and dtype would misstate that) and throughput.png."""
     written = [out_dir / "load.json", out_dir / "report.md"]
     payload = {"meta": meta, "rows": run.rows, "sweep": run.sweep, "verdicts": verdicts(run.rows),
                "schedule": run.schedule.to_vllm() if run.schedule else None, "startup_s": run.startup_s}  # fmt: skip
     written[0].write_text(json.dumps(payload, indent=1), encoding="utf-8")
     written[1].write_text(load_report(meta, run), encoding="utf-8")
-    if run.schedule is not None:
+    if run.schedule is not None and run.sweep:
         schedule = {
             "num_speculative_tokens_per_batch_size": run.schedule.to_vllm(),
             "description": run.schedule.describe(),
