@@ -77,6 +77,7 @@ def test_each_decode_step_stays_within_its_sync_budget(
 def test_the_counter_sees_every_kind_of_sync() -> None:
     """Each way code waits for a device is counted once (so the budgets above can fail)."""
     tensor = torch.arange(6)
+    originals = {name: vars(torch.Tensor)[name] for name in ("tolist", "cpu", "numpy", "to")}
     cases = {
         "scalar read (.item/bool/int/float)": lambda: tensor[0].item(),
         "tolist": lambda: tensor.tolist(),
@@ -98,7 +99,7 @@ def test_the_counter_sees_every_kind_of_sync() -> None:
         tensor.to(torch.device("cpu"))  # a model's device object: a move, not a host read (see syncs.py)
         tensor + 1
     assert counter.by_kind() == {"scalar read (.item/bool/int/float)": 2}
-    assert torch.Tensor.tolist is not None and "tolist" not in vars(SyncCounter)  # the methods are restored
+    assert {name: vars(torch.Tensor)[name] for name in originals} == originals  # the methods are restored
 
 
 def plugin_batch(batch: int, seed: int = 0) -> tuple[torch.Tensor, list[int], torch.Tensor, int]:
@@ -116,16 +117,21 @@ def plugin_batch(batch: int, seed: int = 0) -> tuple[torch.Tensor, list[int], to
     return draft, [k] * batch, logits, mismatching
 
 
+def fly_rules(batch: int) -> tuple[SpeculationConfig, list[RequestRule]]:
+    """Guarded FLy for every request, the guards' token tables built first (the plugin does at start-up)."""
+    from test_guard import VOCABULARY
+
+    rule = SpeculationConfig(verifier="fly", guard=GuardConfig())
+    prepare_guards(VOCABULARY, rule.guard)
+    return rule, [RequestRule(rule=rule, context=VerifyContext([1, 2, 3, 4, 19, 13], 4, VOCABULARY))] * batch
+
+
 @pytest.mark.parametrize("batch", [1, 32])
 def test_the_plugins_rule_syncs_once_per_batch_and_boundedly_per_missed_request(gpu_path, batch: int) -> None:
     """The vLLM plugin's FLy (guards on): no copy of the logits to the host; one sync for the batch, then at most
     four per request whose draft misses the target somewhere (none for the others)."""
-    from test_guard import VOCABULARY
-
     draft, sizes, logits, mismatching = plugin_batch(batch)
-    rule = SpeculationConfig(verifier="fly", guard=GuardConfig())
-    prepare_guards(VOCABULARY, rule.guard)  # the plugin does at start-up (patch.prepare_tables)
-    rules = [RequestRule(rule=rule, context=VerifyContext([1, 2, 3, 4, 19, 13], 4, VOCABULARY))] * batch
+    rule, rules = fly_rules(batch)
     with SyncCounter() as counter:
         outcome = apply_batch(draft, sizes, logits, rules)
         keep_draft_tokens(logits, draft, outcome.loose_positions)
@@ -161,13 +167,9 @@ def main() -> None:  # the table in DEPLOYMENT.md
     for (drafter, verifier, temperature), budget in BUDGETS.items():
         counts = sorted(step_syncs(target, draft, drafter, verifier, temperature))
         print(f"| {drafter} + {verifier} (T = {temperature}) | {counts[-1]} / {counts[len(counts) // 2]} | {budget} |")
-    from test_guard import VOCABULARY
-
     for batch in (1, 32):
         draft_ids, sizes, logits, mismatching = plugin_batch(batch)
-        rule = SpeculationConfig(verifier="fly", guard=GuardConfig())
-        prepare_guards(VOCABULARY, rule.guard)
-        rules = [RequestRule(rule=rule, context=VerifyContext([1, 2, 3, 4, 19, 13], 4, VOCABULARY))] * batch
+        _, rules = fly_rules(batch)
         with SyncCounter() as counter:
             apply_batch(draft_ids, sizes, logits, rules)
         kinds = collections.Counter(counter.by_kind())

@@ -14,6 +14,7 @@ single-threaded (the engine's threads keep the cores), no Python objects per tok
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 from collections.abc import Callable
@@ -59,10 +60,13 @@ def _lookup_kernel(
             n -= 1
 
 
+@functools.cache
 def _compile() -> Callable[..., None] | None:
+    """The numba-compiled kernel (once per process), or None where numba does not import."""
     try:
         import numba
     except ImportError:
+        logger.info("flyspec-vllm: numba not importable; the n-gram lookup runs as Python")
         return None
     keep_vllms_kernel_scan_working()
     return numba.njit(nogil=True, cache=False)(_lookup_kernel)  # type: ignore[no-any-return]
@@ -86,18 +90,9 @@ def keep_vllms_kernel_scan_working() -> None:
         table.setdefault("__dict__", {})
 
 
-_compiled: list[Callable[..., None] | None] = []
-
-
 def kernel(compiled: bool = True) -> Callable[..., None]:
     """The lookup kernel: numba-compiled when numba imports (compiled on first use), else plain Python."""
-    if not compiled:
-        return _lookup_kernel
-    if not _compiled:
-        _compiled.append(_compile())
-        if _compiled[0] is None:
-            logger.info("flyspec-vllm: numba not importable; the n-gram lookup runs as Python")
-    return _compiled[0] or _lookup_kernel
+    return (_compile() if compiled else None) or _lookup_kernel
 
 
 def lookup_rows(
