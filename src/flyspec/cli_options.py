@@ -62,9 +62,9 @@ def add_model_options(parser: argparse.ArgumentParser, *, chat: bool = True) -> 
         default="auto",
         choices=KERNELS,
         help="auto (default): on the CPU in float32 or bfloat16, flyspec's kernels for the cached steps "
-        "(oneDNN-prepacked linears, siblings such as query/key/value sharing one, a decode attention, "
-        "an in-place KV cache; same math up to rounding); "
-        "stock: transformers' modules as loaded. Plain decoding uses the same kernels (BENCHMARKS.md)",
+        "(oneDNN-prepacked linears, siblings such as query/key/value sharing one, a decode attention; "
+        "same math up to rounding); stock: transformers' modules as loaded. The in-place KV cache is used "
+        "either way, on every device. Plain decoding uses the same kernels (BENCHMARKS.md)",
     )
     models.add_argument(
         "--compile",

@@ -15,7 +15,8 @@ to the stock path where it does not apply:
   dropout, soft-capping, attention sinks and anything else unusual go to ``sdpa`` unchanged.
 - **An in-place KV cache** (:class:`GrowingLayer`): a buffer that doubles when full, so a step
   writes its keys and values in place instead of copying the whole cache by concatenation, and a
-  rollback is a length change. ``cached_model.CachedModel`` uses it for eager and compiled steps:
+  rollback is a length change. ``cached_model.CachedModel`` uses it on every device, with or without
+  the other two (so the CPU-only note below is not about it), for eager and compiled steps:
   it reserves room before each step, outside the graph, so a compiled step writes into buffers
   whose strides do not change and never compiles a new graph.
 
