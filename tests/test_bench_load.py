@@ -64,6 +64,23 @@ def test_the_sweep_derives_a_schedule_that_keeps_the_throughput_of_no_drafts() -
     assert waves[:4] == [1, 1, 1, 1] and waves[-1] == 32  # min_prompts at batch 1, one wave of 32
 
 
+def test_repeats_run_round_robin_so_a_drift_of_the_machine_hits_every_method_alike() -> None:
+    order: list[str] = []
+
+    class Logged(StandInEngine):
+        def request(self, line: dict) -> dict:
+            order.append(self.method + (" scheduled" if line.get("schedule") else ""))
+            return super().request(line)
+
+    workers = {name: Logged(name) for name in ("vllm-plain", "vllm-ngram+fly")}
+    schedule = BatchSchedule.from_entries([[1, 1, 2], [2, 64, 0]])
+    settings = load.LoadSettings(concurrencies=(4,), max_new_tokens=8, min_prompts=4, repeats=3, schedule=schedule)
+    run = load.run_load(workers, [[1, 2]] * 4, settings)  # type: ignore[arg-type]
+    assert order[2:] == ["vllm-plain", "vllm-ngram+fly", "vllm-ngram+fly scheduled"] * 3  # after the warm-ups
+    assert all(len(row["tokens_per_s_runs"]) == 3 for row in run.rows)
+    assert [row["method"] for row in run.rows] == ["vllm-plain", "vllm-ngram+fly", "vllm-ngram+fly" + load.SCHEDULED]
+
+
 def test_the_outputs_say_what_was_measured(tmp_path: Path) -> None:
     workers = {name: StandInEngine(name) for name in ("vllm-plain", "vllm-ngram+fly")}
     settings = load.LoadSettings(concurrencies=(1, 8), max_new_tokens=32, min_prompts=2, derive=True)

@@ -65,6 +65,11 @@ def test_bad_vllm_input_is_one_line_and_exit_2(capsys, tmp_path) -> None:
         capsys, [*base, "--engine", "vllm", "--drafter", "layer-skip"]
     )
     assert "drafts a fixed length" in usage_error(capsys, [*base, "--engine", "vllm", "--draft-length", "cost"])
+    assert "add --engine vllm" in usage_error(capsys, [*base, "--derive-schedule"])
+    assert "--derive-schedule '0,2'" in usage_error(capsys, [*base, *VLLM, "--derive-schedule", "0,2"])
+    schedule = tmp_path / "schedule.json"
+    schedule.write_text('{"num_speculative_tokens_per_batch_size": [[1, 64, 2]]}')
+    assert "choose one" in usage_error(capsys, [*base, *VLLM, "--derive-schedule", "--schedule", str(schedule)])
     assert "not allowed with argument" in usage_error(capsys, [*base, *VLLM, "--gpu-memory-utilization", "0.5"])
     venv = tmp_path / "venv" / "bin"
     venv.mkdir(parents=True)
@@ -202,15 +207,16 @@ def test_a_profile_says_how_to_deploy_its_point() -> None:
 def test_a_profile_carries_a_batch_schedule_into_both_deploy_blocks(tmp_path) -> None:
     """Issue 37: calibrate --schedule puts bench --derive-schedule's schedule into the profile; its deploy blocks set
     vLLM's num_speculative_tokens_per_batch_size (the plugin's proposer and vLLM's own read the same key)."""
-    from flyspec.calibration.api import CalibrationConfig, _profile_record
+    from flyspec.calibration.api import CalibrationConfig
     from flyspec.calibration.deploy import deployment
+    from flyspec.calibration.record import profile_record
     from flyspec.config import ConfigError, FlyConfig, GuardConfig, SpeculationConfig
 
     path = tmp_path / "schedule.json"
     path.write_text('{"num_speculative_tokens_per_batch_size": [[1, 2, 8], [3, 64, 0]]}')
     config = CalibrationConfig(schedule=str(path))
     served = SimpleNamespace(dtype=torch.float32, name="m", fingerprints={"weights": "w", "tokenizer": "t"})
-    record = _profile_record(config, served, None, SpeculationConfig(), ["t"], 1)  # type: ignore[arg-type]
+    record = profile_record(config, served, None, SpeculationConfig(), ["t"], 1)  # type: ignore[arg-type]
     assert record["schedule"]["num_speculative_tokens_per_batch_size"] == [[1, 2, 8], [3, 64, 0]]
     native = SpeculationConfig(verifier="fly", fly=FlyConfig(variant="vllm"), guard=GuardConfig.bare())
     record.update(engine={"name": "vllm"}, chosen={"speculation": native.to_dict()})
@@ -256,3 +262,75 @@ def test_the_packaged_pair_whose_engines_agreed_is_the_packaged_model() -> None:
     shipped["smollm2-135m-instruct-ngram-float32.json"].check_engine("vllm")
     with pytest.raises(ConfigError, match="calibrate there: flyspec calibrate --engine vllm"):
         shipped["smollm2-135m-instruct-layer-skip-float32.json"].check_engine("vllm")
+
+
+class SweepStandIn:
+    """The worker's ``prompts`` lines on a compute-bound stand-in engine (``test_bench_load.StandInEngine``), each line
+    kept to check what the sweep asked for."""
+
+    method = "vllm-flyspec-rules"
+
+    def __init__(self) -> None:
+        from test_bench_load import StandInEngine
+
+        self.engine = StandInEngine("vllm-ngram+fly")
+        self.lines: list[dict] = []
+
+    def request(self, line: dict) -> dict:
+        self.lines.append(line)
+        return self.engine.request(line)
+
+
+def test_calibrate_derives_the_profiles_schedule_with_the_chosen_rule(tmp_path) -> None:
+    """Issue 37: --derive-schedule sweeps k at every concurrency on the calibration's engine, every request with the
+    chosen point's rule, and puts the derived schedule in the profile, schedule.json and the report."""
+    from flyspec.batch_schedule import BatchSchedule
+    from flyspec.calibration.schedule import derive_for_profile, schedule_lines, write_schedule_file
+    from flyspec.config import FlyConfig, SpeculationConfig
+    from flyspec.verifiers.registry import rule_mapping
+
+    worker = SweepStandIn()
+    fly = SpeculationConfig(verifier="fly", fly=FlyConfig(entropy_threshold=0.9))
+    chosen = {"name": "fly H>=0.9 W6", "speculation": fly.to_dict()}
+    entry = derive_for_profile(worker, [[1, 2, 3]] * 3, chosen, (1, 4, 32), 15)  # type: ignore[arg-type]
+    assert {(row["concurrency"], row["k"]) for row in entry["derived"]["sweep"]} == {
+        (c, k) for c in (1, 4, 32) for k in (0, 2, 4, 8, 15)
+    }
+    rule = {"flyspec_rule": rule_mapping(SpeculationConfig.from_dict(chosen["speculation"]))}
+    assert all(line["extra_args"] == rule for line in worker.lines)
+    assert {len(line["prompts"]) for line in worker.lines} == {1, 4, 32}  # 3 prompts reused to fill the waves
+    schedule = BatchSchedule.from_entries(entry["num_speculative_tokens_per_batch_size"])
+    assert schedule.k_for(1) > 0 and schedule.k_for(32) == 0  # the stand-in pays alone, costs throughput at 32
+    record = {"created": "2026-11-26T00:00:00Z", "machine": {"cpu": "x"}, "model": {"name": "m"}, "dtype": "float32",
+              "engine": {"version": "0.32.0"}}  # fmt: skip
+    path = write_schedule_file(entry, record, tmp_path)
+    assert BatchSchedule.load(path) == schedule  # what --schedule and $FLYSPEC_VLLM_SCHEDULE read
+    lines = "\n".join(schedule_lines(entry))
+    assert "fly H>=0.9 W6" in lines and "| 32 |" in lines and entry["description"] in lines
+    exact = derive_for_profile(SweepStandIn(), [[1, 2]], None, (1,), 4)  # type: ignore[arg-type]
+    assert exact["derived"]["rule"] == "exact" and {row["k"] for row in exact["derived"]["sweep"]} == {0, 2, 4}
+
+
+@needs_vllm
+def test_the_schedule_sweep_runs_on_the_calibration_engine_with_a_rule() -> None:
+    """The sweep's lines (a rule in extra_args, a draft cap per call) on the real worker of --engine vllm."""
+    from flyspec.calibration.schedule import derive_for_profile
+    from flyspec.config import FlyConfig, GuardConfig, SpeculationConfig
+    from flyspec.harness.vllm_worker import VllmWorker
+    from flyspec.runtime.loading import load_served
+
+    served = load_served("smollm2-135m-instruct", "float32")
+    worker = VllmWorker(PYTHON, served.path, "vllm-flyspec-rules", "float32", 4,
+                        VllmOptions(kv_cache_memory_bytes=256 << 20))  # fmt: skip
+    try:
+        bare = SpeculationConfig(verifier="fly", fly=FlyConfig(entropy_threshold=0.0), guard=GuardConfig.bare())
+        prompt = served.encode_prompt("Count from 1 to 30, comma separated.", None)
+        entry = derive_for_profile(worker, [prompt], {"name": "bare", "speculation": bare.to_dict()}, (1, 2), 4,
+                                   new_tokens=12, min_prompts=2)  # fmt: skip
+    finally:
+        worker.close()
+    assert {(row["concurrency"], row["k"]) for row in entry["derived"]["sweep"]} == {
+        (c, k) for c in (1, 2) for k in (0, 2, 4)
+    }
+    assert all(row["tokens_per_s"] > 0 for row in entry["derived"]["sweep"])
+    assert entry["num_speculative_tokens_per_batch_size"][0][0] == 1

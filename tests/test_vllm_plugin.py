@@ -303,11 +303,28 @@ def test_plugin_wraps_the_internals_when_they_have_the_expected_shape(monkeypatc
     assert wrapped(torch.tensor([1]), [1], 1, None, None, torch.zeros(1, 3), None, None) == "vllm's rule"
 
 
-def test_operator_switch_off_patches_nothing(monkeypatch) -> None:
+def test_operator_switch_off_leaves_vllms_rule_alone(monkeypatch) -> None:
     modules = fake_vllm(with_rejection_sample=True)
+    runner = modules[patch.RUNNER_MODULE].GPUModelRunner
+    seen = []
+    runner._sample = lambda self, logits, spec_decode_metadata: seen.append(spec_decode_metadata) or "vllm's sample"
     monkeypatch.setenv("FLYSPEC_VLLM_FLY", "off")
+    monkeypatch.setattr(patch, "STATE", None)
     assert patch.install(modules.__getitem__) is False
     assert not hasattr(modules[patch.SAMPLER_MODULE].rejection_sample, "__flyspec_vllm__")
+    assert patch.STATE is None
+    # only the shortcut for steps without drafts: metadata with drafts reaches vLLM's _sample unchanged
+    drafted = SimpleNamespace(max_spec_len=3)
+    for metadata in (drafted, SimpleNamespace(max_spec_len=0), None):
+        assert runner()._sample("logits", metadata) == "vllm's sample"
+    assert seen == [drafted, None, None]
+
+
+def test_a_step_without_drafts_skips_the_rejection_sampler() -> None:
+    assert patch.without_empty_drafts(None) is None
+    assert patch.without_empty_drafts(SimpleNamespace(max_spec_len=0)) is None
+    drafted = SimpleNamespace(max_spec_len=1)
+    assert patch.without_empty_drafts(drafted) is drafted
 
 
 def test_ngram_proposer_proposes_flyspecs_lookup() -> None:

@@ -153,10 +153,21 @@ def test_bare_fly_raises_tau_and_changes_outputs_only_at_loose_accepts(
 
 
 def test_a_batch_schedule_in_speculative_config_reaches_flyspecs_proposer(
-    model_dir: str, prompts: list[list[int]], runs: dict
+    model_dir: str, prompts: list[list[int]], runs: dict, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Issue 37: vLLM's own num_speculative_tokens_per_batch_size (which vLLM 0.32 hands only to its built-in
-    proposers) switches flyspec's proposer off above batch 1 here: a batch of 3 decodes with no drafts, as plain."""
+    proposers) switches flyspec's proposer off above batch 1 here: a batch of 3 decodes with no drafts, as plain,
+    and its steps skip vLLM's rejection sampler (``patch.without_empty_drafts``)."""
+    from vllm.v1.sample import rejection_sampler
+
+    verified: list[int] = []
+    forward = rejection_sampler.RejectionSampler.forward
+
+    def counting(self, metadata, *args, **kwargs):  # noqa: ANN001, ANN202 - vLLM's signature
+        verified.append(metadata.max_spec_len)
+        return forward(self, metadata, *args, **kwargs)
+
+    monkeypatch.setattr(rejection_sampler.RejectionSampler, "forward", counting)
     engine = make_engine(
         model_dir,
         {"method": "custom_class", "model": "flyspec_vllm.NgramProposer", "num_speculative_tokens": NUM_DRAFT_TOKENS,
@@ -167,7 +178,9 @@ def test_a_batch_schedule_in_speculative_config_reaches_flyspecs_proposer(
     batch = [list(output.outputs[0].token_ids) for output in engine.generate(
         [{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)]  # fmt: skip
     after_batch = accepted_counts(engine)
+    assert verified == [], "the rejection sampler ran in steps without drafts"
     alone = engine.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)
+    assert verified and min(verified) > 0, "steps with drafts must go through the rejection sampler, and only they"
     assert after_batch == before, "drafts at batch 3, where the schedule says none"
     assert accepted_counts(engine)[0] > before[0], "no drafts at batch 1, where the schedule says 15"
     for plain, ids in zip(runs["plain"], batch, strict=True):  # plain greedy (up to its EOS, before ignore_eos)

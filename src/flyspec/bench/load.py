@@ -109,12 +109,49 @@ def measure(worker: VllmWorker, prompts: list[list[int]], concurrency: int, max_
     }
 
 
-def measure_median(worker: VllmWorker, prompts: list[list[int]], concurrency: int, settings: LoadSettings,
-                   **call: Any) -> dict:  # fmt: skip
-    """:func:`measure` ``settings.repeats`` times; the run with the median tokens/s, and every run's figure."""
-    runs = [measure(worker, prompts, concurrency, settings.max_new_tokens, **call) for _ in range(settings.repeats)]
-    runs.sort(key=lambda row: row["tokens_per_s"])
-    return {**runs[len(runs) // 2], "tokens_per_s_runs": [row["tokens_per_s"] for row in runs]}
+def interleaved(
+    calls: dict[str, tuple[VllmWorker, dict[str, Any]]], prompts: list[list[int]], concurrency: int,
+    settings: LoadSettings,
+) -> dict[str, dict]:  # fmt: skip
+    """Every call (label → worker and its draft cap) measured ``settings.repeats`` times, round-robin (a drift of
+    the machine's speed during the point hits every call alike); per call the run with the median tokens/s, and
+    every run's figure."""
+    runs: dict[str, list[dict]] = {label: [] for label in calls}
+    for _ in range(settings.repeats):
+        for label, (worker, call) in calls.items():
+            runs[label].append(measure(worker, prompts, concurrency, settings.max_new_tokens, **call))
+    medians = {}
+    for label, rows in runs.items():
+        figures = [row["tokens_per_s"] for row in rows]
+        rows = sorted(rows, key=lambda row: row["tokens_per_s"])
+        medians[label] = {**rows[len(rows) // 2], "tokens_per_s_runs": figures}
+    return medians
+
+
+def sweep(
+    worker: VllmWorker,
+    prompts: list[list[int]],
+    settings: LoadSettings,
+    extra_args: dict[str, Any] | None = None,
+    on_row: Callable[[str], None] = lambda line: None,
+) -> tuple[list[dict[str, Any]], BatchSchedule]:
+    """On one engine with flyspec's proposer: throughput at every concurrency with at most k drafts per request, for
+    every k of ``settings.draft_lengths`` (0: none), and the schedule derived from it. ``extra_args``: every
+    request's ``SamplingParams.extra_args`` (its rule: ``flyspec calibrate --derive-schedule`` sweeps its choice)."""
+    rows: list[dict[str, Any]] = []
+    rule = {"extra_args": extra_args} if extra_args else {}
+    for concurrency in settings.concurrencies:
+        batch = prompts[: settings.prompts_at(concurrency)]
+        calls = {str(k): (worker, {"num_draft_tokens": k, **rule}) for k in settings.draft_lengths}
+        for k, median in interleaved(calls, batch, concurrency, settings).items():
+            rows.append({"method": worker.method, "k": int(k), **median})
+            on_row(f"sweep {worker.method} k={k} at {concurrency}: {median['tokens_per_s']:.1f} tok/s")
+    throughput: dict[int, dict[int, float]] = {}
+    for row in rows:
+        throughput.setdefault(row["k"], {})[row["concurrency"]] = row["tokens_per_s"]
+    schedule = derive_schedule(throughput, settings.margin)
+    on_row(f"schedule: {schedule.describe()}")
+    return rows, schedule
 
 
 def run_load(
@@ -129,29 +166,15 @@ def run_load(
         worker.request({"prompts": prompts[:1], "max_tokens": 8})  # warm-up
     scheduled = [name for name in workers if name in FLYSPEC_PROPOSER]
     if settings.derive:
-        sweeper = workers[scheduled[0]]
-        for concurrency in settings.concurrencies:
-            batch = prompts[: settings.prompts_at(concurrency)]
-            for k in settings.draft_lengths:
-                row = {"method": sweeper.method, "k": k, **measure_median(sweeper, batch, concurrency, settings,
-                                                                          num_draft_tokens=k)}  # fmt: skip
-                run.sweep.append(row)
-                on_row(f"sweep {sweeper.method} k={k} at {concurrency}: {row['tokens_per_s']:.1f} tok/s")
-        throughput: dict[int, dict[int, float]] = {}
-        for row in run.sweep:
-            throughput.setdefault(row["k"], {})[row["concurrency"]] = row["tokens_per_s"]
-        run.schedule = derive_schedule(throughput, settings.margin)
-        on_row(f"schedule: {run.schedule.describe()}")
+        run.sweep, run.schedule = sweep(workers[scheduled[0]], prompts, settings, on_row=on_row)
     for concurrency in settings.concurrencies:
         batch = prompts[: settings.prompts_at(concurrency)]
-        for name, worker in workers.items():
-            run.rows.append({"method": name, **measure_median(worker, batch, concurrency, settings)})
-            on_row(f"{name} at {concurrency}: {run.rows[-1]['tokens_per_s']:.1f} tok/s")
+        calls: dict[str, tuple[VllmWorker, dict[str, Any]]] = {name: (worker, {}) for name, worker in workers.items()}
         if run.schedule is not None:
-            for name in scheduled:
-                row = measure_median(workers[name], batch, concurrency, settings, schedule=run.schedule.to_vllm())
-                run.rows.append({"method": name + SCHEDULED, **row})
-                on_row(f"{name}{SCHEDULED} at {concurrency}: {row['tokens_per_s']:.1f} tok/s")
+            calls |= {name + SCHEDULED: (workers[name], {"schedule": run.schedule.to_vllm()}) for name in scheduled}
+        for label, median in interleaved(calls, batch, concurrency, settings).items():
+            run.rows.append({"method": label, **median})
+            on_row(f"{label} at {concurrency}: {median['tokens_per_s']:.1f} tok/s")
     return run
 
 

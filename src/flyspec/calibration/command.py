@@ -88,6 +88,16 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "would cost throughput",
     )
     out.add_argument(
+        "--derive-schedule",
+        nargs="?",
+        const="1,2,4,8,16,32",
+        metavar="CONCURRENCIES",
+        help="--engine vllm: after the calibration, measure on the same engine how many tokens to speculate at each "
+        "batch size (flyspec bench --derive-schedule's sweep, every request with the chosen rule) and put the "
+        "schedule in the profile and schedule.json (default concurrencies 1,2,4,8,16,32: 30 timed points, "
+        "about 10 min on a 2-core CPU, eager)",
+    )
+    out.add_argument(
         "--live-check", type=int, default=20, help="prompts re-run live to check the replay (default 20; 0 = none)"
     )
     out.add_argument("-v", "--verbose", action="store_true", help="log model loading")
@@ -107,6 +117,16 @@ def drafter_spec(args: argparse.Namespace) -> SpeculationConfig:
         "skip_layers": parse_skip_layers(args.skip_layers) if args.skip_layers else None,
     }
     return SpeculationConfig().with_options(options)
+
+
+def schedule_concurrencies(text: str) -> tuple[int, ...]:
+    """``--derive-schedule 1,2,4``'s batch sizes, refused in one line as ``bench --concurrency`` refuses them."""
+    from flyspec.bench.load import parse_concurrencies
+
+    try:
+        return parse_concurrencies(text)
+    except ConfigError as error:
+        raise ConfigError(str(error).replace("--concurrency", "--derive-schedule", 1)) from None
 
 
 def build_config(args: argparse.Namespace) -> Any:
@@ -139,6 +159,7 @@ def build_config(args: argparse.Namespace) -> Any:
         vllm=vllm_options(args),
         wave_size=args.wave,
         schedule=args.schedule,
+        derive_schedule=schedule_concurrencies(args.derive_schedule) if args.derive_schedule else None,
     )
 
 

@@ -13,6 +13,8 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
+from flyspec.calibration.schedule import schedule_lines
+
 REPORT_FILE = "report.md"
 PLOT_FILE = "frontier.png"
 EXAMPLES = 8  # meaning changes shown in the report
@@ -186,6 +188,7 @@ def write_report(record: dict[str, Any], records: list[dict[str, Any]], out_dir:
         "",
         *_what_cost_meaning(records),
         "",
+        *schedule_lines(record.get("schedule")),
         "## Live check",
         "",
         "Replayed outputs against a live run (no replay) on the first prompts: "

@@ -8,7 +8,8 @@ exits 1 when the engine cannot start), then answers one JSON object per stdin li
 "drafts": d, "draft_tokens": t, "accepted": a, "loose_accepts": l}``: all prompts of a line are
 submitted at once (one prompt: batch 1), counters are the differences over that call. Optional, for flyspec's
 proposer: ``"num_draft_tokens": k`` (at most k drafts per request in this call) or ``"schedule": [[start, end, k],
-...]`` (a batch-size schedule for this call, ``flyspec.batch_schedule``) — one engine sweeps every draft length.
+...]`` (a batch-size schedule for this call, ``flyspec.batch_schedule``) — one engine sweeps every draft length;
+``"extra_args": {...}``: every prompt's ``SamplingParams.extra_args`` (its rule, ``flyspec_vllm.options``).
 
 ``{"requests": [{"key": k, "prompt": [ids], "max_tokens": N, "extra_args": {...}}, ...]}`` →
 ``{"outputs": [{"key": k, "token_ids": [...], "finish_reason": ..., "record": {...}}, ...], "seconds": s,
@@ -172,7 +173,8 @@ def answer(llm: Any, request: dict[str, Any]) -> dict[str, Any]:
     else:
         items = []
         prompts = [{"prompt_token_ids": ids} for ids in request["prompts"]]
-        params = SamplingParams(temperature=0.0, max_tokens=int(request["max_tokens"]), ignore_eos=False)
+        params = SamplingParams(temperature=0.0, max_tokens=int(request["max_tokens"]), ignore_eos=False,
+                                extra_args=request.get("extra_args"))  # fmt: skip
     before, loose_before = spec_counters(llm), metrics.snapshot()["loose_accepts"]
     started = time.perf_counter()
     with proposer.overriding(call_schedule(request)):
