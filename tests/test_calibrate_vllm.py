@@ -172,6 +172,7 @@ def test_vllm_calibration_agrees_with_flyspecs_and_resumes_after_a_kill(tmp_path
     profile = json.loads((out / "profile.json").read_text())
     assert profile["engine"]["name"] == "vllm" and profile["engine"]["version"].startswith("0.")
     assert profile["engine"]["counter_mismatches"] == 0
+    assert profile["engine"]["draft_tokens_cut"] > 0  # the baselines named their plain decoding (vllm_engine.py)
     assert all(check["identical"] == check["checked"] for check in profile["live_check"].values())
     assert profile["deploy"]["vllm_plugin"]["speculative_config"]["model"] == "flyspec_vllm.NgramProposer"
     report = (out / "report.md").read_text()

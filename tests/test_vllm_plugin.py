@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -15,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integrations" / "v
 from flyspec_vllm import patch, records  # noqa: E402
 from flyspec_vllm.options import request_options, rule_request  # noqa: E402
 from flyspec_vllm.proposer import NgramProposer  # noqa: E402
+from flyspec_vllm.reference import Reference  # noqa: E402
 from flyspec_vllm.rule import RequestRule, apply_batch, keep_draft_tokens, shadow_divergences  # noqa: E402
 
 from flyspec.config import (  # noqa: E402
@@ -28,7 +30,7 @@ from flyspec.config import (  # noqa: E402
 )
 from flyspec.types import Draft, VerifyContext  # noqa: E402
 from flyspec.verifiers.fly import deferred_window_mask  # noqa: E402
-from flyspec.verifiers.registry import make_verifier  # noqa: E402
+from flyspec.verifiers.registry import make_verifier, verdict_reach  # noqa: E402
 from test_guard import VOCAB, VOCABULARY  # noqa: E402
 
 GREEDY = SamplingConfig()
@@ -118,7 +120,7 @@ def test_a_recorded_request_keeps_its_loose_accepts_with_output_indices() -> Non
         (7, 1, 0)
     ]
     assert taken["loose_accepts"][0]["evidence"] > 1.0
-    assert records.take("r") == {"loose_accepts": [], "vetoes": {}, "diverged": {}}  # taken once
+    assert records.take("r") == {"loose_accepts": [], "vetoes": {}, "diverged": {}, "cut": 0, "departed": None}
 
 
 def test_shadow_rules_leave_the_path_exactly_where_their_own_run_would() -> None:
@@ -147,6 +149,61 @@ def test_shadow_rules_leave_the_path_exactly_where_their_own_run_would() -> None
             assert (index in leaving) == (verdict.tokens != exact), (index, spec)
             checked += verdict.tokens != exact
     assert checked > 20
+
+
+def test_a_draft_cut_its_rules_reach_past_its_first_miss_leaves_every_shadow_verdict_alone() -> None:
+    """``verdict_reach``: FLy's window + 1 and the guards' n-gram; a shorter cut changes some verdict (the reach is
+    not merely generous), the reach's never does (what lets a calibration's baseline verify half the tokens)."""
+    generator = torch.Generator().manual_seed(5)
+    loose_fly = FlyConfig(window_size=6, entropy_threshold=0.05)
+    families = (
+        tuple(SpeculationConfig(verifier="fly", fly=FlyConfig(window_size=6, entropy_threshold=t)) for t in (1.0, 0.3)),
+        (with_guard(SpeculationConfig(verifier="fly", fly=loose_fly), GuardConfig.bare()),),
+        (SpeculationConfig(verifier="fly", fly=FlyConfig(window_size=2, entropy_threshold=0.05)),),
+        (SpeculationConfig(verifier="margin", margin=MarginConfig(logit_ratio=0.5)),),
+        (with_guard(SpeculationConfig(verifier="typical", typical=TypicalConfig(epsilon=0.2)), GuardConfig.bare()),),
+    )
+    reach = max(verdict_reach(rule) for family in families for rule in family)
+    assert reach == 7  # FLy's W = 6: a mismatch at j is judged in a draft of j + 7 tokens
+    assert verdict_reach(SpeculationConfig(verifier="margin", guard=GuardConfig.bare())) == 1
+    assert verdict_reach(SpeculationConfig(verifier="typical")) == GuardConfig().repeat_ngram
+    same = shorter_differs = 0
+    for _ in range(600):
+        draft, logits = random_request(generator, 15, VOCAB)
+        logits = logits[:-1]  # the draft positions' rows (vLLM hands the bonus row apart)
+        misses = (draft != logits.argmax(-1)).nonzero()
+        if not len(misses):
+            continue
+        first = int(misses[0])
+
+        whole = leaving(draft, logits, families, 15)
+        assert leaving(draft, logits, families, first + reach) == whole, (draft, first)
+        same += bool(whole) and first + reach < 15
+        shorter_differs += leaving(draft, logits, families, first + reach - 1) != whole
+    assert same > 20 and shorter_differs > 0
+
+
+def leaving(draft: torch.Tensor, logits: torch.Tensor, families: tuple, cut: int) -> set[int]:
+    """The shadow rules that leave at a step whose draft is cut to ``cut`` tokens."""
+    rule = RequestRule(None, VerifyContext([1, 2, 3, 4, 19, 13], 4, VOCABULARY), record="s", shadow=families)
+    return set(shadow_divergences(draft[:cut], logits[:cut], rule, set()))
+
+
+def test_a_reference_cuts_drafts_until_the_output_leaves_it() -> None:
+    """``flyspec_reference``: the draft is cut ``reach`` tokens past where it will first miss the reference; past
+    the reference's end, or once the output left it (recorded as ``departed``), drafts stay whole."""
+    reference = Reference("r", prompt_length=2, tokens=np.array([10, 11, 12, 13, 14, 15, 16, 17]), reach=2)
+    row = np.array([1, 2, 10, 11, 0, 0, 0, 0, 0, 0, 0, 0])
+    assert reference.cap(row, 4, [12, 13, 99, 15, 16, 17]) == [12, 13, 99, 15]  # misses at 2: 2 + reach kept
+    assert reference.cap(row, 4, [99, 13]) == [99, 13]  # nothing to cut
+    assert reference.cap(row, 4, [12, 13, 14, 15, 16, 17, 20, 21]) == [12, 13, 14, 15, 16, 17, 20, 21]  # ends inside
+    assert records.take("r") == {"loose_accepts": [], "vetoes": {}, "diverged": {}, "cut": 2, "departed": None}
+    row[3] = 50  # the output left its reference at output index 1
+    assert reference.cap(row, 4, [12, 13, 99, 15, 16, 17]) == [12, 13, 99, 15, 16, 17]
+    assert reference.departed and records.take("r")["departed"] == 2
+    far = Reference("f", prompt_length=2, tokens=np.array([10]), reach=2)
+    assert far.cap(np.array([1, 2, 10, 11, 0]), 4, [1, 2, 3, 4]) == [1, 2, 3, 4]  # past its end
+    assert records.take("f")["cut"] == 0
 
 
 def test_request_options() -> None:
@@ -179,6 +236,20 @@ def test_request_options() -> None:
             request_options(bad, greedy=True, switch="request")
     with pytest.raises(ConfigError, match="needs a flyspec_record key"):
         request_options({"flyspec_shadow": [[{"verifier": "fly"}]]}, greedy=True, switch="request", trusted=True)
+    shadow = {"flyspec_record": "k", "flyspec_shadow": [[{"verifier": "fly"}]]}
+    with_reference = request_options(
+        {**shadow, "flyspec_reference": [3, 4]}, greedy=True, switch="request", trusted=True
+    )
+    assert with_reference.reference == (3, 4)
+    for bad, message in (
+        ({"flyspec_reference": [3]}, "give flyspec_shadow too"),
+        ({**shadow, "flyspec_reference": "3 4"}, "list of token ids"),
+        ({**shadow, "flyspec_reference": [3, -1]}, "list of token ids"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            request_options(bad, greedy=True, switch="request", trusted=True)
+    with pytest.raises(ConfigError, match="only for trusted requests"):
+        request_options({**shadow, "flyspec_reference": [3]}, greedy=True, switch="request")
 
 
 def test_candidates_count_only_those_before_the_first_strict_rejection() -> None:
@@ -569,6 +640,30 @@ def test_a_continuation_tells_the_guards_where_its_prompt_ended(monkeypatch) -> 
     state.trusted = False  # only flyspec's own worker may say so
     params.extra_args = {"flyspec_rule": rule, "flyspec_prompt_length": 4}
     assert patch.batch_rules(runner, state) == [RequestRule()]
+
+
+def test_a_requests_options_are_parsed_at_its_first_step_only(monkeypatch) -> None:
+    """A calibration's baseline carries dozens of shadow rules: parsed every step, they cost more than the model
+    (measured: 57 % of the baseline's time). Parsed again only when the operator's settings change."""
+    import numpy as np
+
+    shadow = [[{"verifier": "margin", "margin": {"logit_ratio": r}} for r in (0.9, 0.7)]]
+    params = SimpleNamespace(temperature=0.0, extra_args={"flyspec_record": "k", "flyspec_shadow": shadow})
+    runner = SimpleNamespace(
+        input_batch=SimpleNamespace(
+            req_ids=["r"], num_tokens_no_spec=np.array([6]), token_ids_cpu=np.arange(32)[None], num_prompt_tokens=[4]
+        ),
+        requests={"r": SimpleNamespace(sampling_params=params)},
+    )
+    state = patch.PluginState(switch="request", guard=GuardConfig(), trusted=True)
+    monkeypatch.setattr(patch, "vocabulary_of", lambda runner, state: VOCABULARY)
+    parsed: list[object] = []
+    monkeypatch.setattr(patch, "request_options", lambda *args: parsed.append(args) or request_options(*args))
+    first = patch.batch_rules(runner, state)
+    assert patch.batch_rules(runner, state) == first and len(parsed) == 1
+    state.guard = GuardConfig.bare()
+    patch.batch_rules(runner, state)
+    assert len(parsed) == 2
 
 
 def test_a_requests_context_is_extended_step_by_step_not_rebuilt() -> None:

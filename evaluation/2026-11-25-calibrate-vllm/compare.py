@@ -12,13 +12,15 @@ whose output differs between the engines, with the first position where the two 
   transformers) are within 1e-3: a batched forward may round them the other way;
 - ``unexplained``: none of these (listed in full).
 
-Usage: ``python compare.py`` (writes compare.md and compare.json here).
+Usage: ``python compare.py [DIRECTORY]`` (default: this one; reads its flyspec/ and vllm/, writes compare.md and
+compare.json there).
 """
 
 from __future__ import annotations
 
 import gzip
 import json
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -27,7 +29,7 @@ import torch
 from flyspec.calibration import data as calibration_data
 from flyspec.runtime.loading import load_model
 
-HERE = Path(__file__).parent
+HERE = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).parent
 NEAR_TIE = 1e-3
 
 

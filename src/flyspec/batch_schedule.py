@@ -75,6 +75,14 @@ class BatchSchedule:
             parts.append(f"{what} at batch {span}")
         return "draft tokens: " + ", ".join(parts)
 
+    def save(self, path: Path, measured: Mapping[str, Any], method: str | None) -> Path:
+        """A schedule file (``schedule.json``: what ``--schedule`` and ``$FLYSPEC_VLLM_SCHEDULE`` read): the
+        schedule in vLLM's key, in words, where it was measured and how."""
+        payload: dict[str, Any] = {VLLM_KEY: self.to_vllm(), "description": self.describe(), "measured": dict(measured)}
+        payload["method"] = method
+        path.write_text(json.dumps(payload, indent=1), encoding="utf-8")
+        return path
+
     @classmethod
     def from_entries(cls, entries: Any) -> BatchSchedule:
         """From vLLM's list of ``[start, end, k]`` entries (validated as vLLM does, sorted by start)."""

@@ -186,3 +186,58 @@ def test_a_batch_schedule_in_speculative_config_reaches_flyspecs_proposer(
     for plain, ids in zip(runs["plain"], batch, strict=True):  # plain greedy (up to its EOS, before ignore_eos)
         assert ids[: len(plain)] == plain[: len(ids)]
     assert list(alone[0].outputs[0].token_ids)[:48] == batch[0]
+
+
+def test_a_baseline_that_names_its_output_verifies_fewer_tokens_with_the_same_shadow_verdicts(
+    model_dir: str, prompts: list[list[int]], runs: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 36: a calibration's baseline names its plain decoding (``flyspec_reference``); the plugin cuts each
+    draft a window past where it will first miss. The outputs, and where every shadow rule leaves the path, are
+    those of the uncut baseline; vLLM counts exactly the withheld draft tokens fewer."""
+    from flyspec_vllm import records
+    from flyspec_vllm.options import shadow_request
+
+    from flyspec.config import FlyConfig, MarginConfig, SpeculationConfig, TypicalConfig
+
+    bare = GuardConfig.bare()
+    families = shadow_request([
+        [SpeculationConfig(verifier="fly", fly=FlyConfig(WINDOW, t), guard=bare) for t in (0.6, 0.3, 0.1)],
+        [SpeculationConfig(verifier="fly", fly=FlyConfig(WINDOW, 0.3))],
+        [SpeculationConfig(verifier="margin", margin=MarginConfig(r), guard=bare) for r in (0.9, 0.7)],
+        [SpeculationConfig(verifier="typical", typical=TypicalConfig(0.3), guard=bare)],
+    ])  # fmt: skip
+    engine = make_engine(
+        model_dir,
+        {"method": "custom_class", "model": "flyspec_vllm.NgramProposer", "num_speculative_tokens": NUM_DRAFT_TOKENS},
+    )
+    assert patch.STATE is not None
+    monkeypatch.setattr(patch.STATE, "trusted", True)  # as FLYSPEC_VLLM_TRUST_REQUESTS=1 (calibrate's worker)
+
+    def baseline(named: bool) -> tuple[list[list[int]], list[dict], int]:
+        params = []
+        for index, plain in enumerate(runs["plain"]):
+            extra = {"flyspec_record": f"base|{named}|{index}", "flyspec_shadow": families}
+            if named:
+                extra["flyspec_reference"] = plain
+            params.append(vllm.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, extra_args=extra))
+        before = draft_tokens(engine)
+        outputs = engine.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
+        taken = [records.take(f"base|{named}|{index}") for index in range(len(prompts))]
+        return [list(output.outputs[0].token_ids) for output in outputs], taken, draft_tokens(engine) - before
+
+    whole, whole_records, whole_drafted = baseline(named=False)
+    cut, cut_records, cut_drafted = baseline(named=True)
+    assert cut == whole == runs["plain"]
+    assert [r["diverged"] for r in cut_records] == [r["diverged"] for r in whole_records]
+    assert any(r["diverged"] for r in whole_records), "no shadow rule left the path: the check would be empty"
+    assert all(r["departed"] is None for r in cut_records) and all(r["cut"] == 0 for r in whole_records)
+    withheld = sum(r["cut"] for r in cut_records)
+    assert withheld > 0 and cut_drafted == whole_drafted - withheld
+
+
+def draft_tokens(engine: vllm.LLM) -> int:
+    return sum(
+        int(metric.value)
+        for metric in engine.get_metrics()
+        if metric.name == "vllm:spec_decode_num_draft_tokens" and hasattr(metric, "value")
+    )

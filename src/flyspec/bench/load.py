@@ -282,14 +282,8 @@ def write_outputs(out_dir: Path, meta: dict[str, Any], run: LoadRun, plots: bool
     written[0].write_text(json.dumps(payload, indent=1), encoding="utf-8")
     written[1].write_text(load_report(meta, run), encoding="utf-8")
     if run.schedule is not None and run.sweep:
-        schedule = {
-            "num_speculative_tokens_per_batch_size": run.schedule.to_vllm(),
-            "description": run.schedule.describe(),
-            "measured": {key: meta[key] for key in ("date", "machine", "cpu_isa", "target", "dtype", "vllm_version")},
-            "method": run.sweep[0]["method"] if run.sweep else None,
-        }
-        (out_dir / "schedule.json").write_text(json.dumps(schedule, indent=1), encoding="utf-8")
-        written.append(out_dir / "schedule.json")
+        measured = {key: meta[key] for key in ("date", "machine", "cpu_isa", "target", "dtype", "vllm_version")}
+        written.append(run.schedule.save(out_dir / "schedule.json", measured, run.sweep[0]["method"]))
     if plots and run.rows:
         written.append(plot(out_dir / "throughput.png", meta, run.rows))
     return written

@@ -148,7 +148,8 @@ def engine_line(engine: dict[str, Any]) -> str:
         f"up to {engine.get('largest_batch')} requests submitted together; tensor parallel "
         f"{engine.get('tensor_parallel_size')}, {memory}, {'eager' if engine.get('enforce_eager') else 'compiled'}; "
         f"{engine.get('counter_mismatches', 0)} of {engine.get('submissions')} submissions' replayed drafts differed "
-        "from vLLM's counters"
+        f"from vLLM's counters; {engine.get('draft_tokens_cut', 0)} baseline draft tokens cut past what the shadows "
+        f"read, {engine.get('baselines_redecoded', 0)} baselines decoded again uncut"
     )
 
 

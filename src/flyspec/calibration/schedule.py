@@ -9,12 +9,11 @@ point's rule (``exact`` when nothing was chosen); :func:`flyspec.batch_schedule.
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any
 
-from flyspec.batch_schedule import VLLM_KEY
+from flyspec.batch_schedule import VLLM_KEY, BatchSchedule
 from flyspec.bench.load import DEFAULT_CONCURRENCIES, LoadSettings, sweep
 from flyspec.config import SpeculationConfig
 from flyspec.harness.vllm_worker import VllmWorker
@@ -61,21 +60,15 @@ def derive_for_profile(
 
 def write_schedule_file(entry: dict[str, Any], record: dict[str, Any], out_dir: Path) -> Path:
     """``schedule.json`` beside the profile, in the format ``--schedule`` and ``$FLYSPEC_VLLM_SCHEDULE`` read."""
-    path = out_dir / SCHEDULE_FILE
-    payload = {
-        VLLM_KEY: entry[VLLM_KEY],
-        "description": entry["description"],
-        "measured": {
-            "date": record["created"],
-            "machine": record["machine"],
-            "target": record["model"]["name"],
-            "dtype": record["dtype"],
-            "engine": record.get("engine", {}).get("version"),
-        },  # fmt: skip
-        "method": f"flyspec calibrate --derive-schedule ({entry['derived']['rule']})",
+    measured = {
+        "date": record["created"],
+        "machine": record["machine"],
+        "target": record["model"]["name"],
+        "dtype": record["dtype"],
+        "engine": record.get("engine", {}).get("version"),
     }
-    path.write_text(json.dumps(payload, indent=1), encoding="utf-8")
-    return path
+    method = f"flyspec calibrate --derive-schedule ({entry['derived']['rule']})"
+    return BatchSchedule.from_entries(entry[VLLM_KEY]).save(out_dir / SCHEDULE_FILE, measured, method)
 
 
 def schedule_lines(entry: dict[str, Any] | None) -> list[str]:

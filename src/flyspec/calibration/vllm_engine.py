@@ -1,14 +1,18 @@
 """``flyspec calibrate --engine vllm``: the points of a calibration decoded by vLLM, a wave of prompts at a time.
 
 One engine (``flyspec_vllm.worker --method vllm-flyspec-rules``: flyspec's n-gram drafter, every request with
-its own rule through the plugin; ``harness/vllm_session.py``) receives each wave in two submissions, so vLLM
+its own rule through the plugin; ``harness/vllm_session.py``) receives each wave in three submissions, so vLLM
 batches across prompts and points:
 
 1. **The shared path.** Per prompt, plain decoding (``flyspec_draft: false``: no drafts, vLLM's own greedy
-   decoding) and the lossless baseline (``exact``), the baseline carrying every pending lossy point as a
+   decoding), then the lossless baseline (``exact``), the baseline carrying every pending lossy point as a
    *shadow* (``flyspec_vllm.rule``): for each, the step where it would first have kept a draft token the
    baseline rejected. A point that never leaves the path on a prompt has the baseline's output there, token
-   for token, and is not decoded at all.
+   for token, and is not decoded at all. The baseline names its plain decoding as the output it will produce
+   (``flyspec_reference``), so the plugin cuts each draft a few tokens past where it will first miss: what the
+   shadows read there (FLy's window, the guards' n-grams), the same verdicts with about half the token rows at
+   ``k = 15``. A baseline whose output leaves its plain decoding (a near-tie rounded the other way) is decoded
+   again uncut; if most of a wave's do, the cut stops for the rest of the run.
 2. **The divergent paths.** A point that leaves at the step starting at output index ``s`` is decoded again
    from ``prompt + baseline[:s - 1]``: vLLM's prefill then samples ``baseline[s - 1]`` (the target's argmax,
    as the baseline's step did) and the point's first verification is the very step it left at, with the same
@@ -26,6 +30,7 @@ near-tie may fall the other way (the live check counts it).
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from flyspec.calibration.frontier import BASELINE, PLAIN
@@ -37,7 +42,13 @@ from flyspec.result import GenerationResult
 from flyspec.runtime.step_cost import StepCost
 from flyspec.verifiers.registry import rule_mapping
 
+logger = logging.getLogger(__name__)
 DEFAULT_WAVE = 64  # prompts per wave: vLLM's batch, and how far past a point's stop the work can run
+
+
+def departure(reply: dict[str, Any]) -> int | None:
+    """Where a baseline's output left the plain decoding it named (``flyspec_vllm.reference``); None: it did not."""
+    return (reply.get("record") or {}).get("departed")
 
 
 class VllmEngine:
@@ -47,24 +58,37 @@ class VllmEngine:
         self.session = session
         self.wave_size = wave_size
         self.points = {point.name: point for point in points}
+        self.cut_drafts = True  # the baselines' drafts cut to what their shadows read, while that pays (run)
 
     def run(self, wave: list[Work]) -> dict[str, Outputs]:
         request = self.session.request
-        first: list[dict[str, Any]] = []
-        for work in wave:
-            key, max_tokens = work.item.key, work.decode.max_new_tokens
-            if work.need_plain:
-                first.append(request(f"{key}|plain", work.prompt_ids, max_tokens, {"flyspec_draft": False}))
-            shadow = {"flyspec_record": f"{key}|base", "flyspec_shadow": self._shadow(work)[0]}
-            first.append(request(f"{key}|base", work.prompt_ids, max_tokens, shadow))
-        replies = self.session.submit(first)
         outputs: dict[str, Outputs] = {work.item.key: {} for work in wave}
+        plain = [work for work in wave if work.need_plain]
+        no_drafts = {"flyspec_draft": False}
+        requests = [request(f"{w.item.key}|plain", w.prompt_ids, w.decode.max_new_tokens, no_drafts) for w in plain]
+        replies = self.session.submit(requests) if requests else {}
+        references: dict[str, list[int]] = {}  # item key -> plain decoding, the output its baseline will produce
+        for work in plain:
+            references[work.item.key] = replies[f"{work.item.key}|plain"]["token_ids"]
+            outputs[work.item.key][PLAIN] = self._result(work, references[work.item.key], {}, drafted=False)
+        cut = self.cut_drafts
+        replies = self.session.submit(
+            [self._baseline(work, references.get(work.item.key) if cut else None) for work in wave]
+        )
+        departed = [work for work in wave if departure(replies[f"{work.item.key}|base"]) is not None]
+        if departed:  # a step may have been judged on a cut draft: decode these baselines again, uncut
+            replies |= self.session.submit([self._baseline(work, None) for work in departed])
+            self.session.redecoded += len(departed)
+            if 2 * len(departed) > len(references):
+                self.cut_drafts = False  # most outputs leave their plain decoding here: the cut no longer pays
+                logger.warning(
+                    "vLLM: %d of %d baselines left their plain decoding; their drafts are no longer cut",
+                    len(departed), len(references),
+                )  # fmt: skip
         second: list[dict[str, Any]] = []
         continuations: dict[str, tuple[Work, Point, list[int]]] = {}
         for work in wave:
             key = work.item.key
-            if work.need_plain:
-                outputs[key][PLAIN] = self._result(work, replies[f"{key}|plain"]["token_ids"], {}, drafted=False)
             base = replies[f"{key}|base"]
             baseline = self._result(work, base["token_ids"], {})
             outputs[key][BASELINE] = baseline
@@ -91,6 +115,14 @@ class VllmEngine:
             loose = {entry["index"]: entry for entry in (reply["record"] or {}).get("loose_accepts", [])}  # absolute
             outputs[work.item.key][point.name] = self._result(work, [*kept, *reply["token_ids"]], loose)
         return outputs
+
+    def _baseline(self, work: Work, reference: list[int] | None) -> dict[str, Any]:
+        """The lossless baseline of a prompt, carrying its pending lossy points as shadows; with its plain decoding
+        as ``reference``, its drafts are cut to what the shadows read (``flyspec_vllm.reference``)."""
+        extra: dict[str, Any] = {"flyspec_record": f"{work.item.key}|base", "flyspec_shadow": self._shadow(work)[0]}
+        if reference is not None and extra["flyspec_shadow"]:
+            extra["flyspec_reference"] = reference
+        return self.session.request(f"{work.item.key}|base", work.prompt_ids, work.decode.max_new_tokens, extra)
 
     def _shadow(self, work: Work) -> tuple[list[list[dict[str, Any]]], list[str]]:
         """The pending lossy points as shadow families (strict to loose), and the point name of each flat index."""

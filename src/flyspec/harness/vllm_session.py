@@ -94,6 +94,8 @@ class VllmSession:
         self.largest_submission = 0
         self.counter_mismatches = 0  # submissions whose replayed steps differ from vLLM's counters
         self.submissions = 0
+        self.draft_tokens_cut = 0  # withheld from baselines that named their output (flyspec_vllm.reference)
+        self.redecoded = 0  # baselines decoded again uncut: their output left the one they named
 
     @staticmethod
     def request(key: str, prompt: list[int], max_tokens: int, extra: dict[str, Any]) -> dict[str, Any]:
@@ -109,9 +111,13 @@ class VllmSession:
         for request in requests:
             if request["extra_args"].get("flyspec_draft") is False:
                 continue  # plain decoding: no drafts
-            steps = self.steps(request["prompt"], outputs[request["key"]]["token_ids"])
+            output = outputs[request["key"]]
+            steps = self.steps(request["prompt"], output["token_ids"])
             drafts += sum(bool(step.draft) for step in steps)
-            drafted += sum(len(step.draft) for step in steps)
+            # minus the draft tokens the plugin withheld from a baseline that named its output (flyspec_reference)
+            cut = (output.get("record") or {}).get("cut", 0)
+            drafted += sum(len(step.draft) for step in steps) - cut
+            self.draft_tokens_cut += cut
             accepted += sum(step.accepted for step in steps)
             slack += len(steps[-1].draft) - steps[-1].accepted if steps else 0
         # vLLM also counts the draft tokens it accepted past a request's end (EOS, length) in the last step
@@ -159,4 +165,6 @@ class VllmSession:
             "largest_batch": self.largest_submission,
             "submissions": self.submissions,
             "counter_mismatches": self.counter_mismatches,
+            "draft_tokens_cut": self.draft_tokens_cut,
+            "baselines_redecoded": self.redecoded,
         }

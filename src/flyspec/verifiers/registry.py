@@ -45,6 +45,19 @@ def rule_mapping(spec: SpeculationConfig) -> dict[str, Any]:
     return {name: full[name] for name in LOSSY_RULE_FIELDS}
 
 
+def verdict_reach(spec: SpeculationConfig) -> int:
+    """How many draft tokens, from a mismatch on (itself included), a lossy rule reads to judge that mismatch:
+    FLy's deferred window (a mismatch at ``j`` is judged only in a draft of at least ``j + W + 1`` tokens,
+    ``verifiers/fly.py``), the loop and copy guards' n-grams (``verifiers/guard.py``: up to ``n - 1`` tokens
+    after it); MARS and typical acceptance read the mismatch alone. A draft cut ``reach`` tokens past its first
+    mismatch gets the very verdict there the whole draft gets (``flyspec calibrate --engine vllm`` cuts its
+    baseline's drafts so: ``flyspec_vllm.reference``)."""
+    reach = 1
+    if spec.verifier == "fly" and spec.fly.window_size:
+        reach = spec.fly.window_size + 1
+    return max(reach, spec.guard.repeat_ngram)
+
+
 def check_draft_length(verifier: Verifier, speculation: SpeculationConfig) -> None:
     """Refuse a draft length the verifier cannot use (needs no model: ``build_decoder`` checks it before loading)."""
     shortest = verifier.min_draft_tokens

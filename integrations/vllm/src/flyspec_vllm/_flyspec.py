@@ -10,7 +10,7 @@ from flyspec.stats import DecodeStats
 from flyspec.types import Draft, VerifyContext
 from flyspec.verifiers.guard import guard_loose_mask
 from flyspec.verifiers.guard import prepare as prepare_guards
-from flyspec.verifiers.registry import LOSSY_RULE_FIELDS, make_verifier, rule_mapping
+from flyspec.verifiers.registry import LOSSY_RULE_FIELDS, make_verifier, rule_mapping, verdict_reach
 from flyspec.verifiers.tokens import Vocabulary
 
 __all__ = [
@@ -35,4 +35,5 @@ __all__ = [
     "prepare_guards",
     "rule_mapping",
     "tokenizer_fingerprint",
+    "verdict_reach",
 ]

@@ -27,7 +27,8 @@ to loose) records, for each rule, where it would first have kept a draft token t
 not (``rule.py``: what lets a calibration decode a setting only from where it leaves the shared path);
 ``flyspec_prompt_length`` says how much of the request's prompt is the user's prompt (the rest: output a
 continuation resumes from), so that the guards that look at the prompt and the recorded output indices see
-the generation as it was.
+the generation as it was; ``flyspec_reference`` (token ids; with ``flyspec_shadow``) names the output a shadow
+request will produce, so that its drafts are cut to what its shadow rules read (``reference.py``).
 
 Operator (environment of the ``vllm serve`` process):
 
@@ -93,8 +94,9 @@ REQUEST_KEYS = (
     "flyspec_record",
     "flyspec_shadow",
     "flyspec_prompt_length",
+    "flyspec_reference",
 )
-TRUSTED_KEYS = ("flyspec_record", "flyspec_shadow", "flyspec_prompt_length")
+TRUSTED_KEYS = ("flyspec_record", "flyspec_shadow", "flyspec_prompt_length", "flyspec_reference")
 
 
 def operator_switch(environ: Mapping[str, str] = os.environ) -> str:
@@ -186,6 +188,7 @@ class RequestOptions:
     record: str | None = None
     shadow: tuple[tuple[SpeculationConfig, ...], ...] = ()
     prompt_length: int | None = None  # the user's prompt within the request's (a continuation's: the rest is output)
+    reference: tuple[int, ...] | None = None  # the output a shadow request will produce (reference.py)
 
 
 def request_options(
@@ -220,10 +223,17 @@ def request_options(
     prompt_length = args.get("flyspec_prompt_length")
     if prompt_length is not None and (not isinstance(prompt_length, int) or prompt_length < 1):
         raise ConfigError(f"flyspec_prompt_length must be a positive number of tokens, not {prompt_length!r}")
+    reference = args.get("flyspec_reference")
+    if reference is not None:
+        if not isinstance(reference, list | tuple) or not all(isinstance(t, int) and t >= 0 for t in reference):
+            raise ConfigError("flyspec_reference must be a list of token ids")
+        if not shadow:
+            raise ConfigError("flyspec_reference cuts drafts to what the shadow rules read: give flyspec_shadow too")
+        reference = tuple(reference)
     rule = _request_rule(args, greedy, switch, limit, guard or GuardConfig(), trusted)
     if shadow and rule is not None:
         raise ConfigError("flyspec_shadow follows a lossless request's path: leave its own lossy rule out")
-    return RequestOptions(rule, draft, record, shadow, prompt_length)
+    return RequestOptions(rule, draft, record, shadow, prompt_length, reference)
 
 
 def _request_rule(

@@ -49,6 +49,7 @@ from flyspec_vllm.options import (
     operator_trusts_requests,
     request_options,
 )
+from flyspec_vllm.reference import Reference, reference_rows
 from flyspec_vllm.rule import RequestRule, apply_batch, keep_draft_tokens
 
 logger = logging.getLogger(__name__)
@@ -91,6 +92,7 @@ class PluginState:
     trusted: bool = False  # FLYSPEC_VLLM_TRUST_REQUESTS: requests may set guards, record and shadow
     enabled: bool = True
     draftless: frozenset[int] = frozenset()  # this step's batch rows whose request asked for no drafts
+    references: dict[int, Reference] = field(default_factory=dict)  # this step's rows whose drafts are cut
     vocabularies: dict[int, Vocabulary] = field(default_factory=dict)  # per model runner
     memos: dict[str, dict[str, Any]] = field(default_factory=dict)  # per request id: the guards' memo
 
@@ -234,6 +236,7 @@ def _wrap_sample(original: Callable[..., Any]) -> Callable[..., Any]:
             return original(self, logits, spec_decode_metadata)
         try:
             STATE.draftless = draftless_rows(self)
+            STATE.references = reference_rows(self, STATE.memos, STATE.trusted)
             native_fly = _runs_native_fly(self)
             rules = batch_rules(self, STATE, native_fly) if spec_decode_metadata is not None else None
         except (AttributeError, KeyError, TypeError, IndexError) as error:
@@ -319,7 +322,7 @@ def batch_rules(runner: Any, state: PluginState, native_fly: bool = False) -> li
                 options = RequestOptions()
                 active = True
             else:
-                options = request_options(extra_args, greedy, state.switch, state.profile, state.guard, state.trusted)
+                options = _options(state, req_id, extra_args, greedy)
                 active = options.rule is not None or bool(options.shadow)
             vocabulary = vocabulary_of(runner, state) if active else None
         except ConfigError as error:
@@ -344,6 +347,18 @@ def batch_rules(runner: Any, state: PluginState, native_fly: bool = False) -> li
         guard = state.guard if native_fly else None
         rules.append(RequestRule(options.rule, context, start, options.record, options.shadow, guard))
     return rules
+
+
+def _options(state: PluginState, req_id: str, extra_args: Any, greedy: bool) -> RequestOptions:
+    """The request's options, parsed at its first step and kept in its memo while the operator's settings stay
+    (a calibration's baseline carries dozens of shadow rules: parsed every step, they cost more than the model)."""
+    memo = state.memos.setdefault(req_id, {})
+    settings = (state.switch, state.guard, id(state.profile), state.trusted, greedy)
+    cached = memo.get("options")
+    if cached is None or cached[0] is not extra_args or cached[1] != settings:
+        options = request_options(extra_args, greedy, state.switch, state.profile, state.guard, state.trusted)
+        memo["options"] = cached = (extra_args, settings, options)
+    return cached[2]
 
 
 def context_tokens(memo: dict[str, Any], row: Any, num_tokens: int) -> list[int]:
@@ -380,6 +395,11 @@ def draftless_rows(runner: Any) -> frozenset[int]:
 def draftless() -> frozenset[int]:
     """This step's batch rows that get no drafts: the proposer asks right after ``_sample`` (same batch order)."""
     return STATE.draftless if STATE is not None and STATE.enabled else frozenset()
+
+
+def references() -> dict[int, Reference]:
+    """This step's batch rows whose drafts are cut to a reference (``reference.py``), for the proposer."""
+    return STATE.references if STATE is not None and STATE.enabled else {}
 
 
 def vocabulary_of(runner: Any, state: PluginState) -> Vocabulary:

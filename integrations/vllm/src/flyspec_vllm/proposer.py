@@ -4,7 +4,9 @@ Use ``"model": "flyspec_vllm.NgramProposer"``. The lookup is flyspec's own ``ngr
 (most recent match, LZ77-style periodic extension; ``drafters/ngram.py``), compiled for the whole batch
 (``lookup.py``, numba), so vLLM and ``flyspec generate --drafter ngram`` propose the same tokens. n-gram sizes: vLLM's
 ``prompt_lookup_max`` / ``prompt_lookup_min`` where given, else flyspec's ``NgramConfig``. A request that
-asks for none (``extra_args={"flyspec_draft": false}``) gets no drafts: plain decoding in the same engine.
+asks for none (``extra_args={"flyspec_draft": false}``) gets no drafts: plain decoding in the same engine. A
+calibration's baseline that names its output (``flyspec_reference``) gets its drafts cut to what its shadow
+rules read (``reference.py``).
 
 A batch-size schedule (``flyspec.batch_schedule``) caps the drafts by the step's batch size: vLLM's own
 ``speculative_config["num_speculative_tokens_per_batch_size"]`` (vLLM 0.32 hands it only to its built-in
@@ -84,8 +86,10 @@ class NgramProposer:
         slot_mappings: Any = None,  # unused (no KV cache)
     ) -> list[list[int]]:
         from flyspec_vllm.patch import draftless as draftless_rows  # set by the _sample wrapper this step
+        from flyspec_vllm.patch import references as reference_rows
 
         draftless = draftless_rows()  # rows whose request asked for plain decoding (flyspec_draft: false)
+        references = reference_rows()  # rows whose drafts are cut to what their shadow rules read (reference.py)
         batch = len(sampled_token_ids)
         limit = self.draft_limit(batch)
         drafts: list[list[int]] = [[] for _ in range(batch)]
@@ -100,7 +104,8 @@ class NgramProposer:
         ]
         found = lookup_rows(token_ids_cpu, lengths[rows], rows, rooms[rows], self.max_ngram, self.min_ngram)
         for index, draft in zip(rows, found, strict=True):
-            drafts[index] = draft
+            reference = references.get(index)
+            drafts[index] = draft if reference is None else reference.cap(token_ids_cpu[index], lengths[index], draft)
         return drafts
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:

@@ -20,12 +20,16 @@ class RequestRecord:
     loose_accepts: list[dict[str, Any]] = field(default_factory=list)
     vetoes: dict[str, int] = field(default_factory=dict)
     diverged: dict[int, int] = field(default_factory=dict)
+    cut: int = 0  # draft tokens the proposer withheld (reference.py)
+    departed: int | None = None  # the output index where the output left its reference (reference.py)
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "loose_accepts": list(self.loose_accepts),
             "vetoes": dict(self.vetoes),
             "diverged": {str(index): start for index, start in sorted(self.diverged.items())},
+            "cut": self.cut,
+            "departed": self.departed,
         }
 
 
@@ -53,6 +57,18 @@ def add_divergences(key: str, indices: list[int], start: int) -> None:
         record = _record(key)
         for index in indices:
             record.diverged.setdefault(index, start)
+
+
+def add_cut(key: str, tokens: int) -> None:
+    with _lock:
+        _record(key).cut += tokens
+
+
+def add_departure(key: str, index: int) -> None:
+    with _lock:
+        record = _record(key)
+        if record.departed is None:
+            record.departed = index
 
 
 def add_judgement(key: str, judgement: Any, start: int, draft: list[int]) -> None:
