@@ -2,20 +2,19 @@
 
 Without forking vLLM, two internals are wrapped (both inherited by the CPU model runner):
 
-1. ``GPUModelRunner._sample``: before verification, the per-request rules (FLy, MARS or typical
-   acceptance from ``SamplingParams.extra_args`` and the operator's switch, the generation so far
-   for the guards) are published in batch order for the duration of the call, and the rows whose
-   request asked for no drafts (``flyspec_draft: false``) for the proposer that runs right after.
-2. ``vllm.v1.sample.rejection_sampler.rejection_sample`` (called by ``RejectionSampler.forward``
-   through the module's global): the target logits at the loose accepts are rewritten before
-   vLLM's unchanged kernel runs (``rule.py``).
+1. ``GPUModelRunner._sample``: before verification, the per-request rules (FLy, MARS or typical acceptance from
+   ``SamplingParams.extra_args`` and the operator's switch, the generation so far for the guards) are published in
+   batch order for the duration of the call; for the proposer that runs right after, the rows whose request asked
+   for no drafts (``flyspec_draft: false``) or named its output (``flyspec_reference``: ``reference.py``).
+2. ``vllm.v1.sample.rejection_sampler.rejection_sample`` (called by ``RejectionSampler.forward`` through the
+   module's global): the target logits at the loose accepts are rewritten before vLLM's kernel runs (``rule.py``).
 
 A step in which no request has a draft token (a batch schedule's ``k = 0``, no n-gram match anywhere) is
 sampled as a plain engine samples it (:func:`without_empty_drafts`), also when the operator turned FLy off.
 
-Each internal's shape is checked at start-up by a named check. When one fails, one warning is
-logged and nothing is patched: every request then gets vLLM's lossless rule. A failure found
-later, at the first step (a changed attribute of the model runner), disables the rule the same way.
+Each internal's shape is checked at start-up by a named check. When one fails, one warning is logged and nothing is
+patched: every request then gets vLLM's lossless rule. A failure found later, at the first step (a changed
+attribute of the model runner), disables the rule the same way.
 """
 
 from __future__ import annotations
@@ -38,7 +37,6 @@ from flyspec_vllm._flyspec import (
     VerifyContext,
     Vocabulary,
     prepare_guards,
-    tokenizer_fingerprint,
 )
 from flyspec_vllm.options import (
     OperatorProfile,
@@ -51,6 +49,7 @@ from flyspec_vllm.options import (
 )
 from flyspec_vllm.reference import Reference, reference_rows
 from flyspec_vllm.rule import RequestRule, apply_batch, keep_draft_tokens
+from flyspec_vllm.vocabulary import vocabulary_of
 
 logger = logging.getLogger(__name__)
 
@@ -350,8 +349,7 @@ def batch_rules(runner: Any, state: PluginState, native_fly: bool = False) -> li
 
 
 def _options(state: PluginState, req_id: str, extra_args: Any, greedy: bool) -> RequestOptions:
-    """The request's options, parsed at its first step and kept in its memo while the operator's settings stay
-    (a calibration's baseline carries dozens of shadow rules: parsed every step, they cost more than the model)."""
+    """The request's options, parsed at its first step and kept while the operator's settings stay (issue 36)."""
     memo = state.memos.setdefault(req_id, {})
     settings = (state.switch, state.guard, id(state.profile), state.trusted, greedy)
     cached = memo.get("options")
@@ -400,29 +398,3 @@ def draftless() -> frozenset[int]:
 def references() -> dict[int, Reference]:
     """This step's batch rows whose drafts are cut to a reference (``reference.py``), for the proposer."""
     return STATE.references if STATE is not None and STATE.enabled else {}
-
-
-def vocabulary_of(runner: Any, state: PluginState) -> Vocabulary:
-    """The target's token facts (EOS ids, token classes) for the guards, built once per model runner."""
-    key = id(runner)
-    if key not in state.vocabularies:
-        from transformers import AutoTokenizer, GenerationConfig  # only where FLy runs
-
-        model_config = runner.vllm_config.model_config
-        tokenizer = AutoTokenizer.from_pretrained(model_config.tokenizer)
-        eos: set[int] = set()
-        if tokenizer.eos_token_id is not None:
-            eos.add(int(tokenizer.eos_token_id))
-        try:
-            generation_eos = GenerationConfig.from_pretrained(model_config.model).eos_token_id
-        except OSError:
-            generation_eos = None
-        if isinstance(generation_eos, int):
-            eos.add(generation_eos)
-        elif generation_eos:
-            eos.update(int(token) for token in generation_eos)
-        vocab_size = int(model_config.get_vocab_size())
-        if state.profile is not None and tokenizer_fingerprint(tokenizer) != state.profile.tokenizer:
-            raise ConfigError(f"the profile {state.profile.name} was calibrated for another tokenizer")
-        state.vocabularies[key] = Vocabulary(tokenizer, frozenset(eos), vocab_size)
-    return state.vocabularies[key]
