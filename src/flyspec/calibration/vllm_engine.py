@@ -10,9 +10,9 @@ batches across prompts and points:
    baseline rejected. A point that never leaves the path on a prompt has the baseline's output there, token
    for token, and is not decoded at all. The baseline names its plain decoding as the output it will produce
    (``flyspec_reference``), so the plugin cuts each draft a few tokens past where it will first miss: what the
-   shadows read there (FLy's window, the guards' n-grams), the same verdicts with about half the token rows at
-   ``k = 15``. A baseline whose output leaves its plain decoding (a near-tie rounded the other way) is decoded
-   again uncut; if most of a wave's do, the cut stops for the rest of the run.
+   shadows read there (FLy's window, the guards' n-grams), the same verdicts with fewer token rows. A baseline
+   whose output leaves its plain decoding (a near-tie rounded the other way) is decoded again uncut; if most of
+   a wave's do, the cut stops for the rest of the run.
 2. **The divergent paths.** A point that leaves at the step starting at output index ``s`` is decoded again
    from ``prompt + baseline[:s - 1]``: vLLM's prefill then samples ``baseline[s - 1]`` (the target's argmax,
    as the baseline's step did) and the point's first verification is the very step it left at, with the same
