@@ -40,8 +40,9 @@ def runner(size: int, extra: dict[str, Any]) -> SimpleNamespace:
     return SimpleNamespace(input_batch=batch, requests=params)
 
 
-def every_step(state: Any, req_id: str, extra_args: Any, greedy: bool) -> Any:
-    return request_options(extra_args, greedy, state.switch, state.profile, state.guard, state.trusted)
+def every_step(state, req_id, params):  # noqa: ANN001, ANN201 - patch._options's signature, parsed every step
+    greedy = params.temperature < patch.GREEDY_TEMPERATURE_EPSILON
+    return request_options(params.extra_args, greedy, state.switch, state.profile, state.guard, state.trusted)
 
 
 def per_step_ms(model_runner: SimpleNamespace) -> float:

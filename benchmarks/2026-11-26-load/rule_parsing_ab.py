@@ -23,8 +23,9 @@ from flyspec_vllm.options import request_options  # noqa: E402
 NUM_DRAFT_TOKENS = 4
 
 
-def every_step(state, req_id, extra_args, greedy):  # noqa: ANN001, ANN201 - patch._options's signature
-    return request_options(extra_args, greedy, state.switch, state.profile, state.guard, state.trusted)
+def every_step(state, req_id, params):  # noqa: ANN001, ANN201 - patch._options's signature, parsed every step
+    greedy = params.temperature < patch.GREEDY_TEMPERATURE_EPSILON
+    return request_options(params.extra_args, greedy, state.switch, state.profile, state.guard, state.trusted)
 
 
 if __name__ == "__main__":

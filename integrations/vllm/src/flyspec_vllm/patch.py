@@ -235,7 +235,7 @@ def _wrap_sample(original: Callable[..., Any]) -> Callable[..., Any]:
             return original(self, logits, spec_decode_metadata)
         try:
             STATE.draftless = draftless_rows(self)
-            STATE.references = reference_rows(self, STATE.memos, STATE.trusted)
+            STATE.references = reference_rows(self, STATE.memos, functools.partial(_options, STATE), STATE.trusted)
             native_fly = _runs_native_fly(self)
             rules = batch_rules(self, STATE, native_fly) if spec_decode_metadata is not None else None
         except (AttributeError, KeyError, TypeError, IndexError) as error:
@@ -313,15 +313,12 @@ def batch_rules(runner: Any, state: PluginState, native_fly: bool = False) -> li
     for stale in [req_id for req_id in state.memos if req_id not in live]:
         del state.memos[stale]
     for index, req_id in enumerate(batch.req_ids):
-        params = runner.requests[req_id].sampling_params
-        greedy = params is not None and params.temperature < GREEDY_TEMPERATURE_EPSILON
-        extra_args = getattr(params, "extra_args", None)
         try:
             if native_fly:
                 options = RequestOptions()
                 active = True
             else:
-                options = _options(state, req_id, extra_args, greedy)
+                options = _options(state, req_id, runner.requests[req_id].sampling_params)
                 active = options.rule is not None or bool(options.shadow)
             vocabulary = vocabulary_of(runner, state) if active else None
         except ConfigError as error:
@@ -348,8 +345,10 @@ def batch_rules(runner: Any, state: PluginState, native_fly: bool = False) -> li
     return rules
 
 
-def _options(state: PluginState, req_id: str, extra_args: Any, greedy: bool) -> RequestOptions:
+def _options(state: PluginState, req_id: str, params: Any) -> RequestOptions:
     """The request's options, parsed at its first step and kept while the operator's settings stay (issue 36)."""
+    greedy = params is not None and params.temperature < GREEDY_TEMPERATURE_EPSILON
+    extra_args = getattr(params, "extra_args", None)
     memo = state.memos.setdefault(req_id, {})
     settings = (state.switch, state.guard, id(state.profile), state.trusted, greedy)
     cached = memo.get("options")

@@ -17,7 +17,7 @@ vLLM's counters can still be checked against the replayed steps.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +25,6 @@ import numpy as np
 
 from flyspec_vllm import records
 from flyspec_vllm._flyspec import ConfigError, verdict_reach
-from flyspec_vllm.options import request_options
 
 
 @dataclass
@@ -63,31 +62,33 @@ class Reference:
         return draft[:keep]
 
 
-def reference_rows(runner: Any, memos: dict[str, dict[str, Any]], trusted: bool) -> dict[int, Reference]:
+def reference_rows(
+    runner: Any, memos: dict[str, dict[str, Any]], options_of: Callable[[str, Any], Any], trusted: bool
+) -> dict[int, Reference]:
     """This step's batch rows whose request names a reference, for the proposer that runs right after ``_sample``
-    (same batch order). Built once per request (kept in its memo); a request whose options are refused gets
-    none (``patch.batch_rules`` says why)."""
+    (same batch order). Built once per request (kept in its memo) from its options as ``options_of(req_id,
+    sampling_params)`` parses them (``patch._options``: once per request too); a request whose options are refused
+    gets none (``patch.batch_rules`` says why)."""
     rows: dict[int, Reference] = {}
     if not trusted:
         return rows
     batch = runner.input_batch
     for index, req_id in enumerate(batch.req_ids):
-        extra_args = getattr(runner.requests[req_id].sampling_params, "extra_args", None) or {}
-        if "flyspec_reference" not in extra_args:
+        params = runner.requests[req_id].sampling_params
+        if "flyspec_reference" not in (getattr(params, "extra_args", None) or {}):
             continue
         memo = memos.setdefault(req_id, {})
         if "reference" not in memo:
-            memo["reference"] = _reference(extra_args, int(batch.num_prompt_tokens[index]))
+            try:
+                memo["reference"] = _reference(options_of(req_id, params), int(batch.num_prompt_tokens[index]))
+            except ConfigError:
+                memo["reference"] = None
         if memo["reference"] is not None:
             rows[index] = memo["reference"]
     return rows
 
 
-def _reference(extra_args: Mapping[str, Any], prompt_length: int) -> Reference | None:
-    try:
-        options = request_options(extra_args, greedy=True, switch="request", trusted=True)
-    except ConfigError:
-        return None
+def _reference(options: Any, prompt_length: int) -> Reference | None:
     if options.reference is None or options.record is None:
         return None
     reach = max(verdict_reach(rule) for family in options.shadow for rule in family)
