@@ -40,6 +40,11 @@ stack
 
 Every verifier commits ``d_0 .. d_{n-1}`` plus one recovered or bonus token, where ``n`` is the
 number of leading positions its acceptance mask keeps.
+
+A rule is one small file that says only what it accepts (as vLLM's samplers do): a lossless rule subclasses
+:class:`StrictRule` and writes ``accept`` (its acceptance mask and what follows the accepted prefix); a lossy
+rule subclasses :class:`LooseRule` and writes ``candidates`` (the mismatches of the strict base rule it would
+keep, and its measure there). The bases do the rest: the base rule, the trust guards, the verdict.
 """
 
 from __future__ import annotations
@@ -50,9 +55,13 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from flyspec.acceptance import draft_probs_or_one_hot, exact_accept_mask, rejection_accept_mask, rejection_next_token
 from flyspec.config import GuardConfig, SamplingConfig
+from flyspec.sampling import logits_to_probs, uniform
 from flyspec.types import Draft, LooseAccept, Verdict, VerifyContext
 from flyspec.verifiers.guard import guard_loose_mask
+
+GREEDY = SamplingConfig()
 
 
 @runtime_checkable
@@ -150,3 +159,111 @@ def loose_verdict(
         for j, target_token, value in zip(positions, target_tokens, evidences, strict=True)
     )
     return replace(verdict, loose=loose, vetoes=vetoes.get(verdict.num_accepted, ()))
+
+
+def strict_base_rule(
+    draft: Draft,
+    target_logits: torch.Tensor,  # [k + 1, vocab]
+    sampling: SamplingConfig,
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, NextToken]:
+    """The lossless rule the lossy verifiers relax: exact match on the argmax when greedy,
+    rejection sampling at T>0. Returns the ``[k]`` acceptance mask and the recovered (residual)
+    or bonus token: the ``[k + 1]`` argmaxes when greedy, ``position -> token`` at T>0."""
+    if sampling.greedy:
+        target_tokens = target_logits.argmax(-1)  # [k + 1]
+        return exact_accept_mask(draft.tokens, target_tokens), target_tokens
+    target_probs = logits_to_probs(target_logits, sampling)  # [k + 1, vocab]
+    draft_probs = draft_probs_or_one_hot(draft, target_probs.shape[-1])  # [k, vocab]
+    uniforms = uniform((draft.num_tokens,), generator, target_logits.device)  # [k]
+    accept = rejection_accept_mask(draft.tokens, draft_probs, target_probs, uniforms)
+    return accept, lambda n: rejection_next_token(n, target_probs, draft_probs, generator)
+
+
+class Rule:
+    """What every verifier shares: the strict rule (:meth:`strict`), then, in a lossy rule, the mismatches its
+    :meth:`candidates` would keep, filtered by the trust guards; the verdict from both."""
+
+    @property
+    def lossless(self) -> bool:
+        raise NotImplementedError
+
+    @property
+    def min_draft_tokens(self) -> int:
+        return 1
+
+    def strict(
+        self,
+        draft: Draft,
+        target_logits: torch.Tensor,  # [k + 1, vocab]
+        sampling: SamplingConfig,
+        generator: torch.Generator | None,
+    ) -> tuple[torch.Tensor, NextToken]:
+        """The ``[k]`` strict acceptance and the recovered or bonus token (:data:`NextToken`): by default
+        :func:`strict_base_rule` (exact match when greedy, rejection sampling at T>0)."""
+        return strict_base_rule(draft, target_logits, sampling, generator)
+
+    def verify(
+        self,
+        draft: Draft,
+        target_logits: torch.Tensor,  # [k + 1, vocab]
+        sampling: SamplingConfig,
+        generator: torch.Generator | None,
+        context: VerifyContext | None = None,
+    ) -> Verdict:
+        accept, next_token = self.strict(draft, target_logits, sampling, generator)
+        return self.relax(draft, target_logits, sampling, context, accept, next_token)
+
+    def relax(
+        self,
+        draft: Draft,
+        target_logits: torch.Tensor,  # [k + 1, vocab]
+        sampling: SamplingConfig,
+        context: VerifyContext | None,
+        accept: torch.Tensor,  # [k] bool, the strict acceptance
+        next_token: NextToken,
+    ) -> Verdict:
+        """The verdict from the strict acceptance: as it is (lossless), or with loose accepts (:class:`LooseRule`)."""
+        return build_verdict(draft.tokens, accept, torch.zeros_like(accept), next_token)
+
+
+class StrictRule(Rule):
+    """A lossless verifier: a subclass overrides :meth:`strict` where its rule is not :func:`strict_base_rule`."""
+
+    @property
+    def lossless(self) -> bool:
+        return True
+
+
+class LooseRule(Rule):
+    """A lossy verifier: a subclass writes :meth:`candidates` (and :meth:`strict` where it relaxes another base
+    rule); the trust guards (``self.guard``, a :class:`GuardConfig` field of the subclass) filter them."""
+
+    guard: GuardConfig
+
+    @property
+    def lossless(self) -> bool:
+        return False
+
+    def relax(
+        self,
+        draft: Draft,
+        target_logits: torch.Tensor,  # [k + 1, vocab]
+        sampling: SamplingConfig,
+        context: VerifyContext | None,
+        accept: torch.Tensor,  # [k] bool, the strict acceptance
+        next_token: NextToken,
+    ) -> Verdict:
+        candidates, evidence = self.candidates(accept, draft.tokens, target_logits, sampling)
+        return loose_verdict(draft, target_logits, accept, candidates, evidence, next_token, self.guard, context)
+
+    def candidates(
+        self,
+        base_accept: torch.Tensor,  # [k] bool, the strict rule's acceptance
+        draft_tokens: torch.Tensor,  # [k]
+        target_logits: torch.Tensor,  # [k (+1), vocab]
+        sampling: SamplingConfig = GREEDY,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``([k] bool, [k])``: the mismatches this rule would keep before the guards, and its measure there
+        (NaN where not measured). What the vLLM plugin applies to a request (``integrations/vllm``)."""
+        raise NotImplementedError

@@ -16,30 +16,16 @@ import torch
 from flyspec.acceptance import exact_accept_mask
 from flyspec.config import SamplingConfig
 from flyspec.sampling import choose_tokens
-from flyspec.types import Draft, Verdict, VerifyContext
-from flyspec.verifiers.base import build_verdict
+from flyspec.types import Draft
+from flyspec.verifiers.base import NextToken, StrictRule
 
 
 @dataclass(frozen=True)
-class ExactVerifier:
+class ExactVerifier(StrictRule):
     name: str = "exact"
 
-    @property
-    def lossless(self) -> bool:
-        return True
-
-    @property
-    def min_draft_tokens(self) -> int:
-        return 1
-
-    def verify(
-        self,
-        draft: Draft,
-        target_logits: torch.Tensor,
-        sampling: SamplingConfig,
-        generator: torch.Generator | None,
-        context: VerifyContext | None = None,
-    ) -> Verdict:
+    def strict(
+        self, draft: Draft, target_logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None
+    ) -> tuple[torch.Tensor, NextToken]:
         target_tokens = choose_tokens(target_logits, sampling, generator)  # [k + 1]
-        accept = exact_accept_mask(draft.tokens, target_tokens)
-        return build_verdict(draft.tokens, accept, torch.zeros_like(accept), target_tokens)
+        return exact_accept_mask(draft.tokens, target_tokens), target_tokens

@@ -50,11 +50,8 @@ import torch
 from flyspec.acceptance import where_needed
 from flyspec.config import FlyConfig, GuardConfig, SamplingConfig
 from flyspec.sampling import choose_tokens, logits_to_probs
-from flyspec.types import Draft, Verdict, VerifyContext
-from flyspec.verifiers.base import loose_verdict
-from flyspec.verifiers.rejection import strict_base_rule
-
-GREEDY = SamplingConfig()
+from flyspec.types import Draft
+from flyspec.verifiers.base import GREEDY, LooseRule, NextToken, strict_base_rule
 
 
 def topk_entropy(logits: torch.Tensor, top_k: int) -> torch.Tensor:
@@ -155,38 +152,25 @@ def fly_candidates(
 
 
 @dataclass(frozen=True)
-class FlyVerifier:
+class FlyVerifier(LooseRule):
     config: FlyConfig = field(default_factory=FlyConfig)
     name: str = "fly"
     guard: GuardConfig = field(default_factory=GuardConfig)  # trust guards, verifiers/guard.py
-
-    @property
-    def lossless(self) -> bool:
-        return False
 
     @property
     def min_draft_tokens(self) -> int:
         """A draft of ``W`` tokens leaves no position with a judgeable window: FLy needs ``W + 1``."""
         return self.config.window_size + 1
 
-    def verify(
-        self,
-        draft: Draft,
-        target_logits: torch.Tensor,
-        sampling: SamplingConfig,
-        generator: torch.Generator | None,
-        context: VerifyContext | None = None,
-    ) -> Verdict:
-        k = draft.num_tokens
+    def strict(
+        self, draft: Draft, target_logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None
+    ) -> tuple[torch.Tensor, NextToken]:
         if sampling.greedy or self.config.temperature_rule == "rejection":
-            base_accept, next_token = strict_base_rule(draft, target_logits, sampling, generator)
-        else:  # the reference code's two-sample rule
-            samples = choose_tokens(target_logits.unsqueeze(0).expand(2, -1, -1), sampling, generator)  # [2, k + 1]
-            base_accept = (samples[:, :k] == draft.tokens).any(0)  # [k]
-            next_token = samples[0]  # [k + 1]: the recovered token is the first sample
-
-        candidates, entropy = self.candidates(base_accept, draft.tokens, target_logits, sampling)
-        return loose_verdict(draft, target_logits, base_accept, candidates, entropy, next_token, self.guard, context)
+            return strict_base_rule(draft, target_logits, sampling, generator)
+        # the reference code's two-sample rule
+        samples = choose_tokens(target_logits.unsqueeze(0).expand(2, -1, -1), sampling, generator)  # [2, k + 1]
+        base_accept = (samples[:, : draft.num_tokens] == draft.tokens).any(0)  # [k]
+        return base_accept, samples[0]  # [k + 1]: the recovered token is the first sample
 
     def candidates(
         self,

@@ -20,9 +20,7 @@ import torch
 
 from flyspec.acceptance import where_needed
 from flyspec.config import GuardConfig, MarginConfig, SamplingConfig
-from flyspec.types import Draft, Verdict, VerifyContext
-from flyspec.verifiers.base import loose_verdict
-from flyspec.verifiers.rejection import strict_base_rule
+from flyspec.verifiers.base import GREEDY, LooseRule
 
 
 def margin_closeness(target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -50,33 +48,17 @@ def margin_loose_mask(
 
 
 @dataclass(frozen=True)
-class MarginVerifier:
+class MarginVerifier(LooseRule):
     config: MarginConfig = field(default_factory=MarginConfig)
     name: str = "margin"
     guard: GuardConfig = field(default_factory=GuardConfig)  # trust guards, verifiers/guard.py
 
-    @property
-    def lossless(self) -> bool:
-        return False
-
-    @property
-    def min_draft_tokens(self) -> int:
-        return 1
-
-    def verify(
-        self,
-        draft: Draft,
-        target_logits: torch.Tensor,
-        sampling: SamplingConfig,
-        generator: torch.Generator | None,
-        context: VerifyContext | None = None,
-    ) -> Verdict:
-        base_accept, next_token = strict_base_rule(draft, target_logits, sampling, generator)
-        candidates, closeness = self.candidates(base_accept, draft.tokens, target_logits)
-        return loose_verdict(draft, target_logits, base_accept, candidates, closeness, next_token, self.guard, context)
-
     def candidates(
-        self, base_accept: torch.Tensor, draft_tokens: torch.Tensor, target_logits: torch.Tensor
+        self,
+        base_accept: torch.Tensor,
+        draft_tokens: torch.Tensor,
+        target_logits: torch.Tensor,
+        sampling: SamplingConfig = GREEDY,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``([k] bool, [k])``: the mismatches this rule would keep before the guards, and the closeness there
         (NaN at the positions the base rule accepted: measured only where a loose accept could be)."""

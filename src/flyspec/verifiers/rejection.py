@@ -12,53 +12,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
-from flyspec.acceptance import draft_probs_or_one_hot, exact_accept_mask, rejection_accept_mask, rejection_next_token
-from flyspec.config import SamplingConfig
-from flyspec.sampling import logits_to_probs, uniform
-from flyspec.types import Draft, Verdict, VerifyContext
-from flyspec.verifiers.base import NextToken, build_verdict
-
-
-def strict_base_rule(
-    draft: Draft,
-    target_logits: torch.Tensor,  # [k + 1, vocab]
-    sampling: SamplingConfig,
-    generator: torch.Generator | None,
-) -> tuple[torch.Tensor, NextToken]:
-    """The lossless rule the lossy verifiers relax: exact match on the argmax when greedy,
-    rejection sampling at T>0. Returns the ``[k]`` acceptance mask and the recovered (residual)
-    or bonus token: the ``[k + 1]`` argmaxes when greedy, ``position -> token`` at T>0."""
-    if sampling.greedy:
-        target_tokens = target_logits.argmax(-1)  # [k + 1]
-        return exact_accept_mask(draft.tokens, target_tokens), target_tokens
-    target_probs = logits_to_probs(target_logits, sampling)  # [k + 1, vocab]
-    draft_probs = draft_probs_or_one_hot(draft, target_probs.shape[-1])  # [k, vocab]
-    uniforms = uniform((draft.num_tokens,), generator, target_logits.device)  # [k]
-    accept = rejection_accept_mask(draft.tokens, draft_probs, target_probs, uniforms)
-    return accept, lambda n: rejection_next_token(n, target_probs, draft_probs, generator)
+from flyspec.verifiers.base import StrictRule
+from flyspec.verifiers.base import strict_base_rule as strict_base_rule  # re-exported: the rule lossy verifiers relax
 
 
 @dataclass(frozen=True)
-class RejectionVerifier:
+class RejectionVerifier(StrictRule):
+    """Rejection sampling is :class:`StrictRule`'s default :meth:`~StrictRule.strict`: nothing to add."""
+
     name: str = "rejection"
-
-    @property
-    def lossless(self) -> bool:
-        return True
-
-    @property
-    def min_draft_tokens(self) -> int:
-        return 1
-
-    def verify(
-        self,
-        draft: Draft,
-        target_logits: torch.Tensor,
-        sampling: SamplingConfig,
-        generator: torch.Generator | None,
-        context: VerifyContext | None = None,
-    ) -> Verdict:
-        accept, next_token = strict_base_rule(draft, target_logits, sampling, generator)
-        return build_verdict(draft.tokens, accept, torch.zeros_like(accept), next_token)

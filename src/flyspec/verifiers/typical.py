@@ -18,10 +18,8 @@ import torch
 from flyspec.acceptance import where_needed
 from flyspec.config import GuardConfig, SamplingConfig, TypicalConfig
 from flyspec.sampling import choose_tokens, logits_to_probs
-from flyspec.types import Draft, Verdict, VerifyContext
-from flyspec.verifiers.base import loose_verdict
-
-GREEDY = SamplingConfig()
+from flyspec.types import Draft
+from flyspec.verifiers.base import GREEDY, LooseRule, NextToken
 
 
 def typical_accept_mask(
@@ -38,34 +36,17 @@ def typical_accept_mask(
 
 
 @dataclass(frozen=True)
-class TypicalVerifier:
+class TypicalVerifier(LooseRule):
     config: TypicalConfig = field(default_factory=TypicalConfig)
     name: str = "typical"
     guard: GuardConfig = field(default_factory=GuardConfig)  # trust guards, verifiers/guard.py
 
-    @property
-    def lossless(self) -> bool:
-        return False
-
-    @property
-    def min_draft_tokens(self) -> int:
-        return 1
-
-    def verify(
-        self,
-        draft: Draft,
-        target_logits: torch.Tensor,
-        sampling: SamplingConfig,
-        generator: torch.Generator | None,
-        context: VerifyContext | None = None,
-    ) -> Verdict:
-        k = draft.num_tokens
-        greedy_match = draft.tokens == target_logits[:k].argmax(-1)
-        candidates, draft_probability = self.candidates(greedy_match, draft.tokens, target_logits, sampling)
-        target_tokens = choose_tokens(target_logits, sampling, generator)  # [k + 1]
-        return loose_verdict(
-            draft, target_logits, greedy_match, candidates, draft_probability, target_tokens, self.guard, context
-        )
+    def strict(
+        self, draft: Draft, target_logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None
+    ) -> tuple[torch.Tensor, NextToken]:
+        """A draft token matching the target's argmax is kept at any T; what follows is the target's choice."""
+        greedy_match = draft.tokens == target_logits[: draft.num_tokens].argmax(-1)  # [k]
+        return greedy_match, choose_tokens(target_logits, sampling, generator)  # [k + 1]
 
     def candidates(
         self,
