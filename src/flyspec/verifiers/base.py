@@ -42,9 +42,10 @@ Every verifier commits ``d_0 .. d_{n-1}`` plus one recovered or bonus token, whe
 number of leading positions its acceptance mask keeps.
 
 A rule is one small file that says only what it accepts (as vLLM's samplers do): a lossless rule subclasses
-:class:`StrictRule` and writes ``accept`` (its acceptance mask and what follows the accepted prefix); a lossy
-rule subclasses :class:`LooseRule` and writes ``candidates`` (the mismatches of the strict base rule it would
-keep, and its measure there). The bases do the rest: the base rule, the trust guards, the verdict.
+:class:`StrictRule` and overrides ``strict`` (its acceptance mask and what follows the accepted prefix) where
+it is not the default (exact match when greedy, rejection sampling at T>0); a lossy rule subclasses
+:class:`LooseRule` and writes ``candidates`` (the mismatches of the strict rule it would keep, and its measure
+there). :class:`Rule` does the rest: the strict rule, the trust guards, the verdict.
 """
 
 from __future__ import annotations
