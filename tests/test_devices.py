@@ -35,6 +35,7 @@ from flyspec.config import (
 )
 from flyspec.decoding import SpeculativeDecoder
 from flyspec.drafters.ngram import NgramDrafter
+from flyspec.names import VERIFIERS
 from flyspec.resources import Resources
 from flyspec.runtime.loaded_model import LoadedModel
 from flyspec.runtime.loading import default_dtype, load_model, resolve_device, resolve_dtype
@@ -206,7 +207,7 @@ def run_on_meta_default(decoder: SpeculativeDecoder | PlainDecoder, prompt_ids: 
 
 
 @pytest.mark.parametrize("drafter", list(STEP_DRAFTERS))
-@pytest.mark.parametrize("verifier", ["exact", "rejection", "fly", "margin", "typical"])
+@pytest.mark.parametrize("verifier", list(VERIFIERS))
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_no_step_tensor_is_made_off_the_target_device(
     tiny_target: LoadedModel, tiny_draft: LoadedModel, drafter: str, verifier: str, temperature: float
@@ -277,6 +278,8 @@ class HostCalls(TorchFunctionMode):
         ("fly", 0.0, 2),  # + the trust guards' one transfer
         ("margin", 0.0, 2),
         ("typical", 1.0, 2),
+        ("bild", 0.0, 2),
+        ("bild", 1.0, 3),  # + the residual draw at a rejection the rule does not keep
     ],
 )
 def test_verifiers_copy_to_the_host_once_per_step_not_per_token(

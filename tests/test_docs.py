@@ -132,3 +132,11 @@ def test_readme_links_point_at_files_that_exist() -> None:
 def test_readme_is_short() -> None:
     """Issue 30: the README says what flyspec is and where to go; the rest lives in docs/."""
     assert len((REPO / "README.md").read_text(encoding="utf-8").splitlines()) <= 250
+
+
+def test_the_verifier_page_names_every_rule_and_whether_it_is_lossless() -> None:
+    from flyspec.names import LOSSLESS_VERIFIERS, VERIFIERS
+
+    rows = re.findall(r"^\| `(\w+)`[^|]*\|[^|]*\| (yes|no)", (REPO / "docs/concepts/verifiers.md").read_text(), re.M)
+    assert {name for name, _ in rows} == set(VERIFIERS)
+    assert {name for name, lossless in rows if lossless == "yes"} == set(LOSSLESS_VERIFIERS)

@@ -232,6 +232,26 @@ def test_auto_uses_the_shipped_profile_only_for_default_lossy_settings(target, t
     assert "runs as exact" in caplog.text
 
 
+def test_a_rule_the_profile_never_calibrated_is_said_so_not_called_outside_the_budget(
+    target, profile_file, tmp_path, monkeypatch, caplog
+) -> None:
+    assert "bild" not in make_profile(target)["by_rule"]  # as a profile made before flyspec had BiLD
+    for spec in (
+        SpeculationConfig(verifier="bild"),
+        SpeculationConfig().with_options({"verifier": "bild", "bild_rollback": 1.0}),
+    ):
+        with pytest.raises(ConfigError, match="did not calibrate bild") as refused:
+            resolve(dataclasses.replace(spec, profile=str(profile_file)), target)
+        assert "inside its budget" not in str(refused.value)
+    shipped = tmp_path / "profiles"
+    shipped.mkdir()
+    Profile(make_profile(target)).save(shipped / "tiny.json")
+    monkeypatch.setattr(profile_module, "SHIPPED", shipped)
+    with caplog.at_level(logging.WARNING):
+        assert resolve(SpeculationConfig(verifier="bild"), target).verifier == "exact"
+    assert "did not calibrate bild" in caplog.text and "measured inside" not in caplog.text
+
+
 def test_the_server_takes_the_profile_and_refuses_looser_requests(tiny_target, tmp_path) -> None:
     path = tmp_path / "profile.json"
     Profile(make_profile(tiny_target)).save(path)

@@ -38,6 +38,7 @@ BUDGETS = {
     ("ngram", "fly", 0.0): 2,  # + the trust guards' one transfer (verifiers/guard.py)
     ("ngram", "margin", 0.0): 2,
     ("ngram", "typical", 0.0): 2,
+    ("ngram", "bild", 0.0): 2,
     ("ngram", "rejection", 0.8): 2,  # + the recovered or bonus token's draw
     ("draft-model", "exact", 0.0): K + 1,  # + one per draft forward (each drafted token picks the next input)
     ("draft-model", "fly", 0.0): K + 2,

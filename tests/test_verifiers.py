@@ -29,6 +29,7 @@ from flyspec.config import (
     SpeculationConfig,
     TypicalConfig,
 )
+from flyspec.names import LOSSLESS_VERIFIERS, VERIFIER_SUMMARIES, VERIFIERS
 from flyspec.types import Draft, Verdict
 from flyspec.verifiers import (
     ExactVerifier,
@@ -39,6 +40,7 @@ from flyspec.verifiers import (
     Verifier,
     make_verifier,
 )
+from flyspec.verifiers.bild import BildVerifier
 from flyspec.verifiers.fly import topk_entropy
 
 # These tests pin the papers' rules themselves; the trust guards are tested in test_guard.py.
@@ -665,12 +667,16 @@ def test_registry_builds_each_verifier() -> None:
         "fly": (FlyVerifier, False),
         "margin": (MarginVerifier, False),
         "typical": (TypicalVerifier, False),
+        "bild": (BildVerifier, False),
     }
+    assert set(expected) == set(VERIFIERS) == set(VERIFIER_SUMMARIES)  # every rule the registry names is built here
     for name, (cls, lossless) in expected.items():
         verifier = make_verifier(name)
         assert isinstance(verifier, cls)
         assert verifier.name == name
         assert verifier.lossless is lossless
+        assert (name in LOSSLESS_VERIFIERS) is lossless
+        assert VERIFIER_SUMMARIES[name].startswith("lossless" if lossless else "lossy")
     assert make_verifier("fly", SpeculationConfig(fly=FlyConfig(window_size=2))).config.window_size == 2
     with pytest.raises(ConfigError, match="unknown verifier"):
         make_verifier("medusa")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 from pathlib import Path
@@ -20,6 +21,7 @@ from flyspec_vllm.reference import Reference  # noqa: E402
 from flyspec_vllm.rule import RequestRule, apply_batch, keep_draft_tokens, shadow_divergences  # noqa: E402
 
 from flyspec.config import (  # noqa: E402
+    BildConfig,
     ConfigError,
     FlyConfig,
     GuardConfig,
@@ -28,6 +30,7 @@ from flyspec.config import (  # noqa: E402
     SpeculationConfig,
     TypicalConfig,
 )
+from flyspec.names import LOSSY_VERIFIERS  # noqa: E402
 from flyspec.types import Draft, VerifyContext  # noqa: E402
 from flyspec.verifiers.fly import deferred_window_mask  # noqa: E402
 from flyspec.verifiers.registry import make_verifier, verdict_reach  # noqa: E402
@@ -62,13 +65,12 @@ RULES = [  # every lossy rule the plugin carries, at a few settings
     SpeculationConfig(verifier="fly", fly=FlyConfig(window_size=2, entropy_threshold=0.1, min_draft_prob=0.2)),
     SpeculationConfig(verifier="margin", margin=MarginConfig(logit_ratio=0.5)),
     SpeculationConfig(verifier="typical", typical=TypicalConfig(epsilon=0.2)),
+    SpeculationConfig(verifier="bild", bild=BildConfig(rollback_threshold=3.0)),
 ]
 
 
 def with_guard(rule: SpeculationConfig, guard: GuardConfig) -> SpeculationConfig:
-    return SpeculationConfig(
-        verifier=rule.verifier, fly=rule.fly, margin=rule.margin, typical=rule.typical, guard=guard
-    )
+    return dataclasses.replace(rule, guard=guard)
 
 
 @pytest.mark.parametrize("guarded", [False, True])
@@ -76,7 +78,7 @@ def test_batch_rule_commits_what_flyspecs_verifier_commits(guarded: bool) -> Non
     """Every rule, through vLLM's unchanged greedy kernel, commits what ``flyspec generate --verifier`` commits."""
     generator = torch.Generator().manual_seed(7)
     guard = GuardConfig() if guarded else GuardConfig.bare()
-    loose_seen = dict.fromkeys(("fly", "margin", "typical"), 0)
+    loose_seen = dict.fromkeys(LOSSY_VERIFIERS, 0)
     for trial in range(90):
         sizes = [int(torch.randint(0, 12, (1,), generator=generator)) for _ in range(4)]
         requests = [random_request(generator, k, VOCAB) for k in sizes]

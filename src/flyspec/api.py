@@ -90,7 +90,7 @@ def generate(
     resources: Resources | None = None,
     **fields,
 ) -> GenerationResult:
-    """Generate with speculative decoding. Lossy verifiers (fly, margin, typical) must be asked for.
+    """Generate with speculative decoding. Lossy verifiers (``names.LOSSY_VERIFIERS``) must be asked for.
 
     ``dtype`` and ``device`` (``auto``, ``cpu``, ``cuda``, ``cuda:N``) load a model named by string
     (without ``resources``); a loaded model runs where it is. With ``dtype="auto"`` a calibration profile

@@ -23,7 +23,7 @@ from flyspec.cli_options import (
     speculation_config,
 )
 from flyspec.config import DEFAULT_MAX_NEW_TOKENS, ConfigError, DecodeConfig, SamplingConfig, SpeculationConfig
-from flyspec.names import LOSSLESS_VERIFIERS, VERIFIERS, VERSION
+from flyspec.names import LOSSLESS_VERIFIERS, LOSSY_VERIFIERS, VERSION
 
 if TYPE_CHECKING:
     from flyspec.result import GenerationResult
@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="flyspec",
         description="Training-free speculative decoding over Hugging Face transformers. Verifiers: "
         f"{', '.join(LOSSLESS_VERIFIERS)} (lossless); "
-        f"{', '.join(v for v in VERIFIERS if v not in LOSSLESS_VERIFIERS)} (lossy, opt-in).",
+        f"{', '.join(LOSSY_VERIFIERS)} (lossy, opt-in).",
     )
     parser.add_argument("--version", action="version", version=f"flyspec {VERSION}")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=ErrorParser)
@@ -74,7 +74,7 @@ def _add_generate_parser(commands: argparse._SubParsersAction) -> None:
         "generate",
         help="generate text with speculative decoding",
         description="Generate text with speculative decoding. The default verifier (exact) is lossless; "
-        "fly, margin and typical are lossy and must be asked for.",
+        f"{', '.join(LOSSY_VERIFIERS)} are lossy and must be asked for.",
     )
     gen.set_defaults(handler=_generate)
     gen.add_argument(

@@ -22,7 +22,7 @@ from flyspec.config import (
     SpeculationConfig,
     check_device,
 )
-from flyspec.names import DEFAULT_MODEL, DRAFTERS, DTYPE_NAMES, KERNELS, VERIFIERS
+from flyspec.names import DEFAULT_MODEL, DRAFTERS, DTYPE_NAMES, KERNELS, VERIFIER_SUMMARIES, VERIFIERS
 
 # Defaults are SpeculationConfig's (config.py); a flag left out keeps the --speculative-config value.
 _DEFAULT = SpeculationConfig()
@@ -135,8 +135,8 @@ def add_speculation_options(parser: argparse.ArgumentParser, *, components: bool
         spec.add_argument(
             "--verifier",
             choices=VERIFIERS,
-            help="acceptance rule; exact/rejection are lossless, fly/margin/typical lossy "
-            f"(default {_DEFAULT.verifier})",
+            help="acceptance rule (default "
+            f"{_DEFAULT.verifier}): {'; '.join(f'{name} = {summary}' for name, summary in VERIFIER_SUMMARIES.items())}",
         )
     spec.add_argument(
         "-k",
@@ -183,6 +183,12 @@ def add_speculation_options(parser: argparse.ArgumentParser, *, components: bool
     )
     spec.add_argument(
         "--typical-delta", type=float, help=f"typical acceptance delta (default {_DEFAULT.typical.delta})"
+    )
+    spec.add_argument(
+        "--bild-rollback",
+        type=float,
+        help="BiLD: keep a mismatch while -log p_target(token) <= this, in nats "
+        f"(default {_DEFAULT.bild.rollback_threshold})",
     )
     spec.add_argument("--max-ngram", type=int, help=f"longest n-gram to look up (default {_DEFAULT.ngram.max_ngram})")
     spec.add_argument("--min-ngram", type=int, help=f"shortest n-gram to look up (default {_DEFAULT.ngram.min_ngram})")
@@ -277,6 +283,7 @@ FLAG_NAMES = (
     "margin_ratio",
     "typical_epsilon",
     "typical_delta",
+    "bild_rollback",
     "max_ngram",
     "min_ngram",
     "ngram_cache_entries",

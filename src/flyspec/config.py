@@ -215,6 +215,23 @@ class TypicalConfig:
         _require(0 < self.delta <= 1, f"delta must be in (0, 1] (got {self.delta})")
 
 
+@dataclass(frozen=True)
+class BildConfig:
+    """BiLD's rollback policy (arXiv 2302.07863): keep a mismatching draft token while the cross-entropy
+    ``-log p_target(token)`` (nats, temperature 1) is at most ``rollback_threshold`` (the paper's ``α_RB``).
+    The default is flyspec's (``p_target >= e^-2 ≈ 0.14``), not the paper's: the paper sweeps ``α_RB`` to trade
+    quality for speed, as ``flyspec calibrate`` does."""
+
+    rollback_threshold: float = 2.0
+
+    def __post_init__(self) -> None:
+        _require(
+            math.isfinite(self.rollback_threshold) and self.rollback_threshold > 0,
+            f"bild rollback_threshold must be a finite number > 0 (got {self.rollback_threshold}); "
+            "larger keeps more mismatches",
+        )
+
+
 PROTECT_CLASSES = ("digits", "names", "identifiers")
 
 
@@ -234,7 +251,7 @@ def check_device(device: str) -> str:
 
 @dataclass(frozen=True)
 class GuardConfig:
-    """Trust guards of the lossy verifiers (fly, margin, typical); see ``verifiers/guard.py``.
+    """Trust guards of the lossy verifiers (``names.LOSSY_VERIFIERS``); see ``verifiers/guard.py``.
 
     On by default. :meth:`bare` gives the papers' bare rules for ablations; even then EOS and
     n-gram-cache tokens are never loosely accepted (those are defects, not trade-offs).
@@ -371,6 +388,7 @@ class SpeculationConfig:
     fly: FlyConfig = field(default_factory=FlyConfig)
     margin: MarginConfig = field(default_factory=MarginConfig)
     typical: TypicalConfig = field(default_factory=TypicalConfig)
+    bild: BildConfig = field(default_factory=BildConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
     # a calibration profile (``flyspec calibrate``, ``profile.py``): a JSON file, "auto" (the one flyspec ships

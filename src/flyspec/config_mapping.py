@@ -37,6 +37,7 @@ FLAT_OPTIONS = {
     "margin_ratio": "margin.logit_ratio",
     "typical_epsilon": "typical.epsilon",
     "typical_delta": "typical.delta",
+    "bild_rollback": "bild.rollback_threshold",
     "max_ngram": "ngram.max_ngram",
     "min_ngram": "ngram.min_ngram",
     "ngram_cache_entries": "ngram_cache.max_entries",

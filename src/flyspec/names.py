@@ -9,8 +9,20 @@ from __future__ import annotations
 VERSION = "0.1.0"  # flyspec.__version__ (here, so that no module inside flyspec imports the package's front)
 
 DRAFTERS = ("ngram", "ngram-cache", "draft-model", "multilevel", "layer-skip", "stack")
-VERIFIERS = ("exact", "rejection", "fly", "margin", "typical")
+# every verification rule, with what it keeps in one line (``--verifier``'s help, docs/concepts/verifiers.md)
+VERIFIER_SUMMARIES = {
+    "exact": "lossless: a draft token equal to the target's choice (its argmax; a target sample at T>0)",
+    "rejection": "lossless at any T: speculative rejection sampling (greedy: exact match)",
+    "fly": "lossy: also a mismatch where the target's top-3 entropy is high and the next draft tokens match (FLy)",
+    "margin": "lossy: also the target's runner-up where its top-2 logits are close (MARS)",
+    "typical": "lossy: also a token the target gives p > min(eps, delta*exp(-entropy)) (Medusa's typical acceptance)",
+    "bild": "lossy: also a mismatch with -log p_target(token) <= the rollback threshold (BiLD's rollback policy)",
+}
+VERIFIERS = tuple(VERIFIER_SUMMARIES)
 LOSSLESS_VERIFIERS = ("exact", "rejection")
+LOSSY_VERIFIERS = tuple(name for name in VERIFIERS if name not in LOSSLESS_VERIFIERS)
+# the SpeculationConfig fields that decide a loose accept: each lossy rule's settings are the field of its name
+LOSSY_RULE_FIELDS = ("verifier", *LOSSY_VERIFIERS, "guard")
 COPY_DRAFTERS = ("ngram", "ngram-cache")  # proposals cost nothing per token (draft_length.py)
 DRAFT_LENGTH_POLICIES = ("auto", "fixed", "heuristic", "cost")
 KERNELS = ("auto", "stock")  # auto: flyspec's CPU kernels where they apply (runtime/kernels.py)

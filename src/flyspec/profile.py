@@ -45,7 +45,7 @@ from flyspec.config import (
     GuardConfig,
     SpeculationConfig,
 )
-from flyspec.names import LOSSLESS_VERIFIERS
+from flyspec.names import LOSSLESS_VERIFIERS, LOSSY_RULE_FIELDS
 from flyspec.runtime.loaded_model import LoadedModel, ServedModel
 from flyspec.runtime.loading import resolve_device, resolve_dtype
 
@@ -62,7 +62,7 @@ AGREED: dict[tuple[str, str, str], str] = {
 }
 SHIPPED = Path(__file__).parent / "profiles"
 # what a profile's point decides (the rest of a SpeculationConfig is the drafter, which must match)
-RULE_FIELDS = ("verifier", "fly", "margin", "typical", "guard", "breaker", "num_draft_tokens", "draft_length")
+RULE_FIELDS = (*LOSSY_RULE_FIELDS, "breaker", "num_draft_tokens", "draft_length")
 DRAFT_FIELDS = ("drafter", "draft_model", "stack", "num_proposal_tokens", "ngram", "layer_skip")
 
 
@@ -130,6 +130,10 @@ class Profile:
     def point(self, rule: str | None = None) -> dict[str, Any] | None:
         """The chosen point, or with ``rule`` that rule's best in-budget point (None: none)."""
         return self.chosen if rule is None else self.record["by_rule"].get(rule)
+
+    def calibrated(self, rule: str) -> bool:
+        """Whether the calibration measured ``rule`` at all (a profile made before a rule existed did not)."""
+        return rule in self.record["by_rule"]
 
     def speculation(self, spec: SpeculationConfig, rule: str | None = None) -> SpeculationConfig | None:
         """``spec`` (its drafter) at the profile's point for ``rule`` (None: the chosen point); with no such
@@ -329,7 +333,14 @@ def resolution(
         if profile is None:
             return Resolution(done)
         resolved = profile.speculation(done, spec.verifier)
-        if resolved is None:
+        if resolved is None and not profile.calibrated(spec.verifier):
+            logger.warning(
+                "%s did not calibrate %s (it was made before flyspec had the rule); %s runs as exact (lossless). "
+                "Pass --profile none for its default settings, or calibrate it: flyspec calibrate --rules %s",
+                profile.name, spec.verifier, spec.verifier, spec.verifier,
+            )  # fmt: skip
+            resolved = dataclasses.replace(done, verifier="exact")
+        elif resolved is None:
             logger.warning(
                 "%s: no %s setting was measured inside its %.0f%% quality budget and faster than exact on %s; "
                 "%s runs as exact (lossless). "
@@ -343,12 +354,22 @@ def resolution(
     profile.check(target, spec, draft, engine)
     if lossy_settings_are_defaults(spec):
         resolved = profile.speculation(done, spec.verifier if lossy else None)
+        if resolved is None and not profile.calibrated(spec.verifier):
+            raise ConfigError(
+                f"profile {profile.path} did not calibrate {spec.verifier}; calibrate it (flyspec calibrate --rules "
+                f"{spec.verifier}), leave out --verifier to use the profile's chosen point, or pass --profile none"
+            )
         if resolved is None:
             raise ConfigError(
                 f"profile {profile.path} found no {spec.verifier} setting inside its budget; leave out --verifier "
                 "to use its chosen point, or choose a lossless verifier"
             )
         return Resolution(resolved, profile)
+    if lossy and not profile.calibrated(spec.verifier):
+        raise ConfigError(
+            f"profile {profile.path} did not calibrate {spec.verifier}, so it sets no limit for it; calibrate it "
+            f"(flyspec calibrate --rules {spec.verifier}) or pass --profile none"
+        )
     limit = profile.speculation(done, spec.verifier if lossy else None) or dataclasses.replace(done, verifier="exact")
     reasons = looser(limit, done)
     if reasons:
@@ -371,7 +392,9 @@ def looser(limit: SpeculationConfig, spec: SpeculationConfig) -> list[str]:
         for name in (*DRAFT_FIELDS, "num_draft_tokens", "draft_length")
         if getattr(spec, name) != getattr(limit, name)
     ]
-    rule_check = {"fly": _looser_fly, "margin": _looser_margin, "typical": _looser_typical}[spec.verifier]
+    rule_check = {"fly": _looser_fly, "margin": _looser_margin, "typical": _looser_typical, "bild": _looser_bild}[
+        spec.verifier
+    ]
     return reasons + rule_check(limit, spec) + _looser_guard(limit.guard, spec.guard) + _looser_breaker(limit, spec)
 
 
@@ -397,6 +420,11 @@ def _looser_margin(limit: SpeculationConfig, spec: SpeculationConfig) -> list[st
 def _looser_typical(limit: SpeculationConfig, spec: SpeculationConfig) -> list[str]:
     mine, theirs = spec.typical, limit.typical
     return _below("typical epsilon", mine.epsilon, theirs.epsilon) + _below("typical delta", mine.delta, theirs.delta)
+
+
+def _looser_bild(limit: SpeculationConfig, spec: SpeculationConfig) -> list[str]:
+    mine, theirs = spec.bild.rollback_threshold, limit.bild.rollback_threshold  # a larger threshold keeps more
+    return [f"bild rollback_threshold {mine:g} is above the profile's {theirs:g}"] if mine > theirs else []
 
 
 def _looser_guard(limit: GuardConfig, guard: GuardConfig) -> list[str]:

@@ -72,7 +72,7 @@ class LooseAccept:
 
     ``evidence`` is the lossy rule's own measure at that position: FLy's top-k entropy (nats),
     MARS's closeness (``z2/z1``, or ``p2/p1`` where a logit is <= 0), typical acceptance's
-    target probability of the draft token.
+    target probability of the draft token, BiLD's cross-entropy ``-log p_target(draft token)`` (nats).
     """
 
     position: int  # draft position j (the decoder turns it into an index into the output)

@@ -9,6 +9,7 @@ from typing import Any
 
 from flyspec.cli_options import add_model_options, add_speculation_options, engine_options
 from flyspec.extras import require_extra
+from flyspec.names import LOSSY_VERIFIERS
 
 QUICK_LIMIT = 2
 QUICK_MAX_NEW_TOKENS = 48
@@ -22,8 +23,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         description="Run plain decoding, flyspec's speculative methods and peer implementations (transformers "
         "generate: plain, prompt lookup, assisted; llama.cpp when installed) on the same prompts in one run, "
         "interleaved per prompt. Writes results.json (every record), report.md and PNG plots to --out. "
-        "Speedup = method tokens/s ÷ plain decoding tokens/s over the same prompts. Lossy methods (fly, margin, "
-        "typical) are labelled; measure their quality with `flyspec eval`.",
+        "Speedup = method tokens/s ÷ plain decoding tokens/s over the same prompts. Lossy methods ("
+        f"{', '.join(LOSSY_VERIFIERS)}) are labelled; measure their quality with `flyspec eval`.",
     )
     parser.set_defaults(handler=run)
     data = parser.add_argument_group("prompts")

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from flyspec.config import DEFAULT_DTYPE, ConfigError
 from flyspec.extras import require_extra
-from flyspec.names import DEFAULT_MODEL, DTYPE_NAMES
+from flyspec.names import DEFAULT_MODEL, DTYPE_NAMES, LOSSLESS_VERIFIERS
 
 if TYPE_CHECKING:
     from flyspec.decoding import SpeculativeDecoder
@@ -223,7 +223,7 @@ def row_figures(
             {
                 "row": name,
                 "what": what,
-                "lossy": verifier == "fly",
+                "lossy": verifier not in (None, *LOSSLESS_VERIFIERS),
                 "tokens_per_s": figures["tokens_per_s"],
                 "speedup": figures["speedup"],
                 "tau": figures["tau"],

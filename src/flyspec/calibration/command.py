@@ -9,9 +9,9 @@ from typing import Any
 from flyspec.cli_options import add_engine_options, add_model_options, engine_options, parse_skip_layers, vllm_options
 from flyspec.config import ConfigError, SpeculationConfig
 from flyspec.extras import require_extra
-from flyspec.names import DRAFTERS
+from flyspec.names import DRAFTERS, LOSSY_VERIFIERS
 
-RULE_NAMES = ("fly", "margin", "typical")  # calibration/space.py RULES (kept here: --help imports no torch)
+RULE_NAMES = LOSSY_VERIFIERS  # calibration/space.py RULES
 GRID_NAMES = ("default", "quick")
 METRIC_NAMES = ("contains", "exact", "numeric", "chrf", "bleu", "rouge-l", "number-list", "json", "value")
 

@@ -2,7 +2,7 @@
 
 A point is a whole :class:`SpeculationConfig`: the drafter the user calibrates, with one verifier
 setting. Points come in *families*, ordered from strict to loose along one knob (FLy's entropy
-threshold, MARS's margin, typical acceptance's epsilon) with everything else fixed. Within a
+threshold, MARS's margin, typical acceptance's epsilon, BiLD's rollback threshold) with everything else fixed. Within a
 family a looser point keeps every loose accept a stricter one would keep at the same place, so
 when a point is decisively outside the budget the looser ones of its family are pruned
 (``runner.py``) instead of being run to the same verdict.
@@ -37,6 +37,7 @@ from typing import Any
 
 from flyspec.config import (
     PROFILE_NONE,
+    BildConfig,
     ConfigError,
     DraftLengthConfig,
     FlyConfig,
@@ -45,10 +46,10 @@ from flyspec.config import (
     SpeculationConfig,
     TypicalConfig,
 )
-from flyspec.names import COPY_DRAFTERS
+from flyspec.names import COPY_DRAFTERS, LOSSY_VERIFIERS
 
 GRIDS = ("default", "quick")
-RULES = ("fly", "margin", "typical")  # the lossy rules a calibration can compare
+RULES = LOSSY_VERIFIERS  # the lossy rules a calibration can compare: all of them
 # top-3 entropy is at most ln 3 = 1.0986 nats: the gate at 1.08 opens only where the top three are nearly tied
 FLY_THRESHOLDS = (1.08, 1.06, 1.04, 1.02, 1.0, 0.95, 0.9, 0.8, 0.6, 0.45, 0.3, 0.15)
 FLY_WINDOW_THRESHOLDS = (1.04, 1.0, 0.9, 0.8, 0.6, 0.3)  # the other windows' families
@@ -58,6 +59,8 @@ FLY_FLOOR_THRESHOLDS = (0.8, 0.6, 0.3, 0.0)
 NATIVE_THRESHOLDS = (1.08, 1.04, 1.0, 0.9, 0.6, 0.3)  # vLLM 0.33's native FLy (variant "vllm", no trust guards)
 MARGIN_RATIOS = (0.995, 0.99, 0.98, 0.95, 0.9, 0.8, 0.7)
 TYPICAL_EPSILONS = (0.8, 0.5, 0.3, 0.2, 0.09)
+# -log p_target(draft token) <= threshold; a mismatch has p <= 1/2 when greedy, so below ln 2 ≈ 0.69 nothing loosens
+BILD_THRESHOLDS = (0.75, 0.9, 1.1, 1.4, 1.8, 2.3, 3.0)
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,7 @@ def base_speculation(spec: SpeculationConfig, policy: str | None = None) -> Spec
         fly=FlyConfig(),
         margin=MarginConfig(),
         typical=TypicalConfig(),
+        bild=BildConfig(),
         guard=GuardConfig(),
         draft_length=dataclasses.replace(spec.draft_length, policy=policy),
     )
@@ -172,4 +176,9 @@ def points(
             name = f"typical eps={epsilon:g}"
             typical = TypicalConfig(epsilon=epsilon)
             found.append(_point(base, "typical", "typical", order, name, {"epsilon": epsilon}, typical=typical))
+    if "bild" in rules:
+        for order, threshold in enumerate((1.4,) if quick else BILD_THRESHOLDS):
+            name = f"bild -log p<={threshold:g}"
+            bild = BildConfig(rollback_threshold=threshold)
+            found.append(_point(base, "bild", "bild", order, name, {"rollback_threshold": threshold}, bild=bild))
     return found

@@ -15,6 +15,7 @@ from pathlib import Path
 from flyspec.cli_options import add_model_options, add_speculation_options, engine_options, speculation_config
 from flyspec.config import ConfigError, SpeculationConfig
 from flyspec.extras import require_extra
+from flyspec.names import LOSSY_VERIFIERS
 from flyspec.server.settings import (
     ALLOW_REQUEST_SPECULATIVE,
     LOOPBACK_HOSTS,
@@ -52,7 +53,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="serve an OpenAI-compatible HTTP API (completions, chat, streaming, metrics)",
         description="Serve the target model over an OpenAI-compatible HTTP API. The options below are "
         "server-wide defaults; a request may choose its own drafter, verifier and parameters in the "
-        "`speculative` body field. fly, margin and typical are lossy and run only when asked for.",
+        f"`speculative` body field. {', '.join(LOSSY_VERIFIERS)} are lossy and run only when asked for.",
     )
     add_model_options(parser, chat=False)
     add_speculation_options(parser)

@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from flyspec.config import DEFAULT_MAX_NEW_TOKENS, ConfigError, SpeculationConfig
-from flyspec.names import LOSSLESS_VERIFIERS, VERIFIERS
+from flyspec.config_mapping import FLAT_OPTIONS
+from flyspec.names import LOSSLESS_VERIFIERS, LOSSY_VERIFIERS
 
 # Which verifier each per-request speculative parameter belongs to: setting one while another
 # verifier runs is a 400, so nobody believes they ran FLy when they did not.
-LOSSY_VERIFIERS = tuple(name for name in VERIFIERS if name not in LOSSLESS_VERIFIERS)
 VERIFIER_PARAMETERS: dict[str, tuple[str, ...]] = {
     "window_size": ("fly",),
     "entropy_threshold": ("fly",),
@@ -25,6 +25,7 @@ VERIFIER_PARAMETERS: dict[str, tuple[str, ...]] = {
     "margin_ratio": ("margin",),
     "typical_epsilon": ("typical",),
     "typical_delta": ("typical",),
+    "bild_rollback": ("bild",),
     "protect": LOSSY_VERIFIERS,
     "bare_rule": LOSSY_VERIFIERS,
 }
@@ -82,16 +83,10 @@ def describe(spec: SpeculationConfig) -> dict[str, Any]:
     }
     if spec.drafter == "stack":
         described["stack"] = list(spec.stack)
-    if spec.verifier == "fly":
-        described.update(
-            window_size=spec.fly.window_size,
-            entropy_threshold=spec.fly.entropy_threshold,
-            fly_temperature_rule=spec.fly.temperature_rule,
-        )
-    elif spec.verifier == "margin":
-        described["margin_ratio"] = spec.margin.logit_ratio
-    elif spec.verifier == "typical":
-        described.update(typical_epsilon=spec.typical.epsilon, typical_delta=spec.typical.delta)
+    for name, verifiers in VERIFIER_PARAMETERS.items():  # the running rule's own settings
+        if spec.verifier in verifiers and name in FLAT_OPTIONS:
+            component, field_name = FLAT_OPTIONS[name].split(".")
+            described[name] = getattr(getattr(spec, component), field_name)
     if not is_lossless(spec):
         described["protect"] = list(spec.guard.protect)
         described["bare_rule"] = spec.guard.is_bare

@@ -19,7 +19,7 @@ recovered
 bonus
     The target's next token when all ``k`` draft tokens are accepted (from row ``k``).
 loose accept
-    A draft token that the strict base rule rejects but a lossy rule (FLy, margin, typical)
+    A draft token that the strict base rule rejects but a lossy rule (FLy, margin, typical, BiLD)
     keeps. Loose accepts count as accepted.
 acceptance length, τ
     Tokens committed per target forward, the recovered/bonus token included. Plain decoding

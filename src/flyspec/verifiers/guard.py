@@ -1,4 +1,4 @@
-"""Trust guards: which loose accepts a lossy verifier (fly, margin, typical) may keep. flyspec's own.
+"""Trust guards: which loose accepts a lossy verifier (fly, margin, typical, bild) may keep. flyspec's own.
 
 A lossy rule proposes *candidates*: mismatching draft tokens it would keep. A guard vetoes a
 candidate, which is then judged by the strict base rule exactly as if the lossy rule had not kept

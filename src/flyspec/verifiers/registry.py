@@ -6,16 +6,18 @@ from typing import Any
 
 from flyspec.config import ConfigError, SpeculationConfig
 from flyspec.names import LOSSLESS_VERIFIERS as LOSSLESS_VERIFIERS  # re-exported: the names live in names.py
+from flyspec.names import LOSSY_RULE_FIELDS as LOSSY_RULE_FIELDS  # re-exported: what make_verifier reads
 from flyspec.names import VERIFIERS
 from flyspec.verifiers.base import Verifier
+from flyspec.verifiers.bild import BildVerifier
 from flyspec.verifiers.exact import ExactVerifier
 from flyspec.verifiers.fly import FlyVerifier
 from flyspec.verifiers.margin import MarginVerifier
 from flyspec.verifiers.rejection import RejectionVerifier
 from flyspec.verifiers.typical import TypicalVerifier
 
-# the SpeculationConfig fields make_verifier reads: what decides a loose accept
-LOSSY_RULE_FIELDS = ("verifier", "fly", "margin", "typical", "guard")
+# name -> the lossy verifier's class, built with the SpeculationConfig field of its name and the guards
+LOOSE_RULES = {"fly": FlyVerifier, "margin": MarginVerifier, "typical": TypicalVerifier, "bild": BildVerifier}
 
 
 def make_verifier(name: str, spec: SpeculationConfig | None = None) -> Verifier:
@@ -29,12 +31,8 @@ def make_verifier(name: str, spec: SpeculationConfig | None = None) -> Verifier:
         return ExactVerifier()
     if name == "rejection":
         return RejectionVerifier()
-    if name == "fly":
-        return FlyVerifier(spec.fly, guard=spec.guard)
-    if name == "margin":
-        return MarginVerifier(spec.margin, guard=spec.guard)
-    if name == "typical":
-        return TypicalVerifier(spec.typical, guard=spec.guard)
+    if name in LOOSE_RULES:
+        return LOOSE_RULES[name](getattr(spec, name), guard=spec.guard)
     raise ConfigError(f"unknown verifier {name!r}; choose one of: {', '.join(VERIFIERS)}")
 
 

@@ -63,6 +63,7 @@ from typing import Any
 
 from flyspec_vllm._flyspec import (
     LOSSY_RULE_FIELDS,
+    LOSSY_VERIFIERS,
     BreakerConfig,
     ConfigError,
     FlyConfig,
@@ -83,7 +84,7 @@ TRUST_VARIABLE = "FLYSPEC_VLLM_TRUST_REQUESTS"
 SWITCH_VALUES = ("request", "all", "off")
 GUARD_VALUES = {"default": GuardConfig(), "bare": GuardConfig.bare()}
 METHODS = ("fly", "standard")
-LOSSY_RULES = ("fly", "margin", "typical")
+LOSSY_RULES = LOSSY_VERIFIERS  # every lossy rule: each is a rewrite of target logits at the draft positions
 REQUEST_KEYS = (
     "rejection_sample_method",
     "fly_window_size",
