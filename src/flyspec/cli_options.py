@@ -190,6 +190,13 @@ def add_speculation_options(parser: argparse.ArgumentParser, *, components: bool
         help="BiLD: keep a mismatch while -log p_target(token) <= this, in nats "
         f"(default {_DEFAULT.bild.rollback_threshold})",
     )
+    spec.add_argument(
+        "--exact-first",
+        type=int,
+        metavar="N",
+        help="lossy verifiers: verify the first N output tokens exactly, so a loose accept never decides how an "
+        f"answer starts (a refusal, a first fact); 0: off (default {_DEFAULT.guard.exact_first})",
+    )
     spec.add_argument("--max-ngram", type=int, help=f"longest n-gram to look up (default {_DEFAULT.ngram.max_ngram})")
     spec.add_argument("--min-ngram", type=int, help=f"shortest n-gram to look up (default {_DEFAULT.ngram.min_ngram})")
     spec.add_argument(
@@ -284,6 +291,7 @@ FLAG_NAMES = (
     "typical_epsilon",
     "typical_delta",
     "bild_rollback",
+    "exact_first",
     "max_ngram",
     "min_ngram",
     "ngram_cache_entries",

@@ -15,7 +15,7 @@ from typing import Any
 from flyspec.config_mapping import FLAT_OPTIONS, floats, from_vllm, jsonable, replaced
 from flyspec.config_mapping import ConfigError as ConfigError  # re-exported: raised by every config here
 from flyspec.config_mapping import require as _require
-from flyspec.names import DRAFT_LENGTH_POLICIES
+from flyspec.names import DISTRIBUTION_DRAFTERS, DISTRIBUTION_VERIFIERS, DRAFT_LENGTH_POLICIES
 
 # FLy reference config (AMD-AGI/FLy): 15 draft tokens, window 6, entropy threshold 0.3 over the
 # target's top-3 probabilities.
@@ -265,12 +265,16 @@ class GuardConfig:
     default 1.0 refuses every such copy short of an exact tie: at 0.5, 9 of 200 ``passage`` answers
     (SmolLM2-135M, float32) copied a prompt sentence the target wanted to leave and changed
     their names and numbers (EVALUATION.md).
+    ``exact_first``: the first ``exact_first`` tokens of every output are verified exactly (0: off), the
+    correction a comparison of relaxed verifiers found to recover most of the safety they lose (a refusal is
+    decided in the first tokens). Not a trust guard of the papers' rules: :meth:`bare` keeps it.
     """
 
     protect: tuple[str, ...] = ("digits", "names")
     top_k: int = 3
     repeat_ngram: int = 4
     copy_ratio: float = 1.0
+    exact_first: int = 0
 
     def __post_init__(self) -> None:
         for name in self.protect:
@@ -286,6 +290,10 @@ class GuardConfig:
         _require(
             0 <= self.copy_ratio <= 1, f"guard copy_ratio must be in [0, 1] (got {self.copy_ratio}); 0 disables it"
         )
+        _require(
+            self.exact_first >= 0,
+            f"exact_first must be >= 0 (got {self.exact_first}): how many first output tokens are verified exactly",
+        )
 
     @staticmethod
     def bare() -> GuardConfig:
@@ -294,7 +302,8 @@ class GuardConfig:
 
     @property
     def is_bare(self) -> bool:
-        return self == GuardConfig.bare()
+        """No trust guard beyond the always-on ones (``exact_first`` is not one: any rule may have it)."""
+        return dataclasses.replace(self, exact_first=0) == GuardConfig.bare()
 
     def with_options(self, protect: Sequence[str] | None, bare_rule: bool | None, where: str = "") -> GuardConfig:
         """These guards with ``protect`` and ``bare_rule`` (``--protect``/``--bare-rule``, or a request's).
@@ -312,6 +321,7 @@ class GuardConfig:
         guard = self
         if bare_rule is not None and bare_rule != self.is_bare:
             guard = GuardConfig.bare() if bare_rule else GuardConfig()
+            guard = dataclasses.replace(guard, exact_first=self.exact_first)
         if protect is None or set(protect) == set(guard.protect):
             return guard
         return dataclasses.replace(guard, protect=tuple(dict.fromkeys(protect)))
@@ -408,6 +418,11 @@ class SpeculationConfig:
         _require(
             self.drafter not in MODEL_DRAFTERS or self.draft_model is not None,
             f"drafter {self.drafter!r} needs a draft model; pass --draft-model NAME_OR_PATH",
+        )
+        _require(
+            self.verifier not in DISTRIBUTION_VERIFIERS or self.drafter in DISTRIBUTION_DRAFTERS,
+            f"verifier {self.verifier!r} compares the draft model's distribution with the target's, and drafter "
+            f"{self.drafter!r} has none: use --drafter {' or '.join(DISTRIBUTION_DRAFTERS)} with --draft-model",
         )
         _require(
             self.drafter != "stack" or bool(self.stack),

@@ -38,6 +38,7 @@ FLAT_OPTIONS = {
     "typical_epsilon": "typical.epsilon",
     "typical_delta": "typical.delta",
     "bild_rollback": "bild.rollback_threshold",
+    "exact_first": "guard.exact_first",
     "max_ngram": "ngram.max_ngram",
     "min_ngram": "ngram.min_ngram",
     "ngram_cache_entries": "ngram_cache.max_entries",

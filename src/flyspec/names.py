@@ -21,6 +21,10 @@ VERIFIER_SUMMARIES = {
 VERIFIERS = tuple(VERIFIER_SUMMARIES)
 LOSSLESS_VERIFIERS = ("exact", "rejection")
 LOSSY_VERIFIERS = tuple(name for name in VERIFIERS if name not in LOSSLESS_VERIFIERS)
+# the lossy rules that compare the draft model's distribution with the target's (Draft.draft_distribution): they
+# need a draft model of the target's tokenizer (drafter draft-model or multilevel), not n-gram drafts
+DISTRIBUTION_VERIFIERS: tuple[str, ...] = ()
+DISTRIBUTION_DRAFTERS = ("draft-model", "multilevel")
 # the SpeculationConfig fields that decide a loose accept: each lossy rule's settings are the field of its name
 LOSSY_RULE_FIELDS = ("verifier", *LOSSY_VERIFIERS, "guard")
 COPY_DRAFTERS = ("ngram", "ngram-cache")  # proposals cost nothing per token (draft_length.py)

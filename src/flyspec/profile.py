@@ -437,6 +437,7 @@ def _looser_guard(limit: GuardConfig, guard: GuardConfig) -> list[str]:
         if theirs and (mine == 0 or mine > theirs):
             reasons.append(f"guard {name} {mine} is looser than the profile's {theirs}")
     reasons += _below("guard copy_ratio", guard.copy_ratio, limit.copy_ratio)
+    reasons += _below("exact_first", guard.exact_first, limit.exact_first)
     return reasons
 
 

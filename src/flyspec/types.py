@@ -23,12 +23,17 @@ class Draft:
 
     ``draft_probs`` is the distribution each token was drawn from (``[k, vocab]``), or ``None``
     for deterministic proposals (n-gram lookup, greedy model drafts), which count as one-hot.
+    ``draft_distribution`` is the draft model's own next-token distribution at each position (softmax of
+    its raw logits, temperature 1; ``[k, vocab]``), greedy or not: what the rules that compare the draft's
+    and the target's distributions read (``names.DISTRIBUTION_VERIFIERS``). Only a draft model that was
+    asked for it carries one (``DraftModelDrafter.keep_distribution``).
     """
 
     tokens: torch.Tensor  # [k] int64, k may be 0
     draft_probs: torch.Tensor | None = None  # [k, vocab] float32
     sources: tuple[str, ...] | None = None  # [k] provenance of each token (SOURCES); None = unknown
     match_length: int = 0  # copy drafters: tokens of the context suffix the copy matched (0: not a copy)
+    draft_distribution: torch.Tensor | None = None  # [k, vocab] float32, temperature 1
 
     def __post_init__(self) -> None:
         if self.tokens.dim() != 1:
@@ -37,6 +42,8 @@ class Draft:
             raise ValueError("draft_probs must have one row per draft token")
         if self.sources is not None and len(self.sources) != self.tokens.shape[0]:
             raise ValueError("sources must name one provenance per draft token")
+        if self.draft_distribution is not None and self.draft_distribution.shape[0] != self.tokens.shape[0]:
+            raise ValueError("draft_distribution must have one row per draft token")
 
     def source(self, position: int) -> str:
         """Where draft token ``position`` came from (one of :data:`SOURCES`)."""
@@ -51,7 +58,8 @@ class Draft:
         if self.tokens.device == device:
             return self
         probs = self.draft_probs.to(device) if self.draft_probs is not None else None
-        return Draft(self.tokens.to(device), probs, self.sources, self.match_length)
+        distribution = self.draft_distribution.to(device) if self.draft_distribution is not None else None
+        return Draft(self.tokens.to(device), probs, self.sources, self.match_length, distribution)
 
     def head(self, num_tokens: int) -> Draft:
         """The first ``num_tokens`` draft tokens (itself when that is all of them)."""
@@ -59,7 +67,8 @@ class Draft:
             return self
         probs = self.draft_probs[:num_tokens] if self.draft_probs is not None else None
         sources = self.sources[:num_tokens] if self.sources is not None else None
-        return Draft(self.tokens[:num_tokens], probs, sources, self.match_length)
+        distribution = self.draft_distribution[:num_tokens] if self.draft_distribution is not None else None
+        return Draft(self.tokens[:num_tokens], probs, sources, self.match_length, distribution)
 
     @staticmethod
     def empty(device: torch.device | str = "cpu") -> Draft:

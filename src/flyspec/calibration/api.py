@@ -69,7 +69,8 @@ def calibrate(
     tasks = calibration_data.resolve_tasks(config.data, config.metric)
     items = calibration_data.load(tasks, config.limit, config.skip_bad_lines)
     draft_length = "fixed" if config.engine == "vllm" else config.draft_length  # vLLM: num_speculative_tokens
-    points = grid_points(config.speculation, config.grid, config.rules, draft_length)  # errors before any model loads
+    # errors before any model loads
+    points = grid_points(config.speculation, config.grid, config.rules, draft_length, config.exact_first)
     if config.engine == "vllm":
         return calibrate_on_vllm(target, config, tasks, items, points, resources, progress, command)
     resources = resources or Resources()

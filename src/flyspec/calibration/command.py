@@ -21,9 +21,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "calibrate",
         help="find the fastest lossy setting inside a quality budget on your model, drafter and prompts",
         description="Run a drafter's lossless baseline and a grid of lossy settings (FLy's entropy threshold, "
-        "window and draft-probability floor with the trust guards; MARS margins; typical acceptance; the "
-        "paper's bare FLy rule) on calibration prompts, greedy, replaying the shared target forwards so the "
-        "grid costs little more than its divergent paths. Each output is compared with plain decoding's "
+        "window and draft-probability floor with the trust guards; MARS margins; typical acceptance; BiLD's "
+        "rollback threshold; the paper's bare FLy rule; optionally each with its first L tokens exact) on "
+        "calibration prompts, greedy, replaying the shared target forwards so the grid costs little more than its "
+        "divergent paths. Each output is compared with plain decoding's "
         "(meaning change, new loop, task score), each point gets one-sided 95% bounds, and points surely "
         "above the budget stop early. Chooses the point with the highest projected speedup (from the "
         "measured forward costs t(n) and the drafter's measured cost) whose bounds are inside the budget, "
@@ -54,6 +55,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     work.add_argument("--confidence", type=float, default=0.95, help="of the bounds (default 0.95)")
     work.add_argument(
         "--rules", default=",".join(RULE_NAMES), help=f"lossy rules to compare (default {','.join(RULE_NAMES)})"
+    )
+    work.add_argument(
+        "--exact-first",
+        default="0",
+        metavar="L,...",
+        help="the exact-first axis: comma-separated output lengths L; every lossy point also runs with its first L "
+        "output tokens verified exactly, as a family of its own (e.g. 0,16,32; default 0: without)",
     )
     work.add_argument(
         "--grid", default="default", choices=GRID_NAMES, help="default (about 50 points) or quick (about 7)"
@@ -139,6 +147,12 @@ def build_config(args: argparse.Namespace) -> Any:
         raise ConfigError(f"unknown rule {(unknown or [''])[0]!r} in --rules; choose from {', '.join(RULE_NAMES)}")
     if args.limit < 1:
         raise ConfigError(f"--limit must be >= 1 (got {args.limit})")
+    values = [value.strip() for value in args.exact_first.split(",") if value.strip()]
+    if not values or not all(value.isdigit() for value in values):
+        raise ConfigError(
+            f"--exact-first takes comma-separated whole numbers >= 0 such as 0,16 (got {args.exact_first!r})"
+        )
+    exact_first = tuple(int(value) for value in values)
     spec = drafter_spec(args)
     out = Path(args.out) if args.out else Path("calibration") / f"{Path(args.target).name}-{spec.drafter}-{args.dtype}"
     return CalibrationConfig(
@@ -149,6 +163,7 @@ def build_config(args: argparse.Namespace) -> Any:
         budget=Budget.of(args.budget, args.confidence),
         grid=args.grid,
         rules=rules,
+        exact_first=exact_first,
         out_dir=out,
         resume=args.resume,
         live_check=args.live_check,

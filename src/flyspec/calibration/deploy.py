@@ -32,7 +32,8 @@ def deployment(record: dict[str, Any]) -> dict[str, Any]:
     if spec is None:
         out["vllm_plugin"]["note"] = "no lossy point was chosen: serve without loose acceptance (lossless)"
         return out
-    if spec.verifier == "fly" and spec.guard.is_bare and spec.fly.min_draft_prob == 0 and spec.drafter == "ngram":
+    native = spec.guard.is_bare and spec.guard.exact_first == 0  # vLLM's own rule has neither guards nor exact-first
+    if spec.verifier == "fly" and native and spec.fly.min_draft_prob == 0 and spec.drafter == "ngram":
         same = spec.fly.variant == "vllm"
         out["vllm_native"] = {
             "label": "no trust guards",

@@ -30,6 +30,7 @@ class CalibrationConfig:
     budget: Budget = field(default_factory=Budget)
     grid: str = "default"
     rules: tuple[str, ...] = RULES
+    exact_first: tuple[int, ...] = (0,)  # the exact-first axis: every lossy point once per value (space.points)
     out_dir: Path = Path("calibration")
     resume: bool = False
     live_check: int = 20  # prompts re-run live at the end (plain and the chosen point)

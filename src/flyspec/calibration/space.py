@@ -133,9 +133,42 @@ def fly_point(
 
 
 def points(
-    spec: SpeculationConfig, grid: str = "default", rules: tuple[str, ...] = RULES, draft_length: str | None = None
+    spec: SpeculationConfig,
+    grid: str = "default",
+    rules: tuple[str, ...] = RULES,
+    draft_length: str | None = None,
+    exact_first: tuple[int, ...] = (0,),
 ) -> list[Point]:
-    """The grid's points for ``spec``'s drafter (lossless baselines first; ``draft_length``: see base_speculation)."""
+    """The grid's points for ``spec``'s drafter (lossless baselines first; ``draft_length``: see base_speculation).
+
+    ``exact_first``: the exact-first axis (``GuardConfig.exact_first``): every lossy point once per value, a value
+    above 0 as a family of its own (``"fly W6 first16"``), so each keeps its strict-to-loose order."""
+    if any(value < 0 for value in exact_first) or not exact_first:
+        raise ConfigError(f"exact-first values must be >= 0 (got {', '.join(map(str, exact_first)) or 'none'})")
+    found = _grid(spec, grid, rules, draft_length)
+    lossy = [point for point in found if not point.lossless]
+    for value in dict.fromkeys(value for value in exact_first if value > 0):
+        found += [_exact_first(point, value) for point in lossy]
+    if 0 not in exact_first:
+        found = [point for point in found if point.lossless or point.speculation.guard.exact_first]
+    return found
+
+
+def _exact_first(point: Point, value: int) -> Point:
+    """``point`` with its first ``value`` output tokens verified exactly: a family of its own."""
+    guard = dataclasses.replace(point.speculation.guard, exact_first=value)
+    return Point(
+        f"{point.name} first{value}",
+        point.rule,
+        f"{point.family} first{value}",
+        point.order,
+        dataclasses.replace(point.speculation, guard=guard),
+        {**point.settings, "exact_first": value},
+    )
+
+
+def _grid(spec: SpeculationConfig, grid: str, rules: tuple[str, ...], draft_length: str | None) -> list[Point]:
+    """The grid's points without the exact-first axis."""
     if grid not in GRIDS:
         raise ConfigError(f"unknown grid {grid!r}; choose from: {', '.join(GRIDS)}")
     unknown = [rule for rule in rules if rule not in RULES]

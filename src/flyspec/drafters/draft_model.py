@@ -83,6 +83,7 @@ class DraftModelDrafter:
     num_proposal_tokens: int = DEFAULT_NUM_PROPOSAL_TOKENS
     confidence_threshold: float = 0.0
     name: str = "draft-model"
+    keep_distribution: bool = False  # attach Draft.draft_distribution (rules that compare distributions)
 
     def __post_init__(self) -> None:
         self.cached_model = CachedModel(self.draft_model, full_history=True)  # rollbacks span several draft forwards
@@ -116,6 +117,7 @@ class DraftModelDrafter:
         sequence = list(token_ids)
         drafted: list[int] = []
         probs: list[torch.Tensor] = []
+        distributions: list[torch.Tensor] = []  # [kept, vocab] per forward, with keep_distribution
         while len(drafted) < num_draft_tokens:
             proposal = self._proposal(sequence, num_draft_tokens - len(drafted) - 1, sampling, generator)
             pending = sequence[self.cached_model.cached_length :]  # >= 1 token: the cache lags by one
@@ -133,14 +135,17 @@ class DraftModelDrafter:
             drafted += new_tokens
             if new_probs is not None:
                 probs.append(new_probs[:keep])
+            if self.keep_distribution:
+                distributions.append(torch.softmax(logits[:keep].float(), dim=-1))  # temperature 1
             if self.proposer is not None:
                 self.proposer.rollback(len(sequence))
             if unsure_at is not None:
                 self.num_confidence_stops += 1
                 break
         draft_probs = torch.cat(probs) if probs else None
+        distribution = torch.cat(distributions) if distributions else None
         tokens = torch.tensor(drafted, dtype=torch.long, device=self.device)
-        return Draft(tokens, draft_probs, sources=(MODEL,) * len(drafted))
+        return Draft(tokens, draft_probs, sources=(MODEL,) * len(drafted), draft_distribution=distribution)
 
     def _proposal(
         self, sequence: list[int], room: int, sampling: SamplingConfig, generator: torch.Generator | None

@@ -26,7 +26,7 @@ from flyspec.drafters.draft_model import DraftModelDrafter
 from flyspec.drafters.layer_skip import Calibrations, LayerSkipDrafter
 from flyspec.drafters.ngram import NgramDrafter
 from flyspec.drafters.ngram_cache import NgramCache, NgramCacheDrafter
-from flyspec.names import DRAFTERS
+from flyspec.names import DISTRIBUTION_VERIFIERS, DRAFTERS
 from flyspec.runtime.loaded_model import LoadedModel
 
 NGRAM_LEVELS = ("ngram", "ngram-cache")
@@ -66,6 +66,13 @@ def make_drafter(spec: SpeculationConfig, target: LoadedModel, resources: StackR
     resolved_levels = [level if level in (*NGRAM_LEVELS, LAYER_SKIP) else resources.model(level) for level in levels]
     drafter = _StackBuilder(target, spec, resources).build(resolved_levels)
     drafter.name = spec.drafter
+    if spec.verifier in DISTRIBUTION_VERIFIERS:
+        if not isinstance(drafter, DraftModelDrafter):  # its draft model speaks another tokenizer: re-tokenized
+            raise ConfigError(
+                f"verifier {spec.verifier!r} compares the draft model's distribution with the target's, so the draft "
+                "model needs the target's tokenizer; use a draft model of the same tokenizer, or another verifier"
+            )
+        drafter.keep_distribution = True
     return drafter
 
 

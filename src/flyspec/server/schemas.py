@@ -103,6 +103,7 @@ class SpeculativeOptions(_Strict):
     typical_epsilon: Annotated[float, Field(gt=0, le=1)] | None = None
     typical_delta: Annotated[float, Field(gt=0, le=1)] | None = None
     bild_rollback: Annotated[float, Field(gt=0)] | None = None
+    exact_first: Annotated[int, Field(ge=0)] | None = None
     protect: list[Literal[PROTECT_CLASSES]] | None = None  # type: ignore[valid-type]
     bare_rule: bool | None = None  # the paper's rule without flyspec's trust guards (true), or with them (false)
     draft_length: Literal[DRAFT_LENGTH_POLICIES] | None = None  # type: ignore[valid-type]

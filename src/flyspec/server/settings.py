@@ -28,6 +28,7 @@ VERIFIER_PARAMETERS: dict[str, tuple[str, ...]] = {
     "bild_rollback": ("bild",),
     "protect": LOSSY_VERIFIERS,
     "bare_rule": LOSSY_VERIFIERS,
+    "exact_first": LOSSY_VERIFIERS,
 }
 
 
@@ -84,7 +85,7 @@ def describe(spec: SpeculationConfig) -> dict[str, Any]:
     if spec.drafter == "stack":
         described["stack"] = list(spec.stack)
     for name, verifiers in VERIFIER_PARAMETERS.items():  # the running rule's own settings
-        if spec.verifier in verifiers and name in FLAT_OPTIONS:
+        if spec.verifier in verifiers and name in FLAT_OPTIONS and FLAT_OPTIONS[name].count(".") == 1:
             component, field_name = FLAT_OPTIONS[name].split(".")
             described[name] = getattr(getattr(spec, component), field_name)
     if not is_lossless(spec):

@@ -255,8 +255,19 @@ class LooseRule(Rule):
         accept: torch.Tensor,  # [k] bool, the strict acceptance
         next_token: NextToken,
     ) -> Verdict:
-        candidates, evidence = self.candidates(accept, draft.tokens, target_logits, sampling)
+        candidates, evidence = self.judge(accept, draft, target_logits, sampling)
         return loose_verdict(draft, target_logits, accept, candidates, evidence, next_token, self.guard, context)
+
+    def judge(
+        self,
+        base_accept: torch.Tensor,  # [k] bool, the strict rule's acceptance
+        draft: Draft,
+        target_logits: torch.Tensor,  # [k + 1, vocab]
+        sampling: SamplingConfig,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`candidates` of the draft's tokens; a rule that reads more of the draft than its tokens (the draft
+        model's distribution: ``names.DISTRIBUTION_VERIFIERS``) overrides this instead."""
+        return self.candidates(base_accept, draft.tokens, target_logits, sampling)
 
     def candidates(
         self,

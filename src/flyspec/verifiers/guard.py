@@ -33,6 +33,11 @@ On by default (``GuardConfig()``), off in ``GuardConfig.bare()``:
     while the target's own choice there would not have repeated it. n-gram drafts are copies, and
     once a copy of the output is committed the target tends to follow it, so the deferred window
     is satisfied by the very repetition it should judge.
+``exact-first``
+    The candidate would land among the first ``exact_first`` tokens of the output (``GuardConfig.exact_first``,
+    default 0: off; in bare rules too, as it is the user's choice, not one of flyspec's guards): the start of
+    an answer (a refusal, the first fact) is verified exactly, the correction a comparison of relaxed
+    verifiers found to recover most of the safety they lose at almost no speed cost.
 ``breaker``
     The generation's circuit breaker has tripped (``breaker.py``; only with a ``BreakerConfig``,
     which a calibration profile sets, in bare rules too): it made far more loose accepts than its
@@ -226,6 +231,9 @@ def guard_loose_mask(
     draft_ids, target_ids = host[3 * k : 4 * k], host[4 * k :]
     vetoes: Vetoes = {}
     tripped = context is not None and context.breaker is not None and context.breaker.tripped
+    # output tokens before this draft: the exact-first correction reads where each draft token would land (without
+    # a context, a verifier used on its own, every draft counts as the output's start: stricter, never looser)
+    written = len(context.token_ids) - context.prompt_length if context is not None else 0
     for position in range(k):
         if base_host[position]:
             continue
@@ -233,11 +241,12 @@ def guard_loose_mask(
             if loose_host[position]:
                 vetoes[position] = ("top-k",)
             break  # the accepted prefix ends here
-        reasons = (
-            ["breaker"]
-            if tripped
-            else _vetoes_at(position, draft, draft_ids, target_ids[position], target_logits, config, context)
-        )
+        if written + position < config.exact_first:
+            reasons = ["exact-first"]
+        elif tripped:
+            reasons = ["breaker"]
+        else:
+            reasons = _vetoes_at(position, draft, draft_ids, target_ids[position], target_logits, config, context)
         if reasons:
             kept_host[position] = 0
             vetoes[position] = tuple(reasons)
