@@ -165,7 +165,8 @@ def config_reference() -> str:
         if dataclasses.is_dataclass(value):
             nested[type(value)] = name
     nested[config.SamplingConfig] = ""
-    classes = [c for c in vars(config).values() if _is_config_class(c, config.__name__)]
+    modules = (config.__name__, "flyspec.rule_config")  # the lossy rules' configs live there, re-exported by config
+    classes = [c for c in vars(config).values() if any(_is_config_class(c, module) for module in modules)]
     ordered = sorted(classes, key=lambda c: (c is not config.SpeculationConfig, c is not config.DecodeConfig))
     for cls in ordered:
         prefix = nested.get(cls)

@@ -18,6 +18,7 @@ from transformers import PreTrainedTokenizerFast
 
 from conftest import CORPUS, make_tiny_model
 from flyspec.cli import main
+from flyspec.names import DISTRIBUTION_VERIFIERS, LOSSLESS_VERIFIERS
 from flyspec.verifiers.registry import VERIFIERS
 
 # A prompt on which the tiny target runs past 40 tokens without EOS and the n-gram drafter
@@ -95,11 +96,14 @@ def usage_error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
 
 @pytest.mark.parametrize("verifier", VERIFIERS)
 def test_json_record_is_consistent(capsys: pytest.CaptureFixture[str], tiny_model_dir: Path, verifier: str) -> None:
-    record = run_json(capsys, tiny_model_dir, "--verifier", verifier)
+    drafter = ["--drafter", "draft-model", "--draft-model", str(tiny_model_dir)]  # fsd, cascade: a distribution
+    record = run_json(
+        capsys, tiny_model_dir, "--verifier", verifier, *(drafter if verifier in DISTRIBUTION_VERIFIERS else [])
+    )
     assert record.keys() >= RECORD_KEYS
     assert record["verifier"] == verifier
     assert record["dtype"] == "float32"
-    assert record["lossless"] is (verifier in ("exact", "rejection"))
+    assert record["lossless"] is (verifier in LOSSLESS_VERIFIERS)
     assert 1 <= record["num_new_tokens"] <= MAX_NEW_TOKENS
     assert record["wall_time_s"] > 0
     assert record["tokens_per_s"] == pytest.approx(record["num_new_tokens"] / record["wall_time_s"])

@@ -41,7 +41,11 @@ from flyspec.verifiers import (
     make_verifier,
 )
 from flyspec.verifiers.bild import BildVerifier
+from flyspec.verifiers.block import BlockVerifier
+from flyspec.verifiers.cascade import CascadeVerifier
 from flyspec.verifiers.fly import topk_entropy
+from flyspec.verifiers.fsd import FsdVerifier
+from flyspec.verifiers.lenience import LenienceVerifier
 
 # These tests pin the papers' rules themselves; the trust guards are tested in test_guard.py.
 BARE = GuardConfig.bare()
@@ -668,6 +672,10 @@ def test_registry_builds_each_verifier() -> None:
         "margin": (MarginVerifier, False),
         "typical": (TypicalVerifier, False),
         "bild": (BildVerifier, False),
+        "block": (BlockVerifier, True),
+        "lenience": (LenienceVerifier, False),
+        "fsd": (FsdVerifier, False),
+        "cascade": (CascadeVerifier, False),
     }
     assert set(expected) == set(VERIFIERS) == set(VERIFIER_SUMMARIES)  # every rule the registry names is built here
     for name, (cls, lossless) in expected.items():

@@ -15,7 +15,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integrations" / "vllm" / "src"))
 
 from flyspec_vllm import patch, records  # noqa: E402
-from flyspec_vllm.options import request_options, rule_request  # noqa: E402
+from flyspec_vllm.options import LOSSY_RULES, parse_rule, request_options, rule_request  # noqa: E402
 from flyspec_vllm.proposer import NgramProposer  # noqa: E402
 from flyspec_vllm.reference import Reference  # noqa: E402
 from flyspec_vllm.rule import RequestRule, apply_batch, keep_draft_tokens, shadow_divergences  # noqa: E402
@@ -25,12 +25,12 @@ from flyspec.config import (  # noqa: E402
     ConfigError,
     FlyConfig,
     GuardConfig,
+    LenienceConfig,
     MarginConfig,
     SamplingConfig,
     SpeculationConfig,
     TypicalConfig,
 )
-from flyspec.names import LOSSY_VERIFIERS  # noqa: E402
 from flyspec.types import Draft, VerifyContext  # noqa: E402
 from flyspec.verifiers.fly import deferred_window_mask  # noqa: E402
 from flyspec.verifiers.registry import make_verifier, verdict_reach  # noqa: E402
@@ -66,6 +66,7 @@ RULES = [  # every lossy rule the plugin carries, at a few settings
     SpeculationConfig(verifier="margin", margin=MarginConfig(logit_ratio=0.5)),
     SpeculationConfig(verifier="typical", typical=TypicalConfig(epsilon=0.2)),
     SpeculationConfig(verifier="bild", bild=BildConfig(rollback_threshold=3.0)),
+    SpeculationConfig(verifier="lenience", lenience=LenienceConfig(lenience=0.3)),
 ]
 
 
@@ -78,7 +79,7 @@ def test_batch_rule_commits_what_flyspecs_verifier_commits(guarded: bool) -> Non
     """Every rule, through vLLM's unchanged greedy kernel, commits what ``flyspec generate --verifier`` commits."""
     generator = torch.Generator().manual_seed(7)
     guard = GuardConfig() if guarded else GuardConfig.bare()
-    loose_seen = dict.fromkeys(LOSSY_VERIFIERS, 0)
+    loose_seen = dict.fromkeys(LOSSY_RULES, 0)
     for trial in range(90):
         sizes = [int(torch.randint(0, 12, (1,), generator=generator)) for _ in range(4)]
         requests = [random_request(generator, k, VOCAB) for k in sizes]
@@ -699,3 +700,12 @@ def test_the_token_tables_are_built_when_vllm_loads_the_model_not_in_a_step(monk
     with caplog.at_level(logging.WARNING, logger="flyspec_vllm"):
         assert runner.load_model() == "vllm's model"  # not fatal: built at the first FLy step instead
     assert "not built at start-up" in caplog.text
+
+
+def test_the_plugin_refuses_distribution_rules_and_applies_the_others() -> None:
+    assert set(LOSSY_RULES) == {"fly", "margin", "typical", "bild", "lenience"}
+    assert {rule.verifier for rule in RULES} == set(LOSSY_RULES)  # the batch test above covers every one
+    assert parse_rule({"verifier": "lenience", "lenience": {"lenience": 0.4}}).lenience.lenience == 0.4
+    for rule in ("fsd", "cascade"):
+        with pytest.raises(ConfigError, match="does not see"):
+            parse_rule({"verifier": rule})

@@ -96,7 +96,13 @@ def draft_probs_or_one_hot(draft: Draft, vocab_size: int) -> torch.Tensor:
     if draft.draft_probs is None:  # scatter, not one_hot: one_hot checks the ids' range, a host sync
         one_hot = torch.zeros(draft.num_tokens, vocab_size, device=draft.tokens.device)
         return one_hot.scatter_(1, draft.tokens.long().unsqueeze(-1), 1.0)
-    probs = draft.draft_probs.float()
+    return fit_vocabulary(draft.draft_probs, vocab_size)
+
+
+def fit_vocabulary(probs: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``[k, vocab_size]`` float32: a draft model's rows cut or zero-padded to the target's width (same tokenizer,
+    another padding of the vocabulary)."""
+    probs = probs.float()
     if probs.shape[-1] > vocab_size:
         return probs[:, :vocab_size]
     if probs.shape[-1] < vocab_size:

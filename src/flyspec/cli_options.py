@@ -23,6 +23,7 @@ from flyspec.config import (
     check_device,
 )
 from flyspec.names import DEFAULT_MODEL, DRAFTERS, DTYPE_NAMES, KERNELS, VERIFIER_SUMMARIES, VERIFIERS
+from flyspec.rule_config import CASCADE_RULES, FSD_DIVERGENCES
 
 # Defaults are SpeculationConfig's (config.py); a flag left out keeps the --speculative-config value.
 _DEFAULT = SpeculationConfig()
@@ -191,6 +192,33 @@ def add_speculation_options(parser: argparse.ArgumentParser, *, components: bool
         f"(default {_DEFAULT.bild.rollback_threshold})",
     )
     spec.add_argument(
+        "--lenience",
+        type=float,
+        help="lenience: keep a draft token with probability min(1, p/(l*q)); greedy, one with p >= l * max p "
+        f"(default {_DEFAULT.lenience.lenience}; 1 is lossless)",
+    )
+    spec.add_argument(
+        "--fsd-divergence",
+        choices=FSD_DIVERGENCES,
+        help=f"FSD: js, kl (draft || target) or tv (default {_DEFAULT.fsd.divergence})",
+    )
+    spec.add_argument(
+        "--fsd-threshold",
+        type=float,
+        help=f"FSD: keep a mismatch while the divergence is at most this (default {_DEFAULT.fsd.threshold})",
+    )
+    spec.add_argument(
+        "--cascade-rule",
+        choices=tuple(CASCADE_RULES),
+        help="speculative cascades: the deferral rule, chow (max q < 1 - a), diff (max q < max p - a) or opt "
+        f"(max q < max p - a * TV) (default {_DEFAULT.cascade.rule})",
+    )
+    spec.add_argument(
+        "--cascade-lenience",
+        type=float,
+        help=f"speculative cascades: the rule's a; larger defers less (default {_DEFAULT.cascade.lenience})",
+    )
+    spec.add_argument(
         "--exact-first",
         type=int,
         metavar="N",
@@ -291,6 +319,11 @@ FLAG_NAMES = (
     "typical_epsilon",
     "typical_delta",
     "bild_rollback",
+    "lenience",
+    "fsd_divergence",
+    "fsd_threshold",
+    "cascade_rule",
+    "cascade_lenience",
     "exact_first",
     "max_ngram",
     "min_ngram",

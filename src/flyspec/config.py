@@ -1,4 +1,5 @@
-"""Frozen configuration dataclasses. Every default lives here, and only here.
+"""Frozen configuration dataclasses. Every default lives here, and only here (the lossy rules' own settings
+in :mod:`flyspec.rule_config`, re-exported here).
 
 Each dataclass validates itself in ``__post_init__`` and raises :class:`ConfigError` with a
 message that says what to change. The CLI turns a ``ConfigError`` into exit code 2.
@@ -16,13 +17,20 @@ from flyspec.config_mapping import FLAT_OPTIONS, floats, from_vllm, jsonable, re
 from flyspec.config_mapping import ConfigError as ConfigError  # re-exported: raised by every config here
 from flyspec.config_mapping import require as _require
 from flyspec.names import DISTRIBUTION_DRAFTERS, DISTRIBUTION_VERIFIERS, DRAFT_LENGTH_POLICIES
+from flyspec.rule_config import FLY_VARIANTS as FLY_VARIANTS  # re-exported, as are the rule configs below
+from flyspec.rule_config import BildConfig as BildConfig
+from flyspec.rule_config import CascadeConfig as CascadeConfig
+from flyspec.rule_config import FlyConfig as FlyConfig
+from flyspec.rule_config import FsdConfig as FsdConfig
+from flyspec.rule_config import LenienceConfig as LenienceConfig
+from flyspec.rule_config import MarginConfig as MarginConfig
+from flyspec.rule_config import TypicalConfig as TypicalConfig
 
 # FLy reference config (AMD-AGI/FLy): 15 draft tokens, window 6, entropy threshold 0.3 over the
 # target's top-3 probabilities.
 DEFAULT_NUM_DRAFT_TOKENS = 15
 DEFAULT_MAX_NEW_TOKENS = 128
 NGRAM_MATCHES = ("recent", "earliest", "frequent")  # NgramConfig.match
-FLY_VARIANTS = ("flyspec", "vllm")  # FlyConfig.variant: the reference code's window, or vLLM 0.33's native rule
 DEFAULT_NUM_PROPOSAL_TOKENS = 6  # tokens a stack level checks per forward (FLy's multi-level drafter)
 GREEDY_BELOW = 1e-5  # temperatures below this are greedy (SamplingConfig)
 # Where models run and in which dtype (``--device``, ``--dtype``, ``device=``/``dtype=`` of the API). ``auto``
@@ -140,96 +148,6 @@ class LayerSkipConfig:
                 len(set(self.skip_layers)) == len(self.skip_layers),
                 f"skip layers must not repeat (got {list(self.skip_layers)})",
             )
-
-
-@dataclass(frozen=True)
-class FlyConfig:
-    """FLy loose acceptance (arXiv 2511.22972). See ``verifiers/fly.py`` for the exact rule.
-
-    ``window_size=0`` (no deferred window) and ``entropy_threshold=0`` (no entropy gate) are the
-    paper's ablations. ``temperature_rule`` picks how T>0 is handled: ``"rejection"`` applies the
-    gate and window over speculative rejection sampling; ``"two-sample"`` is the reference code's
-    rule (see ``verifiers/fly.py``). ``variant``: ``"flyspec"`` (the reference code's window: the
-    ``W - 1`` draft tokens after a mismatch must match) or ``"vllm"`` (vLLM 0.33's native FLy: the ``W``
-    tokens after it must match, the draft token needs a non-zero probability under the distribution the
-    target samples from, and at T > 0 the entropy is that distribution's).
-    """
-
-    window_size: int = 6
-    entropy_threshold: float = 0.3
-    entropy_top_k: int = 3
-    temperature_rule: str = "rejection"
-    # a floor on the draft token's own target probability (temperature 1, full vocabulary): the FLy pull
-    # request on vLLM (#53987) asks for a non-zero one; a calibration may find a higher one worth its τ
-    min_draft_prob: float = 0.0
-    variant: str = "flyspec"  # FLY_VARIANTS
-
-    def __post_init__(self) -> None:
-        _require(self.window_size >= 0, f"window_size must be >= 0 (got {self.window_size}); 0 disables it")
-        _require(
-            self.variant in FLY_VARIANTS, f"fly variant must be one of {', '.join(FLY_VARIANTS)} (got {self.variant!r})"
-        )
-        _require(
-            self.variant != "vllm" or (self.window_size >= 1 and self.temperature_rule == "rejection"),
-            "the vllm variant needs window_size >= 1 and temperature_rule 'rejection' (as vLLM's native FLy)",
-        )
-        _require(
-            0 <= self.min_draft_prob < 1,
-            f"min_draft_prob must be in [0, 1) (got {self.min_draft_prob}); 0 keeps the paper's rule",
-        )
-        _require(
-            math.isfinite(self.entropy_threshold) and self.entropy_threshold >= 0,
-            f"entropy_threshold must be a finite number >= 0 (got {self.entropy_threshold}); 0 disables the gate",
-        )
-        _require(self.entropy_top_k >= 2, f"entropy_top_k must be >= 2 (got {self.entropy_top_k})")
-        _require(
-            self.temperature_rule in ("rejection", "two-sample"),
-            f"temperature_rule must be 'rejection' or 'two-sample' (got {self.temperature_rule!r})",
-        )
-
-
-@dataclass(frozen=True)
-class MarginConfig:
-    """MARS margin-aware verification (arXiv 2601.15498).
-
-    A mismatch is kept when the draft token is the target's second choice and the target's
-    top-2 logits are close: ``z2 / z1 > logit_ratio`` when both are positive, otherwise (the
-    ratio of logits is meaningless across zero) ``p2 / p1 = exp(z2 - z1) > logit_ratio``.
-    """
-
-    logit_ratio: float = 0.9
-
-    def __post_init__(self) -> None:
-        _require(0 < self.logit_ratio < 1, f"logit_ratio must be in (0, 1) (got {self.logit_ratio})")
-
-
-@dataclass(frozen=True)
-class TypicalConfig:
-    """Medusa typical acceptance: keep a draft token if p_target(token) > min(epsilon, delta * exp(-H))."""
-
-    epsilon: float = 0.09  # Medusa's posterior_threshold
-    delta: float = 0.3  # Medusa's posterior_alpha
-
-    def __post_init__(self) -> None:
-        _require(0 < self.epsilon <= 1, f"epsilon must be in (0, 1] (got {self.epsilon})")
-        _require(0 < self.delta <= 1, f"delta must be in (0, 1] (got {self.delta})")
-
-
-@dataclass(frozen=True)
-class BildConfig:
-    """BiLD's rollback policy (arXiv 2302.07863): keep a mismatching draft token while the cross-entropy
-    ``-log p_target(token)`` (nats, temperature 1) is at most ``rollback_threshold`` (the paper's ``α_RB``).
-    The default is flyspec's (``p_target >= e^-2 ≈ 0.14``), not the paper's: the paper sweeps ``α_RB`` to trade
-    quality for speed, as ``flyspec calibrate`` does."""
-
-    rollback_threshold: float = 2.0
-
-    def __post_init__(self) -> None:
-        _require(
-            math.isfinite(self.rollback_threshold) and self.rollback_threshold > 0,
-            f"bild rollback_threshold must be a finite number > 0 (got {self.rollback_threshold}); "
-            "larger keeps more mismatches",
-        )
 
 
 PROTECT_CLASSES = ("digits", "names", "identifiers")
@@ -399,6 +317,9 @@ class SpeculationConfig:
     margin: MarginConfig = field(default_factory=MarginConfig)
     typical: TypicalConfig = field(default_factory=TypicalConfig)
     bild: BildConfig = field(default_factory=BildConfig)
+    fsd: FsdConfig = field(default_factory=FsdConfig)
+    cascade: CascadeConfig = field(default_factory=CascadeConfig)
+    lenience: LenienceConfig = field(default_factory=LenienceConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
     # a calibration profile (``flyspec calibrate``, ``profile.py``): a JSON file, "auto" (the one flyspec ships

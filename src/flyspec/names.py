@@ -13,17 +13,21 @@ DRAFTERS = ("ngram", "ngram-cache", "draft-model", "multilevel", "layer-skip", "
 VERIFIER_SUMMARIES = {
     "exact": "lossless: a draft token equal to the target's choice (its argmax; a target sample at T>0)",
     "rejection": "lossless at any T: speculative rejection sampling (greedy: exact match)",
+    "block": "lossless at any T: block verification, judges the draft as a block, keeps at least as many",
     "fly": "lossy: also a mismatch where the target's top-3 entropy is high and the next draft tokens match (FLy)",
     "margin": "lossy: also the target's runner-up where its top-2 logits are close (MARS)",
     "typical": "lossy: also a token the target gives p > min(eps, delta*exp(-entropy)) (Medusa's typical acceptance)",
     "bild": "lossy: also a mismatch with -log p_target(token) <= the rollback threshold (BiLD's rollback policy)",
+    "lenience": "lossy: rejection sampling with q scaled by l < 1; greedy, a token with p >= l*max p (Leviathan)",
+    "fsd": "lossy: also a mismatch where the draft and target distributions diverge <= a threshold (FSD; draft model)",
+    "cascade": "lossy: also the draft's token where a deferral rule (chow/diff/opt) trusts the draft (draft model)",
 }
 VERIFIERS = tuple(VERIFIER_SUMMARIES)
-LOSSLESS_VERIFIERS = ("exact", "rejection")
+LOSSLESS_VERIFIERS = ("exact", "rejection", "block")
 LOSSY_VERIFIERS = tuple(name for name in VERIFIERS if name not in LOSSLESS_VERIFIERS)
 # the lossy rules that compare the draft model's distribution with the target's (Draft.draft_distribution): they
 # need a draft model of the target's tokenizer (drafter draft-model or multilevel), not n-gram drafts
-DISTRIBUTION_VERIFIERS: tuple[str, ...] = ()
+DISTRIBUTION_VERIFIERS = ("fsd", "cascade")
 DISTRIBUTION_DRAFTERS = ("draft-model", "multilevel")
 # the SpeculationConfig fields that decide a loose accept: each lossy rule's settings are the field of its name
 LOSSY_RULE_FIELDS = ("verifier", *LOSSY_VERIFIERS, "guard")

@@ -392,9 +392,15 @@ def looser(limit: SpeculationConfig, spec: SpeculationConfig) -> list[str]:
         for name in (*DRAFT_FIELDS, "num_draft_tokens", "draft_length")
         if getattr(spec, name) != getattr(limit, name)
     ]
-    rule_check = {"fly": _looser_fly, "margin": _looser_margin, "typical": _looser_typical, "bild": _looser_bild}[
-        spec.verifier
-    ]
+    rule_check = {
+        "fly": _looser_fly,
+        "margin": _looser_margin,
+        "typical": _looser_typical,
+        "bild": _looser_bild,
+        "lenience": _looser_lenience,
+        "fsd": _looser_fsd,
+        "cascade": _looser_cascade,
+    }[spec.verifier]
     return reasons + rule_check(limit, spec) + _looser_guard(limit.guard, spec.guard) + _looser_breaker(limit, spec)
 
 
@@ -423,8 +429,28 @@ def _looser_typical(limit: SpeculationConfig, spec: SpeculationConfig) -> list[s
 
 
 def _looser_bild(limit: SpeculationConfig, spec: SpeculationConfig) -> list[str]:
-    mine, theirs = spec.bild.rollback_threshold, limit.bild.rollback_threshold  # a larger threshold keeps more
-    return [f"bild rollback_threshold {mine:g} is above the profile's {theirs:g}"] if mine > theirs else []
+    # a larger threshold keeps more
+    return _above("bild rollback_threshold", spec.bild.rollback_threshold, limit.bild.rollback_threshold)
+
+
+def _looser_lenience(limit: SpeculationConfig, spec: SpeculationConfig) -> list[str]:
+    return _below("lenience", spec.lenience.lenience, limit.lenience.lenience)  # smaller keeps more
+
+
+def _above(name: str, value: float, ceiling: float) -> list[str]:
+    return [f"{name} {value:g} is above the profile's {ceiling:g}"] if value > ceiling else []
+
+
+def _looser_fsd(limit: SpeculationConfig, spec: SpeculationConfig) -> list[str]:
+    if spec.fsd.divergence != limit.fsd.divergence:
+        return [f"fsd divergence {spec.fsd.divergence!r} differs from the profile's {limit.fsd.divergence!r}"]
+    return _above("fsd threshold", spec.fsd.threshold, limit.fsd.threshold)
+
+
+def _looser_cascade(limit: SpeculationConfig, spec: SpeculationConfig) -> list[str]:
+    if spec.cascade.rule != limit.cascade.rule:
+        return [f"cascade rule {spec.cascade.rule!r} differs from the profile's {limit.cascade.rule!r}"]
+    return _above("cascade lenience", spec.cascade.lenience, limit.cascade.lenience)  # larger defers less
 
 
 def _looser_guard(limit: GuardConfig, guard: GuardConfig) -> list[str]:

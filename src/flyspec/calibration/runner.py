@@ -33,6 +33,7 @@ from flyspec.drafters.registry import make_drafter
 from flyspec.eval import trust
 from flyspec.generation import Decoder
 from flyspec.harness.data import JsonlWriter, read_records
+from flyspec.names import DISTRIBUTION_VERIFIERS
 from flyspec.resources import Resources
 from flyspec.result import GenerationResult
 from flyspec.runtime.loaded_model import LoadedModel, PromptCodec
@@ -100,7 +101,8 @@ class ReplayEngine:
     def __init__(self, target: LoadedModel, base: SpeculationConfig, points: list[Point], resources: Resources) -> None:
         self.target, self.points, self.resources = target, points, resources
         self.scores = ScoreStore(target)
-        self.drafts = DraftStore(make_drafter(base, target, resources))
+        keep = any(point.speculation.verifier in DISTRIBUTION_VERIFIERS for point in points)  # fsd, cascade
+        self.drafts = DraftStore(make_drafter(base, target, resources, keep_distribution=keep))
         self.decoders: dict[str, Decoder] = {PLAIN: self._replayed(PlainDecoder(target))}
         for point in points:
             decoder = build_decoder(target, point.speculation, resources=resources)

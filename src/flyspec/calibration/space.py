@@ -38,15 +38,18 @@ from typing import Any
 from flyspec.config import (
     PROFILE_NONE,
     BildConfig,
+    CascadeConfig,
     ConfigError,
     DraftLengthConfig,
     FlyConfig,
+    FsdConfig,
     GuardConfig,
+    LenienceConfig,
     MarginConfig,
     SpeculationConfig,
     TypicalConfig,
 )
-from flyspec.names import COPY_DRAFTERS, LOSSY_VERIFIERS
+from flyspec.names import COPY_DRAFTERS, DISTRIBUTION_DRAFTERS, LOSSY_VERIFIERS
 
 GRIDS = ("default", "quick")
 RULES = LOSSY_VERIFIERS  # the lossy rules a calibration can compare: all of them
@@ -61,6 +64,14 @@ MARGIN_RATIOS = (0.995, 0.99, 0.98, 0.95, 0.9, 0.8, 0.7)
 TYPICAL_EPSILONS = (0.8, 0.5, 0.3, 0.2, 0.09)
 # -log p_target(draft token) <= threshold; a mismatch has p <= 1/2 when greedy, so below ln 2 ≈ 0.69 nothing loosens
 BILD_THRESHOLDS = (0.75, 0.9, 1.1, 1.4, 1.8, 2.3, 3.0)
+LENIENCES = (0.9, 0.7, 0.5, 0.3, 0.15)  # p(x) >= l * max p: strict to loose
+FSD_THRESHOLDS = (0.02, 0.05, 0.1, 0.2, 0.3, 0.4)  # JS in nats (at most ln 2)
+# speculative cascades' α per deferral rule, strict (defers most) to loose
+CASCADE_LENIENCES = {
+    "chow": (0.02, 0.05, 0.1, 0.2, 0.35),
+    "diff": (-0.2, -0.1, 0.0, 0.1, 0.2),
+    "opt": (-1.0, -0.5, 0.0, 0.5, 1.0),
+}
 
 
 @dataclass(frozen=True)
@@ -95,6 +106,9 @@ def base_speculation(spec: SpeculationConfig, policy: str | None = None) -> Spec
         margin=MarginConfig(),
         typical=TypicalConfig(),
         bild=BildConfig(),
+        lenience=LenienceConfig(),
+        fsd=FsdConfig(),
+        cascade=CascadeConfig(),
         guard=GuardConfig(),
         draft_length=dataclasses.replace(spec.draft_length, policy=policy),
     )
@@ -209,6 +223,23 @@ def _grid(spec: SpeculationConfig, grid: str, rules: tuple[str, ...], draft_leng
             name = f"typical eps={epsilon:g}"
             typical = TypicalConfig(epsilon=epsilon)
             found.append(_point(base, "typical", "typical", order, name, {"epsilon": epsilon}, typical=typical))
+    if "lenience" in rules:
+        for order, lenience in enumerate((0.5,) if quick else LENIENCES):
+            name = f"lenience l={lenience:g}"
+            config = LenienceConfig(lenience)
+            found.append(_point(base, "lenience", "lenience", order, name, {"lenience": lenience}, lenience=config))
+    distributions = base.drafter in DISTRIBUTION_DRAFTERS  # fsd and cascade read the draft model's distribution
+    if "fsd" in rules and distributions:
+        for order, threshold in enumerate((0.1,) if quick else FSD_THRESHOLDS):
+            fsd = FsdConfig(threshold=threshold)
+            found.append(_point(base, "fsd", "fsd", order, f"fsd js<={threshold:g}", {"threshold": threshold}, fsd=fsd))
+    if "cascade" in rules and distributions:
+        for rule, leniences in CASCADE_LENIENCES.items():
+            for order, lenience in enumerate(leniences[2:3] if quick else leniences):
+                cascade = CascadeConfig(rule=rule, lenience=lenience)
+                name = f"cascade {rule} a={lenience:g}"
+                chosen = {"rule": rule, "lenience": lenience}
+                found.append(_point(base, "cascade", f"cascade {rule}", order, name, chosen, cascade=cascade))
     if "bild" in rules:
         for order, threshold in enumerate((1.4,) if quick else BILD_THRESHOLDS):
             name = f"bild -log p<={threshold:g}"

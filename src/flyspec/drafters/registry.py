@@ -60,17 +60,25 @@ def drafter_levels(spec: SpeculationConfig) -> tuple[str, ...]:
     }[spec.drafter]
 
 
-def make_drafter(spec: SpeculationConfig, target: LoadedModel, resources: StackResources) -> Drafter:
-    """Build ``spec``'s drafter for ``target``; models, n-gram caches and calibrations come from ``resources``."""
+def make_drafter(
+    spec: SpeculationConfig, target: LoadedModel, resources: StackResources, keep_distribution: bool | None = None
+) -> Drafter:
+    """Build ``spec``'s drafter for ``target``; models, n-gram caches and calibrations come from ``resources``.
+
+    ``keep_distribution``: the draft model keeps its distribution in each draft (``Draft.draft_distribution``);
+    default: when ``spec``'s verifier reads it (``names.DISTRIBUTION_VERIFIERS``)."""
     levels = drafter_levels(spec)
     resolved_levels = [level if level in (*NGRAM_LEVELS, LAYER_SKIP) else resources.model(level) for level in levels]
     drafter = _StackBuilder(target, spec, resources).build(resolved_levels)
     drafter.name = spec.drafter
-    if spec.verifier in DISTRIBUTION_VERIFIERS:
+    if keep_distribution is None:
+        keep_distribution = spec.verifier in DISTRIBUTION_VERIFIERS
+    if keep_distribution:
         if not isinstance(drafter, DraftModelDrafter):  # its draft model speaks another tokenizer: re-tokenized
             raise ConfigError(
-                f"verifier {spec.verifier!r} compares the draft model's distribution with the target's, so the draft "
-                "model needs the target's tokenizer; use a draft model of the same tokenizer, or another verifier"
+                f"verifiers {', '.join(DISTRIBUTION_VERIFIERS)} compare the draft model's distribution with the "
+                "target's, so the draft model needs the target's tokenizer: use one of the same tokenizer, or another "
+                "verifier"
             )
         drafter.keep_distribution = True
     return drafter

@@ -29,7 +29,7 @@ from flyspec.harness.data import JsonlWriter, read_records
 from flyspec.harness.methods import PLAIN, Method
 from flyspec.harness.vllm_session import VllmSession
 from flyspec.harness.vllm_worker import VllmOptions
-from flyspec.names import LOSSLESS_VERIFIERS, LOSSY_VERIFIERS
+from flyspec.names import DISTRIBUTION_VERIFIERS, LOSSLESS_VERIFIERS, LOSSY_VERIFIERS
 from flyspec.profile import resolve as resolve_profile
 from flyspec.resources import Resources
 from flyspec.result import GenerationResult
@@ -37,7 +37,8 @@ from flyspec.runtime.loaded_model import LoadedModel, ServedModel
 from flyspec.sampling import make_generator
 from flyspec.verifiers.registry import rule_mapping
 
-VLLM_RULES = LOSSY_VERIFIERS  # the lossy rules the flyspec-vllm plugin applies per request: all of them
+# the lossy rules the flyspec-vllm plugin applies per request: those of the target's logits alone
+VLLM_RULES = tuple(name for name in LOSSY_VERIFIERS if name not in DISTRIBUTION_VERIFIERS)
 logger = logging.getLogger(__name__)
 
 RECORDS_FILE = "records.jsonl"

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
 from flyspec.config import DRAFT_LENGTH_POLICIES, PROTECT_CLASSES
 from flyspec.drafters.registry import DRAFTERS
+from flyspec.rule_config import CASCADE_RULES, FSD_DIVERGENCES
 from flyspec.verifiers.registry import VERIFIERS
 
 MAX_DRAFT_TOKENS = 64
@@ -103,6 +104,11 @@ class SpeculativeOptions(_Strict):
     typical_epsilon: Annotated[float, Field(gt=0, le=1)] | None = None
     typical_delta: Annotated[float, Field(gt=0, le=1)] | None = None
     bild_rollback: Annotated[float, Field(gt=0)] | None = None
+    lenience: Annotated[float, Field(gt=0, le=1)] | None = None
+    fsd_divergence: Literal[FSD_DIVERGENCES] | None = None  # type: ignore[valid-type]
+    fsd_threshold: Annotated[float, Field(ge=0)] | None = None
+    cascade_rule: Literal[tuple(CASCADE_RULES)] | None = None  # type: ignore[valid-type]
+    cascade_lenience: float | None = None
     exact_first: Annotated[int, Field(ge=0)] | None = None
     protect: list[Literal[PROTECT_CLASSES]] | None = None  # type: ignore[valid-type]
     bare_rule: bool | None = None  # the paper's rule without flyspec's trust guards (true), or with them (false)

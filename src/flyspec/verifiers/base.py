@@ -213,13 +213,14 @@ class Rule:
         context: VerifyContext | None = None,
     ) -> Verdict:
         accept, next_token = self.strict(draft, target_logits, sampling, generator)
-        return self.relax(draft, target_logits, sampling, context, accept, next_token)
+        return self.relax(draft, target_logits, sampling, generator, context, accept, next_token)
 
     def relax(
         self,
         draft: Draft,
         target_logits: torch.Tensor,  # [k + 1, vocab]
         sampling: SamplingConfig,
+        generator: torch.Generator | None,
         context: VerifyContext | None,
         accept: torch.Tensor,  # [k] bool, the strict acceptance
         next_token: NextToken,
@@ -251,11 +252,12 @@ class LooseRule(Rule):
         draft: Draft,
         target_logits: torch.Tensor,  # [k + 1, vocab]
         sampling: SamplingConfig,
+        generator: torch.Generator | None,
         context: VerifyContext | None,
         accept: torch.Tensor,  # [k] bool, the strict acceptance
         next_token: NextToken,
     ) -> Verdict:
-        candidates, evidence = self.judge(accept, draft, target_logits, sampling)
+        candidates, evidence = self.judge(accept, draft, target_logits, sampling, generator)
         return loose_verdict(draft, target_logits, accept, candidates, evidence, next_token, self.guard, context)
 
     def judge(
@@ -264,9 +266,10 @@ class LooseRule(Rule):
         draft: Draft,
         target_logits: torch.Tensor,  # [k + 1, vocab]
         sampling: SamplingConfig,
+        generator: torch.Generator | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`candidates` of the draft's tokens; a rule that reads more of the draft than its tokens (the draft
-        model's distribution: ``names.DISTRIBUTION_VERIFIERS``) overrides this instead."""
+        model's distribution: ``names.DISTRIBUTION_VERIFIERS``) or draws at T > 0 (lenience) overrides this."""
         return self.candidates(base_accept, draft.tokens, target_logits, sampling)
 
     def candidates(

@@ -10,14 +10,26 @@ from flyspec.names import LOSSY_RULE_FIELDS as LOSSY_RULE_FIELDS  # re-exported:
 from flyspec.names import VERIFIERS
 from flyspec.verifiers.base import Verifier
 from flyspec.verifiers.bild import BildVerifier
+from flyspec.verifiers.block import BlockVerifier
+from flyspec.verifiers.cascade import CascadeVerifier
 from flyspec.verifiers.exact import ExactVerifier
 from flyspec.verifiers.fly import FlyVerifier
+from flyspec.verifiers.fsd import FsdVerifier
+from flyspec.verifiers.lenience import LenienceVerifier
 from flyspec.verifiers.margin import MarginVerifier
 from flyspec.verifiers.rejection import RejectionVerifier
 from flyspec.verifiers.typical import TypicalVerifier
 
 # name -> the lossy verifier's class, built with the SpeculationConfig field of its name and the guards
-LOOSE_RULES = {"fly": FlyVerifier, "margin": MarginVerifier, "typical": TypicalVerifier, "bild": BildVerifier}
+LOOSE_RULES = {
+    "fly": FlyVerifier,
+    "margin": MarginVerifier,
+    "typical": TypicalVerifier,
+    "bild": BildVerifier,
+    "lenience": LenienceVerifier,
+    "fsd": FsdVerifier,
+    "cascade": CascadeVerifier,
+}
 
 
 def make_verifier(name: str, spec: SpeculationConfig | None = None) -> Verifier:
@@ -31,6 +43,8 @@ def make_verifier(name: str, spec: SpeculationConfig | None = None) -> Verifier:
         return ExactVerifier()
     if name == "rejection":
         return RejectionVerifier()
+    if name == "block":
+        return BlockVerifier()
     if name in LOOSE_RULES:
         return LOOSE_RULES[name](getattr(spec, name), guard=spec.guard)
     raise ConfigError(f"unknown verifier {name!r}; choose one of: {', '.join(VERIFIERS)}")

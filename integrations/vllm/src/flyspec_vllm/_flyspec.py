@@ -4,7 +4,7 @@ from flyspec.acceptance import num_leading_true
 from flyspec.batch_schedule import BatchSchedule
 from flyspec.breaker import CircuitBreaker
 from flyspec.config import BreakerConfig, ConfigError, FlyConfig, GuardConfig, NgramConfig, SpeculationConfig
-from flyspec.names import LOSSY_VERIFIERS
+from flyspec.names import DISTRIBUTION_VERIFIERS, LOSSY_VERIFIERS
 from flyspec.profile import Profile, looser
 from flyspec.runtime.loaded_model import tokenizer_fingerprint
 from flyspec.stats import DecodeStats
@@ -23,6 +23,7 @@ __all__ = [
     "Draft",
     "FlyConfig",
     "GuardConfig",
+    "DISTRIBUTION_VERIFIERS",
     "LOSSY_RULE_FIELDS",
     "LOSSY_VERIFIERS",
     "NgramConfig",

@@ -62,6 +62,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flyspec_vllm._flyspec import (
+    DISTRIBUTION_VERIFIERS,
     LOSSY_RULE_FIELDS,
     LOSSY_VERIFIERS,
     BreakerConfig,
@@ -84,7 +85,9 @@ TRUST_VARIABLE = "FLYSPEC_VLLM_TRUST_REQUESTS"
 SWITCH_VALUES = ("request", "all", "off")
 GUARD_VALUES = {"default": GuardConfig(), "bare": GuardConfig.bare()}
 METHODS = ("fly", "standard")
-LOSSY_RULES = LOSSY_VERIFIERS  # every lossy rule: each is a rewrite of target logits at the draft positions
+# every lossy rule that reads the target's logits alone: a rewrite of them at the draft positions (fsd and cascade
+# also read the draft model's distribution, which the plugin's n-gram proposer has not)
+LOSSY_RULES = tuple(name for name in LOSSY_VERIFIERS if name not in DISTRIBUTION_VERIFIERS)
 REQUEST_KEYS = (
     "rejection_sample_method",
     "fly_window_size",
@@ -171,6 +174,11 @@ def parse_rule(mapping: Any, what: str = "flyspec_rule") -> SpeculationConfig:
         raise ConfigError(
             f"{what}: {', '.join(unknown)} cannot be set per request (the drafter is the engine's); "
             f"give only {', '.join(LOSSY_RULE_FIELDS)}"
+        )
+    if mapping.get("verifier") in DISTRIBUTION_VERIFIERS:  # before the config, which would ask for a draft model
+        raise ConfigError(
+            f"{what}: verifier {mapping['verifier']!r} compares the draft model's distribution with the target's, "
+            f"which the plugin does not see; choose one of {', '.join(LOSSY_RULES)}, or run it on flyspec's own engine"
         )
     spec = lossy_rule(SpeculationConfig.from_dict(mapping))
     if spec.verifier not in LOSSY_RULES:

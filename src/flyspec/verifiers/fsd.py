@@ -1,0 +1,73 @@
+"""Fuzzy speculative decoding, FSD (Holsman, Huang, Dhingra, arXiv 2502.20704; code: its authors' ``fsd_utils.py``).
+
+FSD keeps a draft token while the *distributions* of the two models agree there, whichever token was drafted: at
+each draft position the divergence between the target's next-token distribution p and the draft model's q (both
+the softmax of raw logits, temperature 1, as the official code computes them) must be at most ``threshold``; at
+the first position above it the target's own token is committed. Divergences (``FsdConfig.divergence``): ``js``
+(Jensen-Shannon in nats, the README's default), ``kl`` (the official code's ``kl_div``, KL(draft || target)),
+``tv`` (total variation).
+
+In flyspec's terms the strict rule is exact match against the target's own choice (its argmax; a sample from it at
+T > 0), and the loose accepts are the mismatches within the threshold. A matching token is kept even where the
+divergence is above it: FSD would end the step there, commit the target's choice (the same token) and draft on
+from the same prefix, so the output is the same and only the step boundary moves. Two differences from the
+official code: greedy, the committed token is the target's argmax (the code samples it even with sampling off),
+and its JS is the textbook one (the code's ``js_div`` averages KL(m || p) and KL(m || q), an unbounded variant),
+so its thresholds are not interchangeable with ours.
+
+Needs the draft model's distribution (``Draft.draft_distribution``): a draft model of the target's tokenizer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from flyspec.acceptance import exact_accept_mask, where_needed
+from flyspec.config import FsdConfig, GuardConfig, SamplingConfig
+from flyspec.sampling import choose_tokens
+from flyspec.types import Draft
+from flyspec.verifiers.base import GREEDY, LooseRule, NextToken
+from flyspec.verifiers.distributions import divergence, draft_distribution, no_plugin_candidates, target_distribution
+
+
+@dataclass(frozen=True)
+class FsdVerifier(LooseRule):
+    config: FsdConfig = field(default_factory=FsdConfig)
+    name: str = "fsd"
+    guard: GuardConfig = field(default_factory=GuardConfig)  # trust guards, verifiers/guard.py
+
+    def strict(
+        self, draft: Draft, target_logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None
+    ) -> tuple[torch.Tensor, NextToken]:
+        """Exact match against the target's own choice, which is also what follows the accepted prefix."""
+        target_tokens = choose_tokens(target_logits, sampling, generator)  # [k + 1]
+        return exact_accept_mask(draft.tokens, target_tokens), target_tokens
+
+    def judge(
+        self,
+        base_accept: torch.Tensor,
+        draft: Draft,
+        target_logits: torch.Tensor,
+        sampling: SamplingConfig,
+        generator: torch.Generator | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``([k] bool, [k])``: the mismatches whose divergence is within the threshold, and the divergence there."""
+        distribution = draft_distribution(draft, self.name, target_logits.shape[-1])  # [k, vocab]
+        kind = self.config.divergence
+
+        def measure(rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            return divergence(target_distribution(rows), distribution[positions], kind)
+
+        measured = where_needed(~base_accept, target_logits, measure, float("nan"))
+        return ~base_accept & (measured <= self.config.threshold), measured
+
+    def candidates(
+        self,
+        base_accept: torch.Tensor,
+        draft_tokens: torch.Tensor,
+        target_logits: torch.Tensor,
+        sampling: SamplingConfig = GREEDY,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        raise no_plugin_candidates(self.name)
