@@ -19,7 +19,7 @@ from flyspec.baseline import PlainDecoder
 from flyspec.calibration import budget as budget_module
 from flyspec.calibration.api import CalibrationConfig, calibrate
 from flyspec.calibration.budget import Budget, decisively_above, judge, min_items, upper_bound
-from flyspec.calibration.frontier import choose
+from flyspec.calibration.frontier import choose, rank_families
 from flyspec.calibration.projection import CostModel, measure_draft_cost, verified_lengths
 from flyspec.calibration.replay import DraftStore, ReplayDrafter, ReplayTarget, ScoreStore
 from flyspec.calibration.space import points
@@ -275,6 +275,30 @@ def test_chooser_refuses_when_nothing_inside_the_budget_beats_exact() -> None:
     assert choose(slower) == (None, {"fly": None})
 
 
+def _ranked(name: str, family: str, status: str, tau_gain: float, changed: float) -> dict:
+    return {
+        "name": name, "rule": family.split()[0], "family": family, "lossless": False, "n": 400, "status": status,
+        "tau_gain": tau_gain, "meaning_changed": {"rate": changed},
+    }  # fmt: skip
+
+
+def test_families_rank_by_what_they_buy_inside_the_budget_then_at_a_fixed_loss() -> None:
+    frontier = [
+        _ranked("fly a", "fly W6", "inside", 0.02, 0.0),
+        _ranked("fly b", "fly W6", "outside", 0.30, 0.08),  # more τ, but more than 5 % changed
+        _ranked("margin a", "margin", "outside", 0.10, 0.04),
+        _ranked("margin b", "margin", "outside", 0.12, 0.05),  # exactly at the fixed loss: counts
+        _ranked("bild a", "bild", "inside", 0.05, 0.003),
+        _ranked("typical a", "typical", "outside", 0.40, 0.20),
+    ]
+    ranked = rank_families(frontier)
+    assert [row["family"] for row in ranked] == ["bild", "fly W6", "margin", "typical"]
+    assert ranked[0]["inside"] == {"name": "bild a", "tau_gain": 0.05}
+    assert ranked[1]["at_loss"]["name"] == "fly a"  # fly b changed 8 %: past the fixed loss
+    assert ranked[2]["inside"] is None and ranked[2]["at_loss"]["name"] == "margin b"
+    assert ranked[3]["inside"] is None and ranked[3]["at_loss"] is None
+
+
 def test_verified_lengths_and_projection_from_counted_steps() -> None:
     # 5 forwards: lengths 0, 3, 3, 7, 7 -> proposed_per_position counts forwards reaching each position
     stats = {
@@ -358,6 +382,10 @@ def test_a_calibration_writes_its_records_profile_report_and_plot(calibrated) ->
     assert record["live_check"]["plain"] == {"checked": 2, "identical": 2}
     report = (out / "report.md").read_text()
     assert "Choice: none" in report and "rerun with more" in report
+    assert "## Families ranked" in report and record["families"]  # every family that ran, ranked
+    assert {row["family"] for row in record["families"]} == {
+        s["family"] for s in record["frontier"] if not s["lossless"] and s["n"]
+    }
     lines = (out / "records.jsonl").read_text().splitlines()
     assert sum(json.loads(line)["point"] == "plain" for line in lines) == 5
 

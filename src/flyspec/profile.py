@@ -335,7 +335,7 @@ def resolution(
         resolved = profile.speculation(done, spec.verifier)
         if resolved is None and not profile.calibrated(spec.verifier):
             logger.warning(
-                "%s did not calibrate %s (it was made before flyspec had the rule); %s runs as exact (lossless). "
+                "%s did not calibrate %s (the rule was not in its grid); %s runs as exact (lossless). "
                 "Pass --profile none for its default settings, or calibrate it: flyspec calibrate --rules %s",
                 profile.name, spec.verifier, spec.verifier, spec.verifier,
             )  # fmt: skip

@@ -134,3 +134,46 @@ def choose(
 def best_lossless(summaries: list[dict[str, Any]]) -> dict[str, Any] | None:
     lossless = [s for s in summaries if s["lossless"] and s["projected_speedup"]]
     return max(lossless, key=lambda s: s["projected_speedup"], default=None)
+
+
+FIXED_LOSS = 0.05  # the quality loss at which families are compared (share of answers whose meaning changed)
+
+
+def rank_families(summaries: list[dict[str, Any]], fixed_loss: float = FIXED_LOSS) -> list[dict[str, Any]]:
+    """Each lossy family's best τ gain inside the budget, and its best τ gain among the points that changed the
+    meaning of at most ``fixed_loss`` of the answers (measured rate): what the family buys per unit of quality.
+    Ranked by the first, then the second (a family with no point inside the budget after every one that has)."""
+    families: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for summary in summaries:
+        if not summary["lossless"] and summary["n"] and summary["tau_gain"] is not None:
+            families[summary["family"]].append(summary)
+
+    def best(members: list[dict[str, Any]]) -> dict[str, Any] | None:
+        return max(members, key=lambda s: s["tau_gain"], default=None)
+
+    ranked = []
+    for family, members in families.items():
+        inside = best([s for s in members if s["status"] == "inside"])
+        at_loss = best([s for s in members if (s["meaning_changed"]["rate"] or 0) <= fixed_loss])
+        ranked.append(
+            {
+                "family": family,
+                "rule": members[0]["rule"],
+                "points": len(members),
+                "inside": None if inside is None else {"name": inside["name"], "tau_gain": inside["tau_gain"]},
+                "at_loss": None
+                if at_loss is None
+                else {
+                    "name": at_loss["name"],
+                    "tau_gain": at_loss["tau_gain"],
+                    "meaning_changed": at_loss["meaning_changed"]["rate"],
+                },
+                "fixed_loss": fixed_loss,
+            }
+        )
+
+    def key(row: dict[str, Any]) -> tuple[float, float]:
+        inside = row["inside"]["tau_gain"] if row["inside"] else float("-inf")
+        return inside, row["at_loss"]["tau_gain"] if row["at_loss"] else float("-inf")
+
+    return sorted(ranked, key=key, reverse=True)

@@ -18,7 +18,7 @@ import torch
 
 from flyspec.calibration.budget import Budget, min_items
 from flyspec.calibration.deploy import breaker_for, deployment
-from flyspec.calibration.frontier import BASELINE, PLAIN, best_lossless, final_verdict, summarize_point
+from flyspec.calibration.frontier import BASELINE, PLAIN, best_lossless, final_verdict, rank_families, summarize_point
 from flyspec.calibration.projection import CostModel
 from flyspec.calibration.report import PLOT_FILE, plot_frontier, write_report
 from flyspec.calibration.runner import Calibrator
@@ -73,6 +73,7 @@ def finish(
         baseline=best_lossless(frontier),
         live_check=check,
         frontier=frontier,
+        families=rank_families(frontier),
     )
     record["deploy"] = deployment(record)
     write_outputs(record, calibrator, out_dir)

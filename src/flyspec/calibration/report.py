@@ -13,6 +13,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
+from flyspec.calibration.frontier import rank_families
 from flyspec.calibration.schedule import schedule_lines
 
 REPORT_FILE = "report.md"
@@ -42,6 +43,28 @@ def frontier_table(frontier: list[dict[str, Any]]) -> list[str]:
             f"| {loop['count']} ({_pct(loop['high'], 2)}) "
             f"| {_num(retention['value'], 3)} ({_num(retention['low'], 3)}) | {_num(s['projected_speedup'])}x |"
         )
+    return lines
+
+
+def family_table(frontier: list[dict[str, Any]]) -> list[str]:
+    """The families ranked by what they buy inside the budget, then at a fixed quality loss."""
+    ranked = rank_families(frontier)
+    if not ranked:
+        return ["No lossy point ran."]
+    loss = ranked[0]["fixed_loss"]
+    lines = [
+        f"| rank | family | points | best τ gain inside the budget | best τ gain, ≤ {loss:.0%} of meanings changed |",
+        "|---:|---|---:|---|---|",
+    ]
+    for index, row in enumerate(ranked, 1):
+        inside = f"{_pct(row['inside']['tau_gain'])} ({row['inside']['name']})" if row["inside"] else "none"
+        at_loss = row["at_loss"]
+        fixed = (
+            f"{_pct(at_loss['tau_gain'])} ({at_loss['name']}, {_pct(at_loss['meaning_changed'])})"
+            if at_loss
+            else "none"
+        )
+        lines.append(f"| {index} | {row['family']} | {row['points']} | {inside} | {fixed} |")
     return lines
 
 
@@ -175,6 +198,13 @@ def write_report(record: dict[str, Any], records: list[dict[str, Any]], out_dir:
         ),
         "",
         *_choice(record),
+        "",
+        "## Families ranked",
+        "",
+        "Each family's best τ gain inside the budget (the points whose bounds fit), and its best τ gain among the "
+        "points whose measured share of changed meanings is at most 5 %: what the rule buys per unit of quality.",
+        "",
+        *family_table(record["frontier"]),
         "",
         "## Frontier",
         "",
