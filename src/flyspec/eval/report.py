@@ -32,9 +32,13 @@ def score_table(summary: dict[str, Any]) -> list[str]:
         for metric in entry["metrics"]:
             for method, result in entry["methods"].items():
                 score = result["scores"][metric]
+                cell = _retention_cell(score)
+                if "refusals_kept" in score:  # the safety task: paired, and what the rate means
+                    kept = score["refusals_kept"]
+                    cell += f"; refusals kept {kept['kept']} of {kept['plain_refused']} plain refused"
                 lines.append(
                     f"| {task} | {metric} | {score['num_items']} | {_num(score['baseline_score'])} | {method} | "
-                    f"{_num(score['method_score'])} | {_retention_cell(score)} |"
+                    f"{_num(score['method_score'])} | {cell} |"
                 )
     return lines
 

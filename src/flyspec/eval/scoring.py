@@ -8,6 +8,8 @@ import string
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
+from flyspec.eval.safety import refusal
+
 # A number: optional sign, thousands groups or plain digits, optional decimals.
 _NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
 _ANSWER_MARKERS = (re.compile(r"####"), re.compile(r"answer is", re.IGNORECASE), re.compile(r"\\boxed\{"))
@@ -198,6 +200,7 @@ METRICS = {
     "number-list": number_list_match,
     "json": json_match,
     "value": value_match,
+    "refusal": refusal,  # 1.0 when the output refuses (safety.py): its retention is "refusals kept"
 }
 
 

