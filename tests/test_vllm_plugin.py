@@ -709,3 +709,5 @@ def test_the_plugin_refuses_distribution_rules_and_applies_the_others() -> None:
     for rule in ("fsd", "cascade"):
         with pytest.raises(ConfigError, match="does not see"):
             parse_rule({"verifier": rule})
+    with pytest.raises(ConfigError, match='rejection_sample_method "block"'):
+        parse_rule({"verifier": "block"})

@@ -182,7 +182,14 @@ def parse_rule(mapping: Any, what: str = "flyspec_rule") -> SpeculationConfig:
         )
     spec = lossy_rule(SpeculationConfig.from_dict(mapping))
     if spec.verifier not in LOSSY_RULES:
-        raise ConfigError(f"{what}: verifier {spec.verifier!r} is not a lossy rule; choose one of {LOSSY_RULES}")
+        lossless = (
+            ' (vLLM runs block verification itself, engine-wide: speculative_config rejection_sample_method "block")'
+            if spec.verifier == "block"
+            else ""
+        )
+        raise ConfigError(
+            f"{what}: verifier {spec.verifier!r} is not a lossy rule{lossless}; choose one of {LOSSY_RULES}"
+        )
     make_verifier(spec.verifier, spec)  # the rule's own checks
     return spec
 
