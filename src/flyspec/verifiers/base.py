@@ -11,6 +11,9 @@ target logits
 target_probs / draft_probs
     The target's (filtered, temperature-scaled) probabilities, and the probabilities the drafter
     drew its tokens from. Never ``p``/``q``: papers disagree on which is which.
+draft distribution
+    The draft model's own next-token distribution at each draft position, at temperature 1
+    (``Draft.draft_distribution``), greedy or not: what fsd and cascade compare with the target's.
 accepted
     A draft token that is kept. A verifier accepts a prefix ``d_0 .. d_{n-1}``.
 recovered
@@ -19,7 +22,7 @@ recovered
 bonus
     The target's next token when all ``k`` draft tokens are accepted (from row ``k``).
 loose accept
-    A draft token that the strict base rule rejects but a lossy rule (FLy, margin, typical, BiLD)
+    A draft token that the strict base rule rejects but a lossy rule (``names.LOSSY_VERIFIERS``)
     keeps. Loose accepts count as accepted.
 acceptance length, τ
     Tokens committed per target forward, the recovered/bonus token included. Plain decoding
