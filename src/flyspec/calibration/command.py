@@ -65,7 +65,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "output tokens verified exactly, as a family of its own (e.g. 0,16,32; default 0: without)",
     )
     work.add_argument(
-        "--grid", default="default", choices=GRID_NAMES, help="default (about 50 points) or quick (about 7)"
+        "--grid",
+        default="default",
+        choices=GRID_NAMES,
+        help="default (about 70 points, 90 with a draft model) or quick (about 10)",
     )
     add_model_options(parser)
     add_engine_options(parser, "the grid runs")
