@@ -278,7 +278,7 @@ def test_chooser_refuses_when_nothing_inside_the_budget_beats_exact() -> None:
 def _ranked(name: str, family: str, status: str, tau_gain: float, changed: float) -> dict:
     return {
         "name": name, "rule": family.split()[0], "family": family, "lossless": False, "n": 400, "status": status,
-        "tau_gain": tau_gain, "meaning_changed": {"rate": changed},
+        "tau_gain": tau_gain, "meaning_changed": {"rate": changed}, "loose_per_100_tokens": 0.5, "projected_gain": 0.02,
     }  # fmt: skip
 
 
@@ -293,7 +293,9 @@ def test_families_rank_by_what_they_buy_inside_the_budget_then_at_a_fixed_loss()
     ]
     ranked = rank_families(frontier)
     assert [row["family"] for row in ranked] == ["bild", "fly W6", "margin", "typical"]
-    assert ranked[0]["inside"] == {"name": "bild a", "tau_gain": 0.05}
+    assert ranked[0]["inside"] == {
+        "name": "bild a", "tau_gain": 0.05, "loose_per_100_tokens": 0.5, "projected_gain": 0.02
+    }  # fmt: skip
     assert ranked[1]["at_loss"]["name"] == "fly a"  # fly b changed 8 %: past the fixed loss
     assert ranked[2]["inside"] is None and ranked[2]["at_loss"]["name"] == "margin b"
     assert ranked[3]["inside"] is None and ranked[3]["at_loss"] is None

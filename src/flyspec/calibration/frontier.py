@@ -176,7 +176,14 @@ def rank_families(summaries: list[dict[str, Any]], fixed_loss: float = FIXED_LOS
                 "family": family,
                 "rule": members[0]["rule"],
                 "points": len(members),
-                "inside": None if inside is None else {"name": inside["name"], "tau_gain": inside["tau_gain"]},
+                "inside": None
+                if inside is None
+                else {
+                    "name": inside["name"],
+                    "tau_gain": inside["tau_gain"],
+                    "loose_per_100_tokens": inside["loose_per_100_tokens"],
+                    "projected_gain": inside.get("projected_gain"),
+                },
                 "at_loss": None
                 if at_loss is None
                 else {
