@@ -1,8 +1,13 @@
-"""Verification rules. Definitions of every term: ``flyspec.verifiers.base``."""
+"""Verification rules, one file each. Definitions of every term: ``flyspec.verifiers.base``."""
 
 from flyspec.verifiers.base import Verifier
+from flyspec.verifiers.bild import BildVerifier
+from flyspec.verifiers.block import BlockVerifier
+from flyspec.verifiers.cascade import CascadeVerifier
 from flyspec.verifiers.exact import ExactVerifier
 from flyspec.verifiers.fly import FlyVerifier
+from flyspec.verifiers.fsd import FsdVerifier
+from flyspec.verifiers.lenience import LenienceVerifier
 from flyspec.verifiers.margin import MarginVerifier
 from flyspec.verifiers.registry import LOSSLESS_VERIFIERS, VERIFIERS, make_verifier
 from flyspec.verifiers.rejection import RejectionVerifier
@@ -11,8 +16,13 @@ from flyspec.verifiers.typical import TypicalVerifier
 __all__ = [
     "LOSSLESS_VERIFIERS",
     "VERIFIERS",
+    "BildVerifier",
+    "BlockVerifier",
+    "CascadeVerifier",
     "ExactVerifier",
     "FlyVerifier",
+    "FsdVerifier",
+    "LenienceVerifier",
     "MarginVerifier",
     "RejectionVerifier",
     "TypicalVerifier",

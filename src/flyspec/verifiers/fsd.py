@@ -4,7 +4,7 @@ FSD keeps a draft token while the *distributions* of the two models agree there,
 each draft position the divergence between the target's next-token distribution p and the draft model's q (both
 the softmax of raw logits, temperature 1, as the official code computes them) must be at most ``threshold``; at
 the first position above it the target's own token is committed. Divergences (``FsdConfig.divergence``): ``js``
-(Jensen-Shannon in nats, the README's default), ``kl`` (the official code's ``kl_div``, KL(draft || target)),
+(Jensen-Shannon in nats, the README's example), ``kl`` (the official code's ``kl_div``, KL(draft || target)),
 ``tv`` (total variation).
 
 In flyspec's terms the strict rule is exact match against the target's own choice (its argmax; a sample from it at
