@@ -54,7 +54,7 @@ there). :class:`Rule` does the rest: the strict rule, the trust guards, the verd
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -240,11 +240,12 @@ class StrictRule(Rule):
         return True
 
 
+@dataclass(frozen=True)
 class LooseRule(Rule):
-    """A lossy verifier: a subclass writes :meth:`candidates` (and :meth:`strict` where it relaxes another base
-    rule); the trust guards (``self.guard``, a :class:`GuardConfig` field of the subclass) filter them."""
+    """A lossy verifier: a subclass (a frozen dataclass) writes :meth:`candidates` (and :meth:`strict` where it
+    relaxes another base rule); the trust guards (``guard``, keyword-only: ``verifiers/guard.py``) filter them."""
 
-    guard: GuardConfig
+    guard: GuardConfig = field(default_factory=GuardConfig, kw_only=True)
 
     @property
     def lossless(self) -> bool:

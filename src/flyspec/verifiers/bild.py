@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from flyspec.acceptance import where_needed
-from flyspec.config import BildConfig, GuardConfig, SamplingConfig
+from flyspec.config import BildConfig, SamplingConfig
 from flyspec.verifiers.base import GREEDY, LooseRule
 
 
@@ -38,7 +38,6 @@ def rollback_distance(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -
 class BildVerifier(LooseRule):
     config: BildConfig = field(default_factory=BildConfig)
     name: str = "bild"
-    guard: GuardConfig = field(default_factory=GuardConfig)  # trust guards, verifiers/guard.py
 
     def candidates(
         self,

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from flyspec.acceptance import where_needed
-from flyspec.config import CascadeConfig, GuardConfig, SamplingConfig
+from flyspec.config import CascadeConfig, SamplingConfig
 from flyspec.types import Draft
 from flyspec.verifiers.base import GREEDY, LooseRule
 from flyspec.verifiers.distributions import (
@@ -53,7 +53,6 @@ def defers(target_probs: torch.Tensor, draft_probs: torch.Tensor, rule: str, len
 class CascadeVerifier(LooseRule):
     config: CascadeConfig = field(default_factory=CascadeConfig)
     name: str = "cascade"
-    guard: GuardConfig = field(default_factory=GuardConfig)  # trust guards, verifiers/guard.py
 
     def judge(
         self,

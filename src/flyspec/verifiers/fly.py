@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 import torch
 
 from flyspec.acceptance import where_needed
-from flyspec.config import FlyConfig, GuardConfig, SamplingConfig
+from flyspec.config import FlyConfig, SamplingConfig
 from flyspec.sampling import choose_tokens, logits_to_probs
 from flyspec.types import Draft
 from flyspec.verifiers.base import GREEDY, LooseRule, NextToken, strict_base_rule
@@ -155,7 +155,6 @@ def fly_candidates(
 class FlyVerifier(LooseRule):
     config: FlyConfig = field(default_factory=FlyConfig)
     name: str = "fly"
-    guard: GuardConfig = field(default_factory=GuardConfig)  # trust guards, verifiers/guard.py
 
     @property
     def min_draft_tokens(self) -> int:

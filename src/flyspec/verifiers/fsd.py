@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from flyspec.acceptance import exact_accept_mask, where_needed
-from flyspec.config import FsdConfig, GuardConfig, SamplingConfig
+from flyspec.config import FsdConfig, SamplingConfig
 from flyspec.sampling import choose_tokens
 from flyspec.types import Draft
 from flyspec.verifiers.base import GREEDY, LooseRule, NextToken
@@ -36,7 +36,6 @@ from flyspec.verifiers.distributions import divergence, draft_distribution, no_p
 class FsdVerifier(LooseRule):
     config: FsdConfig = field(default_factory=FsdConfig)
     name: str = "fsd"
-    guard: GuardConfig = field(default_factory=GuardConfig)  # trust guards, verifiers/guard.py
 
     def strict(
         self, draft: Draft, target_logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None

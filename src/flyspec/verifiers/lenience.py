@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from flyspec.acceptance import draft_probs_or_one_hot, where_needed
-from flyspec.config import GuardConfig, LenienceConfig, SamplingConfig
+from flyspec.config import LenienceConfig, SamplingConfig
 from flyspec.sampling import logits_to_probs, uniform
 from flyspec.types import Draft
 from flyspec.verifiers.base import GREEDY, LooseRule
@@ -42,7 +42,6 @@ def top_ratio(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> torch.
 class LenienceVerifier(LooseRule):
     config: LenienceConfig = field(default_factory=LenienceConfig)
     name: str = "lenience"
-    guard: GuardConfig = field(default_factory=GuardConfig)  # trust guards, verifiers/guard.py
 
     def candidates(
         self,

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from flyspec.acceptance import where_needed
-from flyspec.config import GuardConfig, MarginConfig, SamplingConfig
+from flyspec.config import MarginConfig, SamplingConfig
 from flyspec.verifiers.base import GREEDY, LooseRule
 
 
@@ -51,7 +51,6 @@ def margin_loose_mask(
 class MarginVerifier(LooseRule):
     config: MarginConfig = field(default_factory=MarginConfig)
     name: str = "margin"
-    guard: GuardConfig = field(default_factory=GuardConfig)  # trust guards, verifiers/guard.py
 
     def candidates(
         self,

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from flyspec.acceptance import where_needed
-from flyspec.config import GuardConfig, SamplingConfig, TypicalConfig
+from flyspec.config import SamplingConfig, TypicalConfig
 from flyspec.sampling import choose_tokens, logits_to_probs
 from flyspec.types import Draft
 from flyspec.verifiers.base import GREEDY, LooseRule, NextToken
@@ -39,7 +39,6 @@ def typical_accept_mask(
 class TypicalVerifier(LooseRule):
     config: TypicalConfig = field(default_factory=TypicalConfig)
     name: str = "typical"
-    guard: GuardConfig = field(default_factory=GuardConfig)  # trust guards, verifiers/guard.py
 
     def strict(
         self, draft: Draft, target_logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None
