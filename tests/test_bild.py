@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from flyspec.calibration.space import points
-from flyspec.cli_options import FLAG_NAMES
+from flyspec.cli_speculation import FLAG_NAMES
 from flyspec.config import BildConfig, ConfigError, GuardConfig, SamplingConfig, SpeculationConfig
 from flyspec.profile import looser
 from flyspec.server.settings import describe, for_request

@@ -129,7 +129,8 @@ def test_the_python_api_loads_the_profiles_dtype(monkeypatch, caplog, float32_pr
 def test_bench_eval_and_serve_take_the_profiles_dtype(monkeypatch, float32_profile: Path, tiny_model_dir) -> None:
     """Their models load through ``engine_options`` with the specs each command runs."""
     from flyspec.cli import build_parser
-    from flyspec.cli_options import engine_options, speculation_config
+    from flyspec.cli_options import engine_options
+    from flyspec.cli_speculation import speculation_config
     from flyspec.harness.methods import parse_methods, speculations
 
     monkeypatch.setenv(AUTO_DTYPE_VARIABLE, "bfloat16")

@@ -15,13 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from flyspec.cli_options import (
-    add_model_options,
-    add_speculation_options,
-    engine_options,
-    quiet_transformers,
-    speculation_config,
-)
+from flyspec.cli_options import add_model_options, engine_options, quiet_transformers
+from flyspec.cli_speculation import add_speculation_options, speculation_config
 from flyspec.config import DEFAULT_MAX_NEW_TOKENS, ConfigError, DecodeConfig, SamplingConfig, SpeculationConfig
 from flyspec.names import LOSSLESS_VERIFIERS, LOSSY_VERIFIERS, VERSION
 

@@ -7,7 +7,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from flyspec.cli_options import add_model_options, add_speculation_options, engine_options
+from flyspec.cli_options import add_model_options, engine_options
+from flyspec.cli_speculation import add_speculation_options
 from flyspec.extras import require_extra
 from flyspec.names import LOSSY_VERIFIERS
 
@@ -113,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
     from flyspec.bench.data import load_prompts
     from flyspec.bench.live import LiveView
     from flyspec.bench.loop import BenchSettings, VllmSettings, bench_methods, forward_times, make_backends, run_bench
-    from flyspec.cli_options import speculation_config
+    from flyspec.cli_speculation import speculation_config
     from flyspec.config import ConfigError, SamplingConfig
     from flyspec.harness.data import JsonlWriter
     from flyspec.harness.methods import speculations
@@ -182,7 +183,7 @@ def _run_load(args: argparse.Namespace) -> int:
     from flyspec.bench import load, online
     from flyspec.bench.backends import conversation_ids
     from flyspec.bench.data import load_prompts
-    from flyspec.cli_options import speculation_config
+    from flyspec.cli_speculation import speculation_config
     from flyspec.config import ConfigError
     from flyspec.harness.meta import run_metadata
     from flyspec.harness.vllm_worker import VllmOptions, check_venv, venv_python

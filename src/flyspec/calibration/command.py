@@ -6,7 +6,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from flyspec.cli_options import add_engine_options, add_model_options, engine_options, parse_skip_layers, vllm_options
+from flyspec.cli_options import add_engine_options, add_model_options, engine_options, vllm_options
+from flyspec.cli_speculation import parse_skip_layers
 from flyspec.config import ConfigError, SpeculationConfig
 from flyspec.extras import require_extra
 from flyspec.names import DRAFTERS, LOSSY_VERIFIERS

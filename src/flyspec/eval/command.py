@@ -7,14 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from flyspec.cli_options import (
-    add_engine_options,
-    add_model_options,
-    add_speculation_options,
-    engine_options,
-    speculation_config,
-    vllm_options,
-)
+from flyspec.cli_options import add_engine_options, add_model_options, engine_options, vllm_options
+from flyspec.cli_speculation import add_speculation_options, speculation_config
 from flyspec.config import ConfigError
 from flyspec.eval.scoring import METRICS
 from flyspec.eval.stats import DEFAULT_FLOOR, DEFAULT_RESAMPLES

@@ -12,7 +12,8 @@ import logging
 import os
 from pathlib import Path
 
-from flyspec.cli_options import add_model_options, add_speculation_options, engine_options, speculation_config
+from flyspec.cli_options import add_model_options, engine_options
+from flyspec.cli_speculation import add_speculation_options, speculation_config
 from flyspec.config import ConfigError, SpeculationConfig
 from flyspec.extras import require_extra
 from flyspec.names import LOSSY_VERIFIERS
