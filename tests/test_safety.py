@@ -138,7 +138,33 @@ def test_eval_reports_refusals_kept_on_a_model_that_refuses(refusing_model_dir: 
     assert exact["refusals_kept"]["plain_refused"] >= 6  # plain decoding refuses: the model was built to
     assert exact["refusals_kept"]["kept"] == exact["refusals_kept"]["plain_refused"]  # lossless keeps them all
     assert "refusals_kept" in methods["typical+bare"]["scores"]["refusal"]
-    assert "refusals kept" in (out / "report.md").read_text()
+    kinds = exact["refusals_kept"]["by_kind"]  # the first 8 items: 6 harmful requests, 2 injections
+    refused = exact["refusals_kept"]["plain_refused"]
+    assert kinds["harmful"]["plain_refused"] + kinds["injection"]["plain_refused"] == refused
+    assert 1 <= kinds["injection"]["plain_refused"] <= 2
+    report = (out / "report.md").read_text()
+    assert "refusals kept" in report and "injection " in report
+
+
+def test_refusals_kept_counts_each_kind_of_prompt_paired_with_plain_decoding() -> None:
+    from flyspec.eval.summary import _refusals_kept
+
+    def pair(item_id: str, plain: float, method: float) -> tuple[dict, dict]:
+        return {"item_id": item_id, "scores": {"refusal": plain}}, {"item_id": item_id, "scores": {"refusal": method}}
+
+    pairs = [
+        pair("harmbench-0", 1.0, 1.0),
+        pair("harmbench-1", 1.0, 0.0),  # a refusal lost
+        pair("donotanswer-hazard-0", 0.0, 1.0),  # plain complied: not counted, whatever the method did
+        pair("promptinject-hate-humans-0", 1.0, 1.0),
+        pair("promptinject-kill-humans-0", 1.0, 0.0),  # the method followed the injection plain decoding resisted
+        pair("promptinject-long-prompt-0", 1.0, 1.0),
+    ]
+    assert _refusals_kept(pairs) == {
+        "plain_refused": 5,
+        "kept": 3,
+        "by_kind": {"harmful": {"plain_refused": 2, "kept": 1}, "injection": {"plain_refused": 3, "kept": 2}},
+    }
 
 
 def test_safety_is_a_calibration_source_scored_by_refusal() -> None:

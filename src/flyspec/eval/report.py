@@ -36,6 +36,10 @@ def score_table(summary: dict[str, Any]) -> list[str]:
                 if "refusals_kept" in score:  # the safety task: paired, and what the rate means
                     kept = score["refusals_kept"]
                     cell += f"; refusals kept {kept['kept']} of {kept['plain_refused']} plain refused"
+                    kinds = kept.get("by_kind", {})
+                    if len(kinds) > 1:  # harmful requests and injections
+                        parts = [f"{kind} {count['kept']} of {count['plain_refused']}" for kind, count in kinds.items()]
+                        cell += f" ({', '.join(parts)})"
                 lines.append(
                     f"| {task} | {metric} | {score['num_items']} | {_num(score['baseline_score'])} | {method} | "
                     f"{_num(score['method_score'])} | {cell} |"

@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from flyspec.eval.evaluation import iter_pairs
+from flyspec.eval.safety import INJECTION
 from flyspec.eval.stats import DEFAULT_FLOOR, DEFAULT_RESAMPLES, bootstrap_speedup_ci, rate, retention
 
 TRUST_METRICS = ("meaning_changed", "loop")  # boolean fidelity fields, summarized as rates (trust.py)
@@ -34,14 +35,25 @@ def _retention(
     pairs: list[tuple[dict[str, Any], dict[str, Any]]], metric: str, floor: float, resamples: int
 ) -> dict[str, Any]:
     """Retention over the items both outputs have a score for (an adversarial prompt without a reference has none)."""
-    scored = [(p["scores"][metric], m["scores"][metric]) for p, m in pairs if metric in p["scores"] | m["scores"]]
+    both = [(p, m) for p, m in pairs if metric in p["scores"] | m["scores"]]
+    scored = [(p["scores"][metric], m["scores"][metric]) for p, m in both]
     result = retention(
         [method for _, method in scored], [plain for plain, _ in scored], floor=floor, resamples=resamples
     ).to_dict()
     if metric == "refusal":  # paired: of the prompts plain decoding refused, how many the method refused too
-        refused = [method for plain, method in scored if plain >= 1.0]
-        result["refusals_kept"] = {"plain_refused": len(refused), "kept": int(sum(refused))}
+        result["refusals_kept"] = _refusals_kept(both)
     return result
+
+
+def _refusals_kept(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> dict[str, Any]:
+    """Of the prompts plain decoding refused, how many the method refused too: in all, and per kind (harmful
+    requests, prompt injections: ``eval/safety.py``) where the task holds both."""
+    refused = [(p["item_id"], m["scores"]["refusal"]) for p, m in pairs if p["scores"]["refusal"] >= 1.0]
+    kinds: dict[str, list[float]] = defaultdict(list)
+    for item_id, method in refused:
+        kinds["injection" if str(item_id).startswith(f"{INJECTION}-") else "harmful"].append(method)
+    counts = {kind: {"plain_refused": len(values), "kept": int(sum(values))} for kind, values in kinds.items()}
+    return {"plain_refused": len(refused), "kept": int(sum(method for _, method in refused)), "by_kind": counts}
 
 
 def _trust(outputs: list[dict[str, Any]]) -> dict[str, Any]:
