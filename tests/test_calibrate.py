@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -411,6 +412,31 @@ def test_resume_adds_nothing_to_a_finished_calibration(calibrated, models) -> No
     other = dataclasses.replace(config, speculation=SpeculationConfig(num_draft_tokens=6))
     with pytest.raises(ConfigError, match="--resume"):
         calibrate(target, other, resources=Resources("float32", models=(target,)))
+
+
+def test_resume_with_a_smaller_limit_summarizes_only_those_prompts(calibrated, models, tmp_path) -> None:
+    """A run stopped by hand is summarized at a prefix (``--limit N --resume``): the records of later prompts stay
+    in records.jsonl but count nowhere."""
+    directory, _ = calibrated
+    out = tmp_path / "out"
+    shutil.copytree(directory / "out", out)
+    before = (out / "records.jsonl").read_text()
+    config = CalibrationConfig(
+        speculation=SpeculationConfig(num_draft_tokens=8),
+        data=str(directory / "prompts.jsonl"),
+        grid="quick",
+        limit=3,
+        out_dir=out,
+        resume=True,
+        live_check=0,
+        use_chat=False,
+    )
+    target = models["target"]
+    calibrate(target, config, resources=Resources("float32", models=(target,)))
+    assert (out / "records.jsonl").read_text() == before  # nothing decoded again, nothing dropped from the file
+    record = json.loads((out / "profile.json").read_text())
+    assert record["data"]["n"] == 3
+    assert record["frontier"][0]["n"] == 3 and all(point["n"] <= 3 for point in record["frontier"])
 
 
 def test_calibrate_refuses_a_drafter_that_remembers_other_prompts() -> None:

@@ -172,12 +172,14 @@ def summarize_frontier(calibrator: Calibrator, cost: CostModel, budget: Budget, 
     records = calibrator.records
     by_point: dict[str, list[dict[str, Any]]] = {point.name: [] for point in calibrator.points}
     plain: dict[str, dict[str, Any]] = {}
+    order = {item.key: index for index, item in enumerate(calibrator.items)}
     for (item, name), record in records.items():
+        if item not in order:  # resumed with a smaller --limit: the later prompts' records stay in the file only
+            continue
         if name == PLAIN:
             plain[item] = record
         elif name in by_point:
             by_point[name].append(record)
-    order = {item.key: index for index, item in enumerate(calibrator.items)}
     baseline = {record["item"]: record for record in by_point[BASELINE]}
     summaries = []
     for point in calibrator.points:
