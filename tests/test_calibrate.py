@@ -393,11 +393,9 @@ def test_a_calibration_writes_its_records_profile_report_and_plot(calibrated) ->
     assert sum(json.loads(line)["point"] == "plain" for line in lines) == 5
 
 
-def test_resume_adds_nothing_to_a_finished_calibration(calibrated, models) -> None:
-    directory, _ = calibrated
-    out = directory / "out"
-    before = (out / "records.jsonl").read_text()
-    config = CalibrationConfig(
+def _resumed(directory: Path, out: Path, **changes) -> CalibrationConfig:
+    """The ``calibrated`` fixture's calibration, resumed in ``out`` (``changes``: e.g. a smaller ``limit``)."""
+    return CalibrationConfig(
         speculation=SpeculationConfig(num_draft_tokens=8),
         data=str(directory / "prompts.jsonl"),
         grid="quick",
@@ -405,7 +403,15 @@ def test_resume_adds_nothing_to_a_finished_calibration(calibrated, models) -> No
         resume=True,
         live_check=0,
         use_chat=False,
+        **changes,
     )
+
+
+def test_resume_adds_nothing_to_a_finished_calibration(calibrated, models) -> None:
+    directory, _ = calibrated
+    out = directory / "out"
+    before = (out / "records.jsonl").read_text()
+    config = _resumed(directory, out)
     target = models["target"]
     calibrate(target, config, resources=Resources("float32", models=(target,)))
     assert (out / "records.jsonl").read_text() == before
@@ -421,18 +427,8 @@ def test_resume_with_a_smaller_limit_summarizes_only_those_prompts(calibrated, m
     out = tmp_path / "out"
     shutil.copytree(directory / "out", out)
     before = (out / "records.jsonl").read_text()
-    config = CalibrationConfig(
-        speculation=SpeculationConfig(num_draft_tokens=8),
-        data=str(directory / "prompts.jsonl"),
-        grid="quick",
-        limit=3,
-        out_dir=out,
-        resume=True,
-        live_check=0,
-        use_chat=False,
-    )
     target = models["target"]
-    calibrate(target, config, resources=Resources("float32", models=(target,)))
+    calibrate(target, _resumed(directory, out, limit=3), resources=Resources("float32", models=(target,)))
     assert (out / "records.jsonl").read_text() == before  # nothing decoded again, nothing dropped from the file
     record = json.loads((out / "profile.json").read_text())
     assert record["data"]["n"] == 3
