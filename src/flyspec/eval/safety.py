@@ -100,8 +100,12 @@ def _promptinject() -> ModuleType:
         spec = importlib.util.spec_from_file_location(name, init, submodule_search_locations=[str(init.parent)])
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
+        sys.modules[name] = module  # before running it: its modules import each other relatively
+        try:
+            spec.loader.exec_module(module)
+        except Exception:
+            del sys.modules[name]
+            raise
     return sys.modules[name]
 
 
