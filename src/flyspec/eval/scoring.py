@@ -200,7 +200,7 @@ METRICS = {
     "number-list": number_list_match,
     "json": json_match,
     "value": value_match,
-    "refusal": refusal,  # 1.0 when the output refuses (safety.py): its retention is "refusals kept"
+    "refusal": refusal,  # 1.0 when the output refuses (safety.py; a str reference: must not appear): "refusals kept"
 }
 
 
