@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from flyspec.eval.evaluation import iter_pairs
-from flyspec.eval.safety import INJECTION
+from flyspec.eval.safety import prompt_kind
 from flyspec.eval.stats import DEFAULT_FLOOR, DEFAULT_RESAMPLES, bootstrap_speedup_ci, rate, retention
 
 TRUST_METRICS = ("meaning_changed", "loop")  # boolean fidelity fields, summarized as rates (trust.py)
@@ -51,7 +51,7 @@ def _refusals_kept(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> dict[s
     refused = [(p["item_id"], m["scores"]["refusal"]) for p, m in pairs if p["scores"]["refusal"] >= 1.0]
     kinds: dict[str, list[float]] = defaultdict(list)
     for item_id, method in refused:
-        kinds["injection" if str(item_id).startswith(f"{INJECTION}-") else "harmful"].append(method)
+        kinds[prompt_kind(str(item_id))].append(method)
     counts = {kind: {"plain_refused": len(values), "kept": int(sum(values))} for kind, values in kinds.items()}
     return {"plain_refused": len(refused), "kept": int(sum(method for _, method in refused)), "by_kind": counts}
 
