@@ -165,7 +165,8 @@ def config_reference() -> str:
         if dataclasses.is_dataclass(value):
             nested[type(value)] = name
     nested[config.SamplingConfig] = ""
-    modules = (config.__name__, "flyspec.rule_config")  # the lossy rules' configs live there, re-exported by config
+    # the lossy rules' and the drafters' configs live in modules of their own, re-exported by config
+    modules = (config.__name__, "flyspec.rule_config", "flyspec.drafter_config")
     classes = [c for c in vars(config).values() if any(_is_config_class(c, module) for module in modules)]
     ordered = sorted(classes, key=lambda c: (c is not config.SpeculationConfig, c is not config.DecodeConfig))
     for cls in ordered:

@@ -18,7 +18,9 @@ RUNTIME = "flyspec.runtime"
 # The runtime raises ConfigError (so the CLI exits with 2 and the server answers 400), loads with the
 # default dtype and device, and checks names (dtypes, devices, kernels, packaged models) the CLI lists
 # without torch, so they cannot move into the runtime. They import nothing else of flyspec (checked below).
-SHARED_DECLARATIONS = frozenset({"flyspec.config", "flyspec.config_mapping", "flyspec.names", "flyspec.rule_config"})
+SHARED_DECLARATIONS = frozenset(
+    {"flyspec.config", "flyspec.config_mapping", "flyspec.names", "flyspec.rule_config", "flyspec.drafter_config"}
+)
 
 
 def module_files(source: Path = SOURCE) -> dict[str, Path]:

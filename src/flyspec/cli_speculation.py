@@ -9,8 +9,8 @@ import argparse
 import json
 from typing import Any
 
-from flyspec.config import DRAFT_LENGTH_POLICIES, PROTECT_CLASSES, ConfigError, SpeculationConfig
-from flyspec.names import DRAFTERS, VERIFIER_SUMMARIES, VERIFIERS
+from flyspec.config import PROTECT_CLASSES, ConfigError, SpeculationConfig
+from flyspec.names import DRAFT_LENGTH_POLICIES, DRAFTERS, VERIFIER_SUMMARIES, VERIFIERS
 from flyspec.rule_config import CASCADE_RULES, FSD_DIVERGENCES
 
 # Defaults are SpeculationConfig's (config.py); a flag left out keeps the --speculative-config value.

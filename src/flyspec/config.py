@@ -1,5 +1,5 @@
 """Frozen configuration dataclasses. Every default lives here, and only here (the lossy rules' own settings
-in :mod:`flyspec.rule_config`, re-exported here).
+in :mod:`flyspec.rule_config`, the drafters' in :mod:`flyspec.drafter_config`, both re-exported here).
 
 Each dataclass validates itself in ``__post_init__`` and raises :class:`ConfigError` with a
 message that says what to change. The CLI turns a ``ConfigError`` into exit code 2.
@@ -16,7 +16,12 @@ from typing import Any
 from flyspec.config_mapping import FLAT_OPTIONS, floats, from_vllm, jsonable, replaced
 from flyspec.config_mapping import ConfigError as ConfigError  # re-exported: raised by every config here
 from flyspec.config_mapping import require as _require
-from flyspec.names import DISTRIBUTION_DRAFTERS, DISTRIBUTION_VERIFIERS, DRAFT_LENGTH_POLICIES
+from flyspec.drafter_config import NGRAM_MATCHES as NGRAM_MATCHES  # re-exported, as are the drafter configs below
+from flyspec.drafter_config import DraftLengthConfig as DraftLengthConfig
+from flyspec.drafter_config import LayerSkipConfig as LayerSkipConfig
+from flyspec.drafter_config import NgramCacheConfig as NgramCacheConfig
+from flyspec.drafter_config import NgramConfig as NgramConfig
+from flyspec.names import DISTRIBUTION_DRAFTERS, DISTRIBUTION_VERIFIERS
 from flyspec.rule_config import FLY_VARIANTS as FLY_VARIANTS  # re-exported, as are the rule configs below
 from flyspec.rule_config import BildConfig as BildConfig
 from flyspec.rule_config import CascadeConfig as CascadeConfig
@@ -30,7 +35,6 @@ from flyspec.rule_config import TypicalConfig as TypicalConfig
 # target's top-3 probabilities.
 DEFAULT_NUM_DRAFT_TOKENS = 15
 DEFAULT_MAX_NEW_TOKENS = 128
-NGRAM_MATCHES = ("recent", "earliest", "frequent")  # NgramConfig.match
 DEFAULT_NUM_PROPOSAL_TOKENS = 6  # tokens a stack level checks per forward (FLy's multi-level drafter)
 GREEDY_BELOW = 1e-5  # temperatures below this are greedy (SamplingConfig)
 # Where models run and in which dtype (``--device``, ``--dtype``, ``device=``/``dtype=`` of the API). ``auto``
@@ -63,91 +67,6 @@ class SamplingConfig:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
-
-
-@dataclass(frozen=True)
-class NgramConfig:
-    """Prompt lookup: match the last ``max_ngram`` .. ``min_ngram`` tokens earlier in the context.
-
-    ``match``: which earlier occurrence to copy from — ``recent`` (the latest), ``earliest``
-    (transformers' prompt lookup, the FLy reference) or ``frequent`` (the continuation most
-    occurrences share); ``extend``: past the end of the context, copy on periodically.
-    """
-
-    max_ngram: int = 4
-    min_ngram: int = 1
-    match: str = "recent"
-    extend: bool = True
-
-    def __post_init__(self) -> None:
-        _require(self.match in NGRAM_MATCHES, f"match must be one of {', '.join(NGRAM_MATCHES)} (got {self.match!r})")
-        _require(self.min_ngram >= 1, f"min_ngram must be >= 1 (got {self.min_ngram})")
-        _require(
-            self.max_ngram >= self.min_ngram,
-            f"max_ngram ({self.max_ngram}) must be >= min_ngram ({self.min_ngram})",
-        )
-
-
-@dataclass(frozen=True)
-class DraftLengthConfig:
-    """How many tokens to draft each step; ``num_draft_tokens`` is the most.
-
-    ``policy``: ``cost`` (the most expected tokens per second), ``fixed``, ``heuristic``, or ``auto``
-    (``cost`` under a lossless verifier — every drafter when greedy, n-gram drafters when sampling — else
-    ``fixed``): see ``draft_length.py``.
-    The adaptive policies stay within ``min_tokens`` .. ``num_draft_tokens`` (``cost`` may also draft
-    nothing). ``confidence_threshold`` (model drafters): stop drafting once the draft model's own top
-    probability falls below it (after keeping that token); 0 never stops early.
-    """
-
-    policy: str = "auto"
-    min_tokens: int = 1
-    confidence_threshold: float = 0.0
-
-    def __post_init__(self) -> None:
-        _require(
-            self.policy in DRAFT_LENGTH_POLICIES,
-            f"draft length policy must be one of {', '.join(DRAFT_LENGTH_POLICIES)} (got {self.policy!r})",
-        )
-        _require(self.min_tokens >= 1, f"min draft tokens must be >= 1 (got {self.min_tokens})")
-        _require(
-            0 <= self.confidence_threshold < 1,
-            f"draft confidence threshold must be in [0, 1) (got {self.confidence_threshold}); 0 disables it",
-        )
-
-
-@dataclass(frozen=True)
-class NgramCacheConfig:
-    """The persistent n-gram cache (``ngram-cache`` drafter): at most ``max_entries`` n-grams, LRU-evicted."""
-
-    max_entries: int = 200_000
-
-    def __post_init__(self) -> None:
-        _require(self.max_entries >= 1, f"ngram cache max_entries must be >= 1 (got {self.max_entries})")
-
-
-@dataclass(frozen=True)
-class LayerSkipConfig:
-    """Layer-skip self-speculation: the target drafts for itself with some layers skipped.
-
-    ``skip_layers=None`` chooses the layers by a short training-free calibration on the first
-    prompt (see ``drafters/layer_skip.py``); a tuple skips exactly those 0-based layer indices.
-    """
-
-    skip_layers: tuple[int, ...] | None = None
-    calibration_tokens: int = 64  # prompt tokens the calibration forward reads (the last ones)
-
-    def __post_init__(self) -> None:
-        _require(self.calibration_tokens >= 8, f"calibration_tokens must be >= 8 (got {self.calibration_tokens})")
-        if self.skip_layers is not None:
-            _require(
-                all(layer >= 0 for layer in self.skip_layers),
-                f"skip layers must be 0-based layer indices >= 0 (got {list(self.skip_layers)})",
-            )
-            _require(
-                len(set(self.skip_layers)) == len(self.skip_layers),
-                f"skip layers must not repeat (got {list(self.skip_layers)})",
-            )
 
 
 PROTECT_CLASSES = ("digits", "names", "identifiers")

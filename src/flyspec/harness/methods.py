@@ -34,14 +34,13 @@ import logging
 from dataclasses import dataclass, replace
 
 from flyspec.config import (
-    DRAFT_LENGTH_POLICIES,
     MODEL_DRAFTERS,
     PROTECT_CLASSES,
     ConfigError,
     GuardConfig,
     SpeculationConfig,
 )
-from flyspec.names import DRAFTERS, LOSSLESS_VERIFIERS, VERIFIERS
+from flyspec.names import DRAFT_LENGTH_POLICIES, DRAFTERS, LOSSLESS_VERIFIERS, VERIFIERS
 
 logger = logging.getLogger(__name__)
 

@@ -19,8 +19,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
-from flyspec.config import DRAFT_LENGTH_POLICIES, PROTECT_CLASSES
+from flyspec.config import PROTECT_CLASSES
 from flyspec.drafters.registry import DRAFTERS
+from flyspec.names import DRAFT_LENGTH_POLICIES
 from flyspec.rule_config import CASCADE_RULES, FSD_DIVERGENCES
 from flyspec.verifiers.registry import VERIFIERS
 
