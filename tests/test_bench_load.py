@@ -92,8 +92,12 @@ def test_the_goal_is_judged_round_by_round_not_on_separate_medians() -> None:
     rows = [
         {"method": "vllm-plain", "concurrency": 4, "tokens_per_s": 20.0, "tokens_per_s_runs": [10.0, 20.0, 40.0]},
         {"method": "vllm-ngram", "concurrency": 4, "tokens_per_s": 8.0, "tokens_per_s_runs": [5.0, 8.0, 41.0]},
-        {"method": "vllm-ngram+fly" + load.SCHEDULED, "concurrency": 4, "tokens_per_s": 21.0,
-         "tokens_per_s_runs": [9.0, 21.0, 38.0]},  # fmt: skip
+        {
+            "method": "vllm-ngram+fly" + load.SCHEDULED,
+            "concurrency": 4,
+            "tokens_per_s": 21.0,
+            "tokens_per_s_runs": [9.0, 21.0, 38.0],
+        },  # fmt: skip
     ]
     (verdict,) = load.verdicts(rows)
     assert verdict["round_shares"] == pytest.approx([0.9, 1.05, 38.0 / 41.0])  # round 3's best peer is n-gram
@@ -103,6 +107,52 @@ def test_the_goal_is_judged_round_by_round_not_on_separate_medians() -> None:
     assert not verdict["meets_goal"]
     rows[2]["tokens_per_s_runs"] = [9.8, 19.5, 40.0]  # 0.98, 0.975, 0.976: met, though its median is below plain's
     assert load.verdicts(rows)[0]["meets_goal"]
+
+
+def test_a_twin_plain_engine_measures_the_spread_between_processes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hand-computed: the twin ran at 0.90 / 0.95 / 0.92 of plain (median 0.92, a spread of 0.08), so the scheduled
+    method's miss at 0.95 (goal 0.97) is inside the spread (0.95 >= 0.97 - 0.08); a miss at 0.85 is not."""
+    rows = [
+        {"method": "vllm-plain", "concurrency": 4, "tokens_per_s": 20.0, "tokens_per_s_runs": [20.0, 20.0, 25.0]},
+        {"method": load.TWIN, "concurrency": 4, "tokens_per_s": 19.0, "tokens_per_s_runs": [18.0, 19.0, 23.0]},
+        {
+            "method": "vllm-ngram+fly" + load.SCHEDULED,
+            "concurrency": 4,
+            "tokens_per_s": 19.0,
+            "tokens_per_s_runs": [19.0, 19.0, 24.0],
+        },  # fmt: skip
+    ]
+    (verdict,) = load.verdicts(rows)  # the twin is a control, not a peer: the best peer is plain
+    assert verdict["control_share"] == pytest.approx(0.92)
+    assert verdict["paired_share"] == pytest.approx(0.95) and not verdict["meets_goal"] and verdict["inside_spread"]
+    meta = {"date": "d", "machine": "m", "cpu_isa": "AVX2", "versions": "v", "target": "t", "dtype": "float32",
+            "vllm_version": "0.32.0", "eager": True, "num_draft_tokens": 15, "max_new_tokens": 8,
+            "min_prompts": 4}  # fmt: skip
+    report = load.load_report(meta, load.LoadRun(rows=[{**row, "draft_tokens": 0} for row in rows]))
+    assert f"Control: {load.TWIN}" in report and "| 0.920 | MISSED (inside the spread) |" in report
+    rows[2]["tokens_per_s_runs"] = [17.0, 17.0, 21.25]
+    assert not load.verdicts(rows)[0]["inside_spread"]
+    del rows[1]
+    assert load.verdicts(rows)[0]["control_share"] is None and not load.verdicts(rows)[0]["inside_spread"]  # no twin
+
+    started: list[str] = []
+
+    class Recorded(StandInEngine):
+        def __init__(self, python: Path, model: str, method: str, *rest: object) -> None:
+            super().__init__(method)
+            started.append(method)
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(load, "VllmWorker", Recorded)
+    settings = load.LoadSettings(concurrencies=(4,), max_new_tokens=8, min_prompts=4)
+    workers = load.start_workers(["vllm-plain", load.TWIN], Path("python"), "model", "float32", settings, None)  # type: ignore[arg-type]
+    assert started == ["vllm-plain", "vllm-plain"] and list(workers) == ["vllm-plain", load.TWIN]
+    run = load.run_load(
+        workers, [[1, 2]] * 4, load.LoadSettings(concurrencies=(4,), schedule=BatchSchedule.from_entries([[1, 64, 0]]))
+    )  # type: ignore[arg-type]
+    assert {row["method"] for row in run.rows} == {"vllm-plain", load.TWIN}  # no scheduled twin: it is no proposer
 
 
 def test_the_outputs_say_what_was_measured(tmp_path: Path) -> None:

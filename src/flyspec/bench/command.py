@@ -44,7 +44,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "hf-lookup, hf-assisted, llamacpp-plain, llamacpp-lookup, vllm-plain, vllm-ngram, vllm-ngram+fly, "
         "vllm-ngram+fly+bare (default: plain, ngram+{exact,fly,fly+bare,margin,typical}, hf-plain, hf-lookup; "
         "with --draft-model also draft+exact, draft+fly, multilevel+fly, hf-assisted; `baseline` is the old name "
-        "of plain)",
+        "of plain); with --concurrency also vllm-flyspec-ngram and vllm-plain-twin (a second vllm-plain engine, a "
+        "control: how far two identical engines in separate processes land apart)",
     )
     run_group.add_argument("--repeats", type=int, default=1, help="runs per prompt and method; medians reported")
     run_group.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the warm-up generations")

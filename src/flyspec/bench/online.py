@@ -52,10 +52,11 @@ def server_command(
         command = [sys.executable, "-m", "flyspec", "serve", "--target", target, "--dtype", dtype, "--port", str(port),
                    "--served-model-name", SERVED_NAME, "--log-level", "warning"]  # fmt: skip
         return command, {}
-    from flyspec.bench.load import FLYSPEC_PROPOSER, LOAD_METHODS
+    from flyspec.bench.load import FLYSPEC_PROPOSER, LOAD_METHODS, engine_method
 
     if method not in LOAD_METHODS:
         raise ConfigError(f"--online measures {', '.join([*LOAD_METHODS, FLYSPEC_SERVE])}, not {method}")
+    method = engine_method(method)
     from flyspec.harness.vllm_worker import speculative_config
 
     entries = schedule.to_vllm() if schedule is not None and method in FLYSPEC_PROPOSER else None
