@@ -129,9 +129,13 @@ def interleaved(
 
     First, untimed, every engine decodes one token of each of the point's prompts: vLLM caches prompt prefixes,
     and an engine meeting a prompt for the first time would pay its prefill in the first round only, where an
-    engine that shares its process with an earlier call (a scheduled method) would not."""
-    for worker in {id(worker): worker for worker, _ in calls.values()}.values():
-        measure(worker, prompts, concurrency, 1)
+    engine that shares its process with an earlier call (a scheduled method) would not. Each engine warms with its
+    first call's request settings (``extra_args``: a rule), so its requests look like the timed ones."""
+    firsts: dict[int, tuple[VllmWorker, dict[str, Any]]] = {}
+    for worker, call in calls.values():
+        firsts.setdefault(id(worker), (worker, call))
+    for worker, call in firsts.values():
+        measure(worker, prompts, concurrency, 1, **{key: call[key] for key in ("extra_args",) if key in call})
     runs: dict[str, list[dict]] = {label: [] for label in calls}
     for _ in range(settings.repeats):
         for label, (worker, call) in calls.items():
