@@ -44,8 +44,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "hf-lookup, hf-assisted, llamacpp-plain, llamacpp-lookup, vllm-plain, vllm-ngram, vllm-ngram+fly, "
         "vllm-ngram+fly+bare (default: plain, ngram+{exact,fly,fly+bare,margin,typical}, hf-plain, hf-lookup; "
         "with --draft-model also draft+exact, draft+fly, multilevel+fly, hf-assisted; `baseline` is the old name "
-        "of plain); with --concurrency also vllm-flyspec-ngram and vllm-plain-twin (a second vllm-plain engine, a "
-        "control: how far two identical engines in separate processes land apart)",
+        "of plain); with --concurrency also vllm-flyspec-ngram, vllm-plain-twin (a second vllm-plain engine, a "
+        "control: how far two identical engines in separate processes land apart) and vllm-plain-colocated (a plain "
+        "engine in the flyspec-proposer method's own process: the verdict's plain peer, without that spread)",
     )
     run_group.add_argument("--repeats", type=int, default=1, help="runs per prompt and method; medians reported")
     run_group.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the warm-up generations")
@@ -197,6 +198,9 @@ def _run_load(args: argparse.Namespace) -> int:
     schedule = BatchSchedule.load(args.schedule) if args.schedule else None
     if args.online and args.derive_schedule:
         raise ConfigError("--derive-schedule measures offline: derive it first, then pass --online --schedule FILE")
+    if args.online and load.COLOCATED in names:
+        raise ConfigError(f"--online: {load.COLOCATED} shares an offline engine's process, and each server has its "
+                          f"own; use {load.TWIN} for the spread between servers")  # fmt: skip
     engines = [name for name in names if not (args.online and name == online.FLYSPEC_SERVE)]
     load.check_methods(engines, args.derive_schedule, schedule)
     k = speculation_config(args).num_draft_tokens

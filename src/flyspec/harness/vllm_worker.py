@@ -123,14 +123,16 @@ class VllmWorker:
     """A started engine: :meth:`request` sends one JSON line and returns the reply."""
 
     def __init__(
-        self, python: Path, model_path: str, method: str, dtype: str, num_draft_tokens: int, options: VllmOptions
-    ) -> None:
+        self, python: Path, model_path: str, method: str, dtype: str, num_draft_tokens: int, options: VllmOptions,
+        colocated_plain: bool = False,
+    ) -> None:  # fmt: skip
         self.method = method
         # vLLM's log lines; their tail goes into the error when the worker dies (closed in close())
         self.log: IO[str] = tempfile.TemporaryFile("w+", encoding="utf-8")  # noqa: SIM115
         command = [
             str(python), "-m", "flyspec_vllm.worker", "--method", method, "--model", model_path, "--dtype", dtype,
             "--num-draft-tokens", str(num_draft_tokens), *options.arguments(),
+            *(["--colocated-plain"] if colocated_plain else []),
         ]  # fmt: skip
         started = time.perf_counter()
         self.process = subprocess.Popen(
@@ -178,3 +180,25 @@ class VllmWorker:
                 self.process.kill()
         if not self.log.closed:
             self.log.close()
+
+
+class ColocatedPlain:
+    """The plain engine a worker started with ``colocated_plain`` hosts beside its own: same process, memory and
+    threads, so that what separates their figures is speculation alone (between two processes, two identical plain
+    engines differed by up to 8 % on a 2-core VM, benchmarks/2026-11-26-load). Requests go through the host's pipe."""
+
+    method = "vllm-plain"
+    startup_s = 0.0  # counted in its host's start-up
+
+    def __init__(self, host: VllmWorker) -> None:
+        self.host = host
+        self.vllm_version, self.plugin = host.vllm_version, host.plugin
+
+    def request(self, payload: dict[str, Any]) -> dict[str, Any]:
+        reply = self.host.request({**payload, "engine": "plain"})
+        if "error" in reply:
+            raise RuntimeError(f"{self.host.method}: {reply['error']}")
+        return reply
+
+    def close(self) -> None:
+        """Closed with its host."""

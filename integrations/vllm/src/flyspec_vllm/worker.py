@@ -10,6 +10,9 @@ submitted at once (one prompt: batch 1), counters are the differences over that 
 proposer: ``"num_draft_tokens": k`` (at most k drafts per request in this call) or ``"schedule": [[start, end, k],
 ...]`` (a batch-size schedule for this call, ``flyspec.batch_schedule``) — one engine sweeps every draft length;
 ``"extra_args": {...}``: every prompt's ``SamplingParams.extra_args`` (its rule, ``flyspec_vllm.options``).
+With ``--colocated-plain`` the worker also starts a plain engine (no speculation) in the same process, and a line
+with ``"engine": "plain"`` goes to it: a control that shares the speculative engine's process, memory and threads
+(``flyspec bench``'s ``vllm-plain-colocated``).
 
 ``{"requests": [{"key": k, "prompt": [ids], "max_tokens": N, "extra_args": {...}}, ...]}`` →
 ``{"outputs": [{"key": k, "token_ids": [...], "finish_reason": ..., "record": {...}}, ...], "seconds": s,
@@ -99,6 +102,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "passed as speculative_config's num_speculative_tokens_per_batch_size",
     )
     parser.add_argument("--eager", action="store_true", help="enforce_eager (starts ~3x faster, runs ~15%% slower)")
+    parser.add_argument(
+        "--colocated-plain",
+        action="store_true",
+        help='also start a plain engine (no speculation) in this process; lines with "engine": "plain" go to it',
+    )
     return parser.parse_args(argv)
 
 
@@ -211,7 +219,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import vllm
 
-        llm = start_engine(args)
+        engines = {}
+        if args.colocated_plain:
+            # first: vLLM's metrics live in one process-wide registry that each new engine's logger takes over, and
+            # the speculative engine's counters (drafts, accepted tokens) are the ones spec_counters reads
+            engines["plain"] = start_engine(argparse.Namespace(**{**vars(args), "method": "vllm-plain"}))
+        engines[""] = start_engine(args)
     except Exception as error:  # noqa: BLE001 - any start-up failure is reported to the caller in one line
         message = " ".join(str(error).split()) or type(error).__name__
         print(json.dumps({"error": f"{type(error).__name__}: {message}"}), flush=True)
@@ -225,7 +238,13 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({"ready": True, "vllm_version": vllm.__version__, "plugin": plugin}), flush=True)
     for line in sys.stdin:
         if line.strip():
-            print(json.dumps(answer(llm, json.loads(line))), flush=True)
+            request = json.loads(line)
+            engine = engines.get(request.get("engine", ""))
+            if engine is None:
+                print(json.dumps({"error": f"no engine {request['engine']!r} here: start the worker with "
+                                           "--colocated-plain"}), flush=True)  # fmt: skip
+                continue
+            print(json.dumps(answer(engine, request)), flush=True)
     return 0
 
 
