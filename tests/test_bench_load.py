@@ -44,6 +44,17 @@ class StandInEngine:
                 "accepted": accepted}  # fmt: skip
 
 
+REPORT_META = {"date": "d", "machine": "m", "cpu_isa": "AVX2", "versions": "v", "target": "t", "dtype": "float32",
+               "vllm_version": "0.32.0", "eager": True, "num_draft_tokens": 15, "max_new_tokens": 8,
+               "min_prompts": 4}  # fmt: skip
+
+
+def point(method: str, runs: list[float], concurrency: int = 4) -> dict:
+    """A measured row: every round's tokens/s, the median as the row's figure (as :func:`load.interleaved` keeps)."""
+    return {"method": method, "concurrency": concurrency, "tokens_per_s": sorted(runs)[len(runs) // 2],
+            "tokens_per_s_runs": runs}  # fmt: skip
+
+
 def test_the_sweep_derives_a_schedule_that_keeps_the_throughput_of_no_drafts() -> None:
     workers = {name: StandInEngine(name) for name in ("vllm-plain", "vllm-ngram", "vllm-ngram+fly")}
     settings = load.LoadSettings(concurrencies=(1, 2, 4, 8, 16, 32), max_new_tokens=64, min_prompts=4, derive=True)
@@ -114,22 +125,14 @@ def test_a_twin_plain_engine_measures_the_spread_between_processes(monkeypatch: 
     """Hand-computed: the twin ran at 0.90 / 0.95 / 0.92 of plain (median 0.92, a spread of 0.08), so the scheduled
     method's miss at 0.95 (goal 0.97) is inside the spread (0.95 >= 0.97 - 0.08); a miss at 0.85 is not."""
     rows = [
-        {"method": "vllm-plain", "concurrency": 4, "tokens_per_s": 20.0, "tokens_per_s_runs": [20.0, 20.0, 25.0]},
-        {"method": load.TWIN, "concurrency": 4, "tokens_per_s": 19.0, "tokens_per_s_runs": [18.0, 19.0, 23.0]},
-        {
-            "method": "vllm-ngram+fly" + load.SCHEDULED,
-            "concurrency": 4,
-            "tokens_per_s": 19.0,
-            "tokens_per_s_runs": [19.0, 19.0, 24.0],
-        },  # fmt: skip
+        point("vllm-plain", [20.0, 20.0, 25.0]),
+        point(load.TWIN, [18.0, 19.0, 23.0]),
+        point("vllm-ngram+fly" + load.SCHEDULED, [19.0, 19.0, 24.0]),
     ]
     (verdict,) = load.verdicts(rows)  # the twin is a control, not a peer: the best peer is plain
     assert verdict["control_share"] == pytest.approx(0.92)
     assert verdict["paired_share"] == pytest.approx(0.95) and not verdict["meets_goal"] and verdict["inside_spread"]
-    meta = {"date": "d", "machine": "m", "cpu_isa": "AVX2", "versions": "v", "target": "t", "dtype": "float32",
-            "vllm_version": "0.32.0", "eager": True, "num_draft_tokens": 15, "max_new_tokens": 8,
-            "min_prompts": 4}  # fmt: skip
-    report = load.load_report(meta, load.LoadRun(rows=[{**row, "draft_tokens": 0} for row in rows]))
+    report = load.load_report(REPORT_META, load.LoadRun(rows=[{**row, "draft_tokens": 0} for row in rows]))
     assert f"Control: {load.TWIN}" in report and "| 0.920 | MISSED (inside the spread) |" in report
     rows[2]["tokens_per_s_runs"] = [17.0, 17.0, 21.25]
     assert not load.verdicts(rows)[0]["inside_spread"]
@@ -163,25 +166,17 @@ def test_a_colocated_plain_engine_is_the_plain_peer_and_shares_the_scheduled_met
     against the plain engine of its own process 1.00 / 0.98 / 0.97 (median 0.98: met). The twin stays a control of
     the two separate processes (0.90 of vllm-plain)."""
     rows = [
-        {"method": "vllm-plain", "concurrency": 4, "tokens_per_s": 20.0, "tokens_per_s_runs": [20.0, 20.0, 25.0]},
-        {"method": load.COLOCATED, "concurrency": 4, "tokens_per_s": 19.0, "tokens_per_s_runs": [18.0, 19.4, 23.7]},
-        {"method": load.TWIN, "concurrency": 4, "tokens_per_s": 18.0, "tokens_per_s_runs": [18.0, 18.0, 22.5]},
-        {
-            "method": "vllm-ngram+fly" + load.SCHEDULED,
-            "concurrency": 4,
-            "tokens_per_s": 19.0,
-            "tokens_per_s_runs": [18.0, 19.0, 23.0],
-        },  # fmt: skip
+        point("vllm-plain", [20.0, 20.0, 25.0]),
+        point(load.COLOCATED, [18.0, 19.4, 23.7]),
+        point(load.TWIN, [18.0, 18.0, 22.5]),
+        point("vllm-ngram+fly" + load.SCHEDULED, [18.0, 19.0, 23.0]),
     ]
     (verdict,) = load.verdicts(rows)
     assert verdict["plain_peer"] == load.COLOCATED
     assert verdict["round_shares"] == pytest.approx([1.0, 19.0 / 19.4, 23.0 / 23.7])
     assert verdict["meets_goal"] and verdict["over_plain_paired"] == pytest.approx(19.0 / 19.4)
     assert verdict["control_share"] == pytest.approx(0.9)  # twin over the separate vllm-plain
-    meta = {"date": "d", "machine": "m", "cpu_isa": "AVX2", "versions": "v", "target": "t", "dtype": "float32",
-            "vllm_version": "0.32.0", "eager": True, "num_draft_tokens": 15, "max_new_tokens": 8,
-            "min_prompts": 4}  # fmt: skip
-    report = load.load_report(meta, load.LoadRun(rows=[{**row, "draft_tokens": 0} for row in rows]))
+    report = load.load_report(REPORT_META, load.LoadRun(rows=[{**row, "draft_tokens": 0} for row in rows]))
     assert f"Plain peer: {load.COLOCATED}" in report and f"over {load.COLOCATED}, paired" in report
     (separate,) = load.verdicts([row for row in rows if row["method"] != load.COLOCATED])
     assert separate["plain_peer"] == "vllm-plain" and not separate["meets_goal"]  # 0.90 / 0.95 / 0.92
