@@ -221,7 +221,7 @@ def verdicts(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if not method.endswith(SCHEDULED):
             continue
         plain_peer = COLOCATED if (COLOCATED, concurrency) in table else "vllm-plain"
-        names = [plain_peer, *(name for name in PEERS if name != "vllm-plain")]
+        names = (plain_peer if name == "vllm-plain" else name for name in PEERS)
         peers = {name: table[name, concurrency] for name in names if (name, concurrency) in table}
         if not peers:
             continue
