@@ -22,6 +22,7 @@ from flyspec.config import (
     SamplingConfig,
     SpeculationConfig,
 )
+from flyspec.drafters.registry import make_drafter
 from flyspec.profile import looser
 from flyspec.server.settings import describe
 from flyspec.types import Draft, Verdict
@@ -153,7 +154,7 @@ def test_a_lenience_outside_the_rules_range_is_refused(rule: str, lenience: floa
 
 def test_distribution_rules_need_a_draft_model_in_one_line(capsys) -> None:
     for verifier in ("fsd", "cascade"):
-        with pytest.raises(ConfigError, match="--drafter draft-model or multilevel"):
+        with pytest.raises(ConfigError, match="--drafter layer-skip, or draft-model or multilevel"):
             SpeculationConfig(verifier=verifier)
     with pytest.raises(SystemExit) as exited:
         main(["generate", "--verifier", "fsd", "hello"])
@@ -178,9 +179,11 @@ def test_flags_requests_and_profiles_for_each_rule() -> None:
         assert looser(spec, SpeculationConfig().with_options({**model, "verifier": verifier, **loosened})) == [reason]
 
 
-def test_the_calibration_grid_has_the_distribution_families_only_for_draft_models() -> None:
+def test_the_calibration_grid_has_the_distribution_families_only_for_model_drafts() -> None:
     ngram = {point.family for point in points(SpeculationConfig())}
     assert "lenience" in ngram and not any(family.startswith(("fsd", "cascade")) for family in ngram)
+    skipped = {point.family for point in points(SpeculationConfig(drafter="layer-skip"))}
+    assert {"fsd", "cascade chow", "cascade diff", "cascade opt"} <= skipped
     drafted = points(SpeculationConfig(drafter="draft-model", draft_model="d"))
     families = {point.family for point in drafted}
     assert {"fsd", "cascade chow", "cascade diff", "cascade opt", "lenience"} <= families
@@ -189,6 +192,14 @@ def test_the_calibration_grid_has_the_distribution_families_only_for_draft_model
         assert orders == list(range(len(orders))) and len(orders) >= 5
 
 
+MODEL_DRAFTS = {
+    "draft-model": lambda draft_model: {"drafter": "draft-model", "draft_model": draft_model.name},
+    # the target's own skip view: its early exit goes through the target's norm and head
+    "layer-skip": lambda draft_model: {"drafter": "layer-skip", "skip_layers": (1,)},
+}
+
+
+@pytest.mark.parametrize("drafter", list(MODEL_DRAFTS))
 @pytest.mark.parametrize(
     ("verifier", "strict", "loose"),
     [
@@ -196,14 +207,16 @@ def test_the_calibration_grid_has_the_distribution_families_only_for_draft_model
         ("cascade", {"cascade_lenience": 0.0}, {"cascade_lenience": 1.0}),
     ],
 )
-def test_a_draft_model_carries_its_distribution_end_to_end(tiny_target, tiny_draft, verifier, strict, loose) -> None:
+def test_a_model_draft_carries_its_distribution_end_to_end(
+    tiny_target, tiny_draft, drafter, verifier, strict, loose
+) -> None:
     from flyspec.api import build_decoder
     from flyspec.resources import Resources
 
     resources = Resources("float32", models=(tiny_target, tiny_draft))
     decode = DecodeConfig(max_new_tokens=24)
     prompt = tiny_target.tokenizer("Once upon a time there was a cat and a cat").input_ids
-    base = {"drafter": "draft-model", "draft_model": tiny_draft.name, "num_draft_tokens": 5, "profile": "none"}
+    base = {**MODEL_DRAFTS[drafter](tiny_draft), "num_draft_tokens": 5, "profile": "none"}
 
     def run(options):
         spec = SpeculationConfig().with_options({**base, "verifier": verifier, "bare_rule": True, **options})
@@ -213,3 +226,24 @@ def test_a_draft_model_carries_its_distribution_end_to_end(tiny_target, tiny_dra
     assert run(strict).token_ids == exact.generate(prompt).token_ids  # nothing within a threshold of 0 / defers all
     loosened = run(loose)
     assert loosened.stats.num_loose_accepts > 0
+
+
+def test_a_layer_skip_draft_is_the_skip_views_own_distribution_over_the_targets_vocabulary(tiny_target) -> None:
+    from flyspec.drafters.skip_view import skip_view
+    from flyspec.resources import Resources
+
+    spec = SpeculationConfig(drafter="layer-skip", verifier="fsd").with_options({"skip_layers": (1,)})
+    drafter = make_drafter(spec, tiny_target, Resources("float32", models=(tiny_target,)))
+    prompt = tiny_target.tokenizer("Once upon a time there was a cat").input_ids
+    drafter.reset(prompt)
+    drafted = drafter.propose(prompt, 4, GREEDY, None)
+    distribution = drafted.draft_distribution
+    assert distribution is not None and distribution.shape == (4, tiny_target.model.config.vocab_size)
+    assert torch.equal(distribution.argmax(-1), drafted.tokens)  # greedy: each token is its row's top
+    ids = torch.tensor([[*prompt, *drafted.tokens.tolist()[:-1]]])
+    with torch.inference_mode():  # the same skip view, uncached: the rows are its softmax at the draft positions
+        expected = torch.softmax(skip_view(tiny_target, (1,)).model(input_ids=ids).logits[0, -4:].float(), dim=-1)
+    torch.testing.assert_close(distribution, expected, atol=1e-5, rtol=1e-4)
+    drafter.keep_distribution = False
+    drafter.reset(prompt)
+    assert drafter.propose(prompt, 2, GREEDY, None).draft_distribution is None

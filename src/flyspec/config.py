@@ -262,7 +262,7 @@ class SpeculationConfig:
         _require(
             self.verifier not in DISTRIBUTION_VERIFIERS or self.drafter in DISTRIBUTION_DRAFTERS,
             f"verifier {self.verifier!r} compares the draft model's distribution with the target's, and drafter "
-            f"{self.drafter!r} has none: use --drafter {' or '.join(DISTRIBUTION_DRAFTERS)} with --draft-model",
+            f"{self.drafter!r} has none: use --drafter layer-skip, or draft-model or multilevel with --draft-model",
         )
         _require(
             self.drafter != "stack" or bool(self.stack),

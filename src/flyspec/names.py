@@ -19,16 +19,17 @@ VERIFIER_SUMMARIES = {
     "typical": "lossy: also a token the target gives p > min(eps, delta*exp(-entropy)) (Medusa's typical acceptance)",
     "bild": "lossy: also a mismatch with -log p_target(token) <= the rollback threshold (BiLD's rollback policy)",
     "lenience": "lossy: rejection sampling with q scaled by l < 1; greedy, a token with p >= l*max p (Leviathan)",
-    "fsd": "lossy: also a mismatch where the draft and target distributions diverge <= a threshold (FSD; draft model)",
-    "cascade": "lossy: also the draft's token where a deferral rule (chow/diff/opt) trusts the draft (draft model)",
+    "fsd": "lossy: also a mismatch where the draft and target distributions diverge <= a threshold (FSD; model drafts)",
+    "cascade": "lossy: also the draft's token where a deferral rule (chow/diff/opt) trusts the draft (model drafts)",
 }
 VERIFIERS = tuple(VERIFIER_SUMMARIES)
 LOSSLESS_VERIFIERS = ("exact", "rejection", "block")
 LOSSY_VERIFIERS = tuple(name for name in VERIFIERS if name not in LOSSLESS_VERIFIERS)
 # the lossy rules that compare the draft model's distribution with the target's (Draft.draft_distribution): they
-# need a draft model of the target's tokenizer (drafter draft-model or multilevel), not n-gram drafts
+# need a draft model of the target's tokenizer (drafter draft-model or multilevel) or the target's own skip view
+# (layer-skip: its early exit is a distribution over the target's vocabulary), not n-gram drafts
 DISTRIBUTION_VERIFIERS = ("fsd", "cascade")
-DISTRIBUTION_DRAFTERS = ("draft-model", "multilevel")
+DISTRIBUTION_DRAFTERS = ("draft-model", "multilevel", "layer-skip")
 # the SpeculationConfig fields that decide a loose accept: each lossy rule's settings are the field of its name
 LOSSY_RULE_FIELDS = ("verifier", *LOSSY_VERIFIERS, "guard")
 COPY_DRAFTERS = ("ngram", "ngram-cache")  # proposals cost nothing per token (draft_length.py)

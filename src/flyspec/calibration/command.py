@@ -70,7 +70,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "--grid",
         default="default",
         choices=GRID_NAMES,
-        help="default (about 70 points, 90 with a draft model) or quick (about 10)",
+        help="default (about 70 points, 90 with a draft model or layer-skip) or quick (about 10)",
     )
     add_model_options(parser)
     add_engine_options(parser, "the grid runs")

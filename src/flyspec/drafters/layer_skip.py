@@ -266,6 +266,7 @@ class LayerSkipDrafter:
         self.calibration_reused = False
         self.skip_layers: tuple[int, ...] | None = None  # chosen at construction (given) or first reset
         self.drafter: DraftModelDrafter | None = None
+        self._keep_distribution = False
         if self.config.skip_layers is not None:
             self._build(validate_skip_layers(self.config.skip_layers, self.num_layers))
 
@@ -278,7 +279,20 @@ class LayerSkipDrafter:
             num_proposal_tokens=self.num_proposal_tokens,
             confidence_threshold=self.confidence_threshold,
             name=self.name,
+            keep_distribution=self._keep_distribution,
         )
+
+    @property
+    def keep_distribution(self) -> bool:
+        """Drafts carry the skip view's own distribution (``Draft.draft_distribution``): it exits through the
+        target's norm and head, so it is a distribution over the target's vocabulary (fsd, cascade)."""
+        return self._keep_distribution
+
+    @keep_distribution.setter
+    def keep_distribution(self, keep: bool) -> None:
+        self._keep_distribution = keep
+        if self.drafter is not None:
+            self.drafter.keep_distribution = keep
 
     def reset(self, prompt_ids: list[int]) -> None:
         if self.drafter is None:

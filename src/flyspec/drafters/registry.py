@@ -74,11 +74,11 @@ def make_drafter(
     if keep_distribution is None:
         keep_distribution = spec.verifier in DISTRIBUTION_VERIFIERS
     if keep_distribution:
-        if not isinstance(drafter, DraftModelDrafter):  # its draft model speaks another tokenizer: re-tokenized
+        if not isinstance(drafter, DraftModelDrafter | LayerSkipDrafter):  # another tokenizer: re-tokenized
             raise ConfigError(
                 f"verifiers {', '.join(DISTRIBUTION_VERIFIERS)} compare the draft model's distribution with the "
-                "target's, so the draft model needs the target's tokenizer: use one of the same tokenizer, or another "
-                "verifier"
+                "target's, so the draft model needs the target's tokenizer: use one of the same tokenizer, "
+                "--drafter layer-skip, or another verifier"
             )
         drafter.keep_distribution = True
     return drafter

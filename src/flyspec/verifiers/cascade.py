@@ -17,7 +17,8 @@ committed; T > 0: rejection sampling against p, a rejection recovered from the r
 strict rule is :func:`~flyspec.verifiers.base.strict_base_rule`, and the loose accepts are its rejections at the
 positions the rule does not defer. The rule's evidence at a loose accept is ``max q``, the draft's confidence.
 
-Needs the draft model's distribution (``Draft.draft_distribution``): a draft model of the target's tokenizer.
+Needs the draft model's distribution (``Draft.draft_distribution``): a draft model of the target's tokenizer,
+or layer-skip (the target's own skip view exits through its norm and head).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ def draft_distribution(draft: Draft, rule: str, vocab_size: int) -> torch.Tensor
     if draft.draft_distribution is None:
         raise ConfigError(
             f"verifier {rule!r} compares the draft model's distribution with the target's, and this draft has none "
-            "(n-gram drafts, or a drafter not asked to keep it): use --drafter draft-model or multilevel"
+            "(n-gram drafts, or a drafter not asked to keep it): use --drafter draft-model, multilevel or layer-skip"
         )
     return fit_vocabulary(draft.draft_distribution, vocab_size)
 

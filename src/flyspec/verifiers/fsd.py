@@ -15,7 +15,8 @@ official code: greedy, the committed token is the target's argmax (the code samp
 and its JS is the textbook one (the code's ``js_div`` averages KL(m || p) and KL(m || q), an unbounded variant),
 so its thresholds are not interchangeable with ours.
 
-Needs the draft model's distribution (``Draft.draft_distribution``): a draft model of the target's tokenizer.
+Needs the draft model's distribution (``Draft.draft_distribution``): a draft model of the target's tokenizer,
+or layer-skip (the target's own skip view exits through its norm and head).
 """
 
 from __future__ import annotations
