@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -507,3 +508,30 @@ def test_the_calibrate_command_end_to_end(capsys, monkeypatch, tiny_model_dir, t
     captured = capsys.readouterr()
     assert json.loads(captured.out)["dtype"] == auto_dtype
     assert f"in {auto_dtype}, the dtype profile profile.json was calibrated in" in captured.err
+
+
+def test_a_draft_model_of_another_tokenizer_calibrates_without_the_distribution_rules(models, tmp_path, caplog) -> None:
+    """fsd and cascade read a distribution over the target's vocabulary, which re-tokenized drafts do not have: the
+    default rules leave them out with a warning, and naming them in ``rules`` is refused in one line."""
+    from test_cross_tokenizer import make_metaspace_tokenizer
+
+    target = models["target"]
+    draft = make_tiny_model(make_metaspace_tokenizer(), 3, name="meta-draft-calibrated")
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": text}) + "\n" for text in PROMPTS[:2]))
+    spec = SpeculationConfig(drafter="draft-model", draft_model=draft.name, num_draft_tokens=4)
+
+    def config(out: str, **options) -> CalibrationConfig:
+        return CalibrationConfig(
+            speculation=spec, data=str(data), grid="quick", out_dir=tmp_path / out, live_check=0, use_chat=False,
+            **options,
+        )  # fmt: skip
+
+    resources = Resources("float32", models=(target, draft))
+    with caplog.at_level(logging.WARNING, logger="flyspec.calibration.api"):
+        result = calibrate(target, config("default"), resources=resources)
+    rules = {point["rule"] for point in result.frontier}
+    assert {"margin", "bild", "lenience"} <= rules and not rules & {"fsd", "cascade"}
+    assert "rules fsd, cascade left out" in caplog.text and "another tokenizer" in caplog.text
+    with pytest.raises(ConfigError, match=r"^--rules fsd: .*another tokenizer.*--drafter layer-skip$"):
+        calibrate(target, config("named", rules=("bild", "fsd")), resources=resources)

@@ -42,10 +42,12 @@ from flyspec.calibration.record import (
 )
 from flyspec.calibration.runner import Calibrator, Progress, ReplayEngine, pinned
 from flyspec.calibration.settings import CalibrationConfig
+from flyspec.calibration.space import RULES, Point
 from flyspec.calibration.space import points as grid_points
-from flyspec.config import SpeculationConfig
+from flyspec.config import ConfigError, SpeculationConfig
+from flyspec.drafters.cross_tokenizer import tokenizers_match
 from flyspec.drafters.registry import drafter_levels, make_drafter
-from flyspec.names import VERSION
+from flyspec.names import DISTRIBUTION_DRAFTERS, DISTRIBUTION_VERIFIERS, VERSION
 from flyspec.resources import ModelRef, Resources
 from flyspec.runtime.cached_model import CachedModel
 from flyspec.runtime.clock import device_clock
@@ -77,6 +79,7 @@ def calibrate(
     target_model = resources.model(target)
     base = _pin_drafter(points[0].speculation, target_model, resources, items, config.use_chat)
     points = [dataclasses.replace(point, speculation=_with_drafter(point.speculation, base)) for point in points]
+    points = _readable_points(points, target_model, base, resources, config.rules)
     config.out_dir.mkdir(parents=True, exist_ok=True)
     check_resume(config, target_model, base, items)
     engine = ReplayEngine(target_model, base, points, resources)
@@ -116,6 +119,29 @@ def _measure_costs(
     drafter = make_drafter(base, target, resources)
     ratio = measure_draft_cost(drafter, prompts, base.num_draft_tokens, target_step)
     return CostModel(step_cost, step_cost(1) * ratio)
+
+
+def _readable_points(
+    points: list[Point], target: LoadedModel, base: SpeculationConfig, resources: Resources, rules: tuple[str, ...]
+) -> list[Point]:
+    """``points`` without fsd and cascade where the draft model speaks another tokenizer than ``target``: its drafts
+    are re-tokenized, so it has no distribution over the target's vocabulary to compare. Left out of the default
+    rules with a warning; named in ``--rules``, refused in one line."""
+    if base.draft_model is None or base.drafter not in DISTRIBUTION_DRAFTERS:
+        return points
+    draft = resources.model(base.draft_model)
+    named = [rule for rule in DISTRIBUTION_VERIFIERS if rule in rules]
+    if not named or tokenizers_match(target.tokenizer, draft.tokenizer):
+        return points
+    reason = f"the draft model {draft.name!r} speaks another tokenizer than {target.name!r}"
+    if set(rules) != set(RULES):
+        raise ConfigError(
+            f"--rules {','.join(named)}: they compare the draft model's distribution with the target's, and {reason}; "
+            "drop them from --rules, or use a draft model of the target's tokenizer or --drafter layer-skip"
+        )
+    logger.warning("rules %s left out: they compare the draft model's distribution with the target's, and %s",
+                   ", ".join(named), reason)  # fmt: skip
+    return [point for point in points if point.speculation.verifier not in DISTRIBUTION_VERIFIERS]
 
 
 def _pin_drafter(
