@@ -140,7 +140,7 @@ def _cell(text: str) -> str:
 
 def config_reference() -> str:
     import flyspec.config as config
-    from flyspec.config_mapping import FLAT_OPTIONS, VLLM_KEYS
+    from flyspec.config.mapping import FLAT_OPTIONS, VLLM_KEYS
 
     flags, helps = _cli_flags()
     # SpeculationConfig fields by their dotted path; DecodeConfig's and SamplingConfig's by the flag's dest
@@ -165,8 +165,8 @@ def config_reference() -> str:
         if dataclasses.is_dataclass(value):
             nested[type(value)] = name
     nested[config.SamplingConfig] = ""
-    # the lossy rules' and the drafters' configs live in modules of their own, re-exported by config
-    modules = (config.__name__, "flyspec.rule_config", "flyspec.drafter_config")
+    # the configs live in three modules of flyspec.config, which re-exports them all
+    modules = ("flyspec.config.speculation", "flyspec.config.rules", "flyspec.config.drafters")
     classes = [c for c in vars(config).values() if any(_is_config_class(c, module) for module in modules)]
     ordered = sorted(classes, key=lambda c: (c is not config.SpeculationConfig, c is not config.DecodeConfig))
     for cls in ordered:
@@ -223,7 +223,7 @@ def _doc_markdown(doc: str) -> str:
 
 def _type_name(annotation: Any) -> str:
     text = inspect.formatannotation(annotation)
-    return text.replace("typing.", "").replace("flyspec.config.", "")
+    return re.sub(r"flyspec\.config\.(?:\w+\.)?", "", text.replace("typing.", ""))
 
 
 def _field_default(item: dataclasses.Field[Any]) -> str:

@@ -45,10 +45,10 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from flyspec.api import build_decoder
-from flyspec.baseline import PlainDecoder
 from flyspec.bench.data import load_prompts
 from flyspec.bench.loop import forward_times
 from flyspec.config import ConfigError, DecodeConfig, SpeculationConfig
+from flyspec.decoding.plain import PlainDecoder
 from flyspec.resources import Resources
 from flyspec.runtime.loaded_model import LoadedModel
 from flyspec.runtime.loading import cpu_name, device_name, resolve_device, resolve_dtype

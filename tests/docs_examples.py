@@ -10,7 +10,7 @@ document order with one namespace per page; a ``skip: next "reason"`` HTML comme
   was asked by stays its name. The real models are tested in ``tests/test_real_model.py``.
 - **Shell.** Each command line of a ``bash`` block runs: ``flyspec ...`` in process through
   ``flyspec.cli.main`` (no interpreter start-up per command) with the limits of ``FAST_ARGUMENTS``
-  appended (and two Spec-Bench categories for ``bench``); ``python -m flyspec.lmeval`` through its
+  appended (and two Spec-Bench categories for ``bench``); ``python -m flyspec.integrations.lmeval`` through its
   ``main``; ``curl`` as itself against the server a page started; ``echo ... |``, ``< file``, ``export``
   and ``VAR=value`` prefixes as in a shell (``$VAR`` and ``$(...)`` expanded by bash). ``flyspec serve``
   runs until stopped, so its command lines are parsed and their settings checked, not served. Any other
@@ -252,8 +252,8 @@ def run_command_line(line: str, namespace: dict[str, Any]) -> None:
 def run_command(argv: list[str], stdin: str | None, namespace: dict[str, Any]) -> None:
     if argv[0] == "flyspec":
         run_flyspec(argv[1:], stdin)
-    elif argv[:3] == ["python", "-m", "flyspec.lmeval"]:
-        from flyspec.lmeval import main
+    elif argv[:3] == ["python", "-m", "flyspec.integrations.lmeval"]:
+        from flyspec.integrations.lmeval import main
 
         run_main(main, argv[3:], stdin)
     elif argv[0] == "curl":
@@ -271,7 +271,7 @@ def run_command(argv: list[str], stdin: str | None, namespace: dict[str, Any]) -
 
 
 def run_flyspec(argv: list[str], stdin: str | None) -> None:
-    from flyspec.cli import build_parser, main
+    from flyspec.cli.main import build_parser, main
 
     command = argv[0] if argv else ""
     if command == "serve":
@@ -315,7 +315,7 @@ def server_starter(namespace: dict[str, Any], cleanups: list[Callable[[], None]]
     def start_server(*options: str, **flags: Any) -> Any:
         """Serve the tiny target as ``flyspec serve OPTIONS --FLAG VALUE`` would, on a free loopback port."""
         import flyspec
-        from flyspec.cli import build_parser
+        from flyspec.cli.main import build_parser
         from flyspec.server.app import create_app
         from flyspec.server.command import security_from_args, settings_from_args
         from server_helpers import RunningServer

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flyspec.batch_schedule import BatchSchedule, compress, derive_schedule, interpolate
 from flyspec.config import ConfigError
+from flyspec.config.schedule import BatchSchedule, compress, derive_schedule, interpolate
 
 
 def test_a_schedule_reads_as_vllms_and_carries_the_last_range_forward() -> None:

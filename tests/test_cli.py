@@ -17,8 +17,8 @@ from tokenizers import ByteLevelBPETokenizer
 from transformers import PreTrainedTokenizerFast
 
 from conftest import CORPUS, make_tiny_model
-from flyspec.cli import main
-from flyspec.names import DISTRIBUTION_VERIFIERS, LOSSLESS_VERIFIERS
+from flyspec.cli.main import main
+from flyspec.config.names import DISTRIBUTION_VERIFIERS, LOSSLESS_VERIFIERS
 from flyspec.verifiers.registry import VERIFIERS
 
 # A prompt on which the tiny target runs past 40 tokens without EOS and the n-gram drafter
@@ -274,7 +274,7 @@ def test_missing_prompt_is_usage_error(capsys: pytest.CaptureFixture[str]) -> No
 
 def test_console_script_bad_option_exits_2_without_traceback(tiny_model_dir: Path) -> None:
     script = Path(sys.executable).with_name("flyspec")
-    command = [str(script)] if script.is_file() else [sys.executable, "-m", "flyspec.cli"]
+    command = [str(script)] if script.is_file() else [sys.executable, "-m", "flyspec.cli.main"]
     completed = subprocess.run(
         [*command, "generate", PROMPT, "--target", str(tiny_model_dir), "--dtype", "float32", "-k", "0"],
         capture_output=True,

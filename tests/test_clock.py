@@ -16,8 +16,8 @@ import torch
 from flyspec.calibration.projection import measure_draft_cost
 from flyspec.calibration.replay import DraftStore
 from flyspec.config import SamplingConfig
+from flyspec.decoding.stats import DecodeStats
 from flyspec.runtime import clock
-from flyspec.stats import DecodeStats
 from flyspec.types import Draft
 
 WORK_S = 0.05

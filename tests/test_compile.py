@@ -13,8 +13,8 @@ import torch
 import flyspec.runtime.kernels as kernels
 from conftest import make_tiny_model
 from flyspec.api import build_decoder
-from flyspec.baseline import PlainDecoder
 from flyspec.config import DecodeConfig, DraftLengthConfig, SpeculationConfig
+from flyspec.decoding.plain import PlainDecoder
 from flyspec.resources import Resources
 from flyspec.runtime.cached_model import CachedModel
 from flyspec.runtime.compiled_steps import compile_steps

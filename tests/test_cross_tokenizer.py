@@ -28,10 +28,10 @@ from flyspec import (
     make_verifier,
 )
 from flyspec.config import ConfigError, SpeculationConfig
-from flyspec.detokenize import TextCodec
+from flyspec.config.names import DISTRIBUTION_VERIFIERS
 from flyspec.drafters.cross_tokenizer import CrossTokenizerDrafter, tokenizers_match
 from flyspec.drafters.draft_model import multilevel_drafter
-from flyspec.names import DISTRIBUTION_VERIFIERS
+from flyspec.runtime.detokenize import TextCodec
 from flyspec.runtime.loaded_model import LoadedModel
 from flyspec.runtime.packed_linears import SharedLinear
 from flyspec.types import Draft

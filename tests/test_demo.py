@@ -16,14 +16,14 @@ import pytest
 
 from flyspec.bench.data import SPEC_BENCH_CATEGORIES
 from flyspec.bench.demo import demo_prompts, next_commands, verdict
-from flyspec.cli import build_parser, main
-from flyspec.names import DEFAULT_MODEL
+from flyspec.cli.main import build_parser, main
+from flyspec.config.names import DEFAULT_MODEL
 from flyspec.runtime.loading import cpu_isa
 
 
 def run_demo(*options: str) -> subprocess.CompletedProcess[str]:
     script = Path(sys.executable).with_name("flyspec")
-    command = [str(script)] if script.is_file() else [sys.executable, "-m", "flyspec.cli"]
+    command = [str(script)] if script.is_file() else [sys.executable, "-m", "flyspec.cli.main"]
     return subprocess.run([*command, "demo", *options], capture_output=True, text=True, timeout=120, check=False)
 
 

@@ -8,7 +8,7 @@ import pytest
 from transformers import PreTrainedTokenizerFast
 
 from conftest import CORPUS, make_tokenizer
-from flyspec.stopping import Stopper
+from flyspec.decoding.stopping import Stopper
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -20,10 +20,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from conftest import on_devices
-from flyspec import acceptance
 from flyspec.api import build_decoder, generate
-from flyspec.baseline import PlainDecoder
-from flyspec.cli import build_parser, main
+from flyspec.cli.main import build_parser, main
 from flyspec.config import (
     DEFAULT_DEVICE,
     ConfigError,
@@ -33,14 +31,16 @@ from flyspec.config import (
     SpeculationConfig,
     check_device,
 )
-from flyspec.decoding import SpeculativeDecoder
+from flyspec.config.names import DISTRIBUTION_DRAFTERS, DISTRIBUTION_VERIFIERS, VERIFIERS
+from flyspec.decoding.plain import PlainDecoder
+from flyspec.decoding.speculative import SpeculativeDecoder
 from flyspec.drafters.ngram import NgramDrafter
-from flyspec.names import DISTRIBUTION_DRAFTERS, DISTRIBUTION_VERIFIERS, VERIFIERS
 from flyspec.resources import Resources
 from flyspec.runtime.loaded_model import LoadedModel
 from flyspec.runtime.loading import default_dtype, load_model, resolve_device, resolve_dtype
 from flyspec.runtime.target import Target
-from flyspec.sampling import make_generator
+from flyspec.sampling import acceptance
+from flyspec.sampling.sampler import make_generator
 from flyspec.types import Draft
 from flyspec.verifiers.registry import make_verifier
 

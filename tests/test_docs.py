@@ -135,7 +135,7 @@ def test_readme_is_short() -> None:
 
 
 def test_the_verifier_page_names_every_rule_and_whether_it_is_lossless() -> None:
-    from flyspec.names import LOSSLESS_VERIFIERS, VERIFIERS
+    from flyspec.config.names import LOSSLESS_VERIFIERS, VERIFIERS
 
     rows = re.findall(r"^\| `(\w+)`[^|]*\|[^|]*\| (yes|no)", (REPO / "docs/concepts/verifiers.md").read_text(), re.M)
     assert {name for name, _ in rows} == set(VERIFIERS)

@@ -16,7 +16,7 @@ import torch
 
 from flyspec import DecodeConfig, PlainDecoder, SpeculativeDecoder, build_decoder, make_verifier
 from flyspec.config import ConfigError, DraftLengthConfig, SamplingConfig, SpeculationConfig
-from flyspec.draft_length import (
+from flyspec.decoding.draft_length import (
     AcceptanceModel,
     CostAwareLength,
     DraftLength,

@@ -11,7 +11,7 @@ import torch
 
 from flyspec import DecodeConfig, PlainDecoder, SpeculativeDecoder, build_decoder, make_verifier
 from flyspec.config import ConfigError, DraftLengthConfig, LayerSkipConfig, SamplingConfig, SpeculationConfig
-from flyspec.draft_length import DraftLength
+from flyspec.decoding.draft_length import DraftLength
 from flyspec.drafters import CrossTokenizerDrafter, DraftModelDrafter, NgramDrafter, make_drafter
 from flyspec.drafters.draft_model import first_unsure
 from flyspec.resources import Resources

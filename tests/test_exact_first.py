@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from flyspec.calibration.space import points
-from flyspec.cli import main
+from flyspec.cli.main import main
 from flyspec.config import ConfigError, FlyConfig, GuardConfig, SamplingConfig, SpeculationConfig
-from flyspec.profile import looser
+from flyspec.profiles.profile import looser
 from flyspec.server.settings import describe, for_request
 from flyspec.types import Draft, VerifyContext
 from flyspec.verifiers.registry import make_verifier

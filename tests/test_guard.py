@@ -11,9 +11,8 @@ import torch
 from scipy import stats as scipy_stats
 
 from conftest import make_tiny_model
-from flyspec import acceptance
 from flyspec.api import build_decoder
-from flyspec.cli import main
+from flyspec.cli.main import main
 from flyspec.config import (
     ConfigError,
     FlyConfig,
@@ -23,9 +22,10 @@ from flyspec.config import (
     SpeculationConfig,
     TypicalConfig,
 )
-from flyspec.decoding import SpeculativeDecoder
+from flyspec.decoding.speculative import SpeculativeDecoder
 from flyspec.drafters.ngram import NgramDrafter
 from flyspec.runtime.loaded_model import LoadedModel
+from flyspec.sampling import acceptance
 from flyspec.types import CACHE, MODEL, OUTPUT_COPY, PROMPT_COPY, Draft, VerifyContext
 from flyspec.verifiers import fly as fly_module
 from flyspec.verifiers import guard as guard_module

@@ -1,4 +1,5 @@
-"""The layout of ``src/flyspec`` (ARCHITECTURE.md): no import circle, and a model runtime that imports nothing above it.
+"""The layout of ``src/flyspec`` (ARCHITECTURE.md): rooms by layer, each importing only the rooms below it, no
+import circle, and a top floor that holds the public face only.
 
 The import graph is read from the source with ``ast``, so it sees every import: at module level, inside
 functions (imported late to keep start-up light), and under ``if TYPE_CHECKING:``. An import of
@@ -11,16 +12,30 @@ import ast
 from collections.abc import Iterable
 from pathlib import Path
 
+from flyspec._moved import MOVED
+
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE = ROOT / "src"
-RUNTIME = "flyspec.runtime"
-# The torch-free declarations every layer shares: ConfigError, the defaults and the option names.
-# The runtime raises ConfigError (so the CLI exits with 2 and the server answers 400), loads with the
-# default dtype and device, and checks names (dtypes, devices, kernels, packaged models) the CLI lists
-# without torch, so they cannot move into the runtime. They import nothing else of flyspec (checked below).
-SHARED_DECLARATIONS = frozenset(
-    {"flyspec.config", "flyspec.config_mapping", "flyspec.names", "flyspec.rule_config", "flyspec.drafter_config"}
+# The floors, bottom first: a room may import its own floor's rooms only where a row says so, and every room of the
+# floors below. ``config`` is the torch-free declarations every layer shares (ConfigError, the defaults, the option
+# names): the runtime raises ConfigError, loads with the default dtype and device, and checks names the CLI lists
+# without torch. ``api`` and ``resources`` are the library's face; the front ends (the CLI, the server, the
+# harnesses, the integrations with other libraries) stand on top, and no library room imports them.
+FLOORS: tuple[tuple[str, ...], ...] = (
+    ("config",),  # torch-free: imports nothing else of flyspec
+    ("runtime", "types"),  # the model runtime, knowing nothing of speculation; what passes between stages
+    ("sampling", "profiles"),  # the math drafters and verifiers share; calibration profiles
+    ("drafters", "verifiers"),  # propose tokens / decide which to keep: never each other
+    ("decoding", "resources"),  # the loops and one generation's parts; models, caches, costs a front end owns
+    ("api",),
+    ("harness",),  # what bench, eval and calibration share
+    ("cli",),
+    ("integrations", "server", "bench", "eval", "calibration"),  # front ends
+    ("__main__", "__init__"),  # the package's face (its public names, imported on first use) and `python -m flyspec`
 )
+SAME_FLOOR = {"bench": {"eval"}, "eval": {"bench"}, "calibration": {"bench", "eval"}}  # front ends may share code
+TOP_FLOOR_LIMIT = 10  # modules directly in src/flyspec: the public face, and what a reader should meet first
+RUNTIME = "flyspec.runtime"
 
 
 def module_files(source: Path = SOURCE) -> dict[str, Path]:
@@ -99,18 +114,77 @@ def test_no_import_cycle_among_flyspec_modules() -> None:
     assert cycle is None, "import circle: " + " → ".join(cycle or [])
 
 
-def test_the_runtime_imports_nothing_above_it() -> None:
+def room(module: str) -> str:
+    """The room a module stands in: its folder under ``flyspec/``, or its own name on the top floor."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def floor_of(room_name: str) -> int:
+    for index, rooms in enumerate(FLOORS):
+        if room_name in rooms:
+            return index
+    raise AssertionError(f"the room {room_name!r} stands on no floor: add it to FLOORS (tests/test_layout.py)")
+
+
+def test_each_room_imports_only_the_rooms_below_it() -> None:
+    wrong = set()
+    for module, targets in GRAPH.items():
+        here = room(module)
+        for target in targets:
+            there = room(target)
+            if there == here or there == "_moved":
+                continue
+            if floor_of(there) > floor_of(here) or (
+                floor_of(there) == floor_of(here) and there not in SAME_FLOOR.get(here, set())
+            ):
+                wrong.add(f"{module} → {target}")
+    assert sorted(wrong) == []
+
+
+def test_the_top_floor_holds_the_public_face_only() -> None:
+    top = sorted(path.name for path in (SOURCE / "flyspec").glob("*.py"))
+    assert len(top) <= TOP_FLOOR_LIMIT, top
+    assert {"__init__.py", "api.py", "types.py"} <= set(top)
+
+
+def test_the_runtime_and_the_declarations_import_nothing_above_them() -> None:
+    """The two bottom rooms checked by name too (the table above could be edited to let them climb)."""
+    assert floor_of("config") == 0 and floor_of("runtime") == 1
     runtime = {module for module in GRAPH if module == RUNTIME or module.startswith(RUNTIME + ".")}
     assert {f"{RUNTIME}.loading", f"{RUNTIME}.cached_model", f"{RUNTIME}.target"} <= runtime
-    above = {
-        module: sorted(target for target in GRAPH[module] if target not in runtime | SHARED_DECLARATIONS)
-        for module in runtime
-    }
+    above = {module: sorted(t for t in GRAPH[module] if room(t) not in {"runtime", "config"}) for module in runtime}
     assert {module: targets for module, targets in above.items() if targets} == {}
-    shared = {module: sorted(GRAPH[module] - SHARED_DECLARATIONS) for module in SHARED_DECLARATIONS}
-    assert {module: targets for module, targets in shared.items() if targets} == {}
-    # moved, not copied: no module of the runtime is left beside the decoding concepts
-    assert not [module for module in runtime if (SOURCE / "flyspec" / f"{module.rpartition('.')[2]}.py").exists()]
+    config = {module for module in GRAPH if room(module) == "config"}
+    assert {module: sorted(GRAPH[module] - config) for module in config if GRAPH[module] - config} == {}
+
+
+def test_a_room_that_climbs_is_caught(tmp_path: Path) -> None:
+    """The floor check can fail: a verifier importing a drafter, and the runtime importing decoding, are named."""
+    files = {
+        "flyspec/__init__.py": "",
+        "flyspec/runtime/__init__.py": "",
+        "flyspec/runtime/target.py": "from flyspec.decoding.stats import S\n",
+        "flyspec/decoding/__init__.py": "",
+        "flyspec/decoding/stats.py": "S = 1\n",
+        "flyspec/verifiers/__init__.py": "",
+        "flyspec/verifiers/fly.py": "from flyspec.drafters.ngram import N\n",
+        "flyspec/drafters/__init__.py": "",
+        "flyspec/drafters/ngram.py": "N = 1\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    graph = import_graph(module_files(tmp_path))
+    climbs = sorted(
+        f"{module} → {target}"
+        for module, targets in graph.items()
+        for target in targets
+        if room(target) != room(module)
+        and (floor_of(room(target)) > floor_of(room(module)) or floor_of(room(target)) == floor_of(room(module)))
+    )
+    assert climbs == ["flyspec.runtime.target → flyspec.decoding", "flyspec.runtime.target → flyspec.decoding.stats",
+                      "flyspec.verifiers.fly → flyspec.drafters", "flyspec.verifiers.fly → flyspec.drafters.ngram"]
 
 
 def defined_names(path: Path) -> set[str]:
@@ -153,9 +227,10 @@ def test_every_flyspec_import_names_something_that_exists() -> None:
     defined = {module: defined_names(path) for module, path in modules.items()}
     missing = set()
     for path in files:
-        for name, attribute in imported_names(ast.parse(path.read_text()), "tests", False):
-            if name != "flyspec" and not name.startswith("flyspec."):
+        for imported, attribute in imported_names(ast.parse(path.read_text()), "tests", False):
+            if imported != "flyspec" and not imported.startswith("flyspec."):
                 continue
+            name = MOVED.get(imported, imported)  # an old name imports the moved module (_moved.py)
             if name not in modules:
                 missing.add(f"{path.relative_to(ROOT)}: {name}")
             elif (
@@ -186,3 +261,34 @@ def test_the_graph_sees_late_and_type_only_imports_and_the_packages_they_run(tmp
     assert find_cycle(graph) == ["flyspec.a", "flyspec.c", "flyspec.pkg", "flyspec.pkg.b", "flyspec.a"]
     (tmp_path / "flyspec/pkg/b.py").write_text("from flyspec.pkg import d\nB = 1\n")
     assert find_cycle(import_graph(module_files(tmp_path))) is None
+
+
+def test_the_old_module_names_still_import_the_moved_modules() -> None:
+    """Code written before the rooms (``import flyspec.stats``, ``from flyspec.profile import Profile``) gets the
+    module at its new place: the same object, with its own spec; and the old names are gone from the top floor."""
+    import importlib
+    import sys
+
+    for old, new in MOVED.items():
+        module = importlib.import_module(old)
+        assert module is importlib.import_module(new) is sys.modules[old]
+        assert module.__spec__ is not None and module.__spec__.name == new
+        assert not (SOURCE / (old.replace(".", "/") + ".py")).exists()
+        assert new in module_files()
+    from flyspec.profile import Profile
+
+    from flyspec.profiles import Profile as Moved
+
+    assert Profile is Moved
+
+
+def test_python_m_runs_a_moved_module_by_its_old_name() -> None:
+    """``python -m flyspec.lmeval`` (documented before the move) still runs lm-eval's command line."""
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-m", "flyspec.lmeval", "--help"], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "lm-eval" in result.stdout

@@ -19,7 +19,7 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 
 from conftest import on_device, on_devices  # noqa: E402
 from flyspec.config import ConfigError  # noqa: E402
-from flyspec.lmeval import FlyspecLM, main, speculation_from_args  # noqa: E402
+from flyspec.integrations.lmeval import FlyspecLM, main, speculation_from_args  # noqa: E402
 from flyspec.runtime.loaded_model import LoadedModel  # noqa: E402
 
 TASK_DIR = Path(__file__).resolve().parent.parent / "examples" / "lm_eval"
@@ -104,7 +104,7 @@ def test_model_args_build_the_speculation_config(tiny_target: LoadedModel) -> No
 
 
 def test_command_line_runs_the_task(tiny_model_dir: Path, tmp_path: Path) -> None:
-    """``python -m flyspec.lmeval`` is lm-eval's CLI with ``--model flyspec`` registered."""
+    """``python -m flyspec.integrations.lmeval`` is lm-eval's CLI with ``--model flyspec`` registered."""
     model_args = f"target={tiny_model_dir},verifier=fly,num_draft_tokens=8,dtype=float32"
     main(
         ["--model", "flyspec", "--model_args", model_args, "--include_path", str(TASK_DIR), "--tasks", TASK]
@@ -190,7 +190,7 @@ def test_command_line_reports_a_config_error_in_one_line(capsys: pytest.CaptureF
 @on_devices
 def test_sampling_draws_on_the_targets_device(tiny_target: LoadedModel, device: str, monkeypatch) -> None:
     """A CUDA target needs a CUDA generator (flyspec refuses another); the CPU case checks what is asked for."""
-    import flyspec.lmeval as lmeval_module
+    import flyspec.integrations.lmeval as lmeval_module
 
     model = FlyspecLM(target=on_device(tiny_target, device), verifier="rejection", num_draft_tokens=4, seed=3)
     made = []

@@ -9,8 +9,8 @@ import torch
 from conftest import make_tiny_gemma3
 from flyspec import DecodeConfig, PlainDecoder, SpeculativeDecoder, make_verifier
 from flyspec.config import SpeculationConfig
+from flyspec.decoding.generation import Decoder
 from flyspec.drafters.ngram import NgramDrafter
-from flyspec.generation import Decoder
 from flyspec.runtime.loaded_model import LoadedModel
 from flyspec.runtime.target import Target
 from test_kernels import with_kernels

@@ -14,12 +14,10 @@ import pytest
 import torch
 
 from conftest import make_tiny_model, make_tokenizer
-from flyspec import profile as profile_module
 from flyspec.api import build_decoder
-from flyspec.breaker import CircuitBreaker
 from flyspec.calibration.budget import Budget
 from flyspec.calibration.deploy import breaker_for
-from flyspec.cli import main
+from flyspec.cli.main import main
 from flyspec.config import (
     PROFILE_NONE,
     BreakerConfig,
@@ -31,12 +29,14 @@ from flyspec.config import (
     MarginConfig,
     SpeculationConfig,
 )
-from flyspec.profile import Profile, identity, looser, resolution, resolve
+from flyspec.decoding.breaker import CircuitBreaker
+from flyspec.decoding.stats import DecodeStats
+from flyspec.profiles import profile as profile_module
+from flyspec.profiles.profile import Profile, identity, looser, resolution, resolve
 from flyspec.resources import Resources
 from flyspec.runtime.loaded_model import LoadedModel
 from flyspec.server.app import create_app
 from flyspec.server.settings import ServerLimits, ServerSecurity
-from flyspec.stats import DecodeStats
 from server_helpers import RunningServer, one_torch_thread  # noqa: F401 - autouse fixture
 
 FLY_POINT = SpeculationConfig(

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 import flyspec
-from flyspec import profile as profile_module
 from flyspec.api import build_decoder
-from flyspec.cli import main
+from flyspec.cli.main import main
 from flyspec.config import PROFILE_NONE, ConfigError, DecodeConfig, SpeculationConfig
-from flyspec.profile import Profile, load_dtype
+from flyspec.profiles import profile as profile_module
+from flyspec.profiles.profile import Profile, load_dtype
 from flyspec.runtime.loading import AUTO_DTYPE_VARIABLE, default_dtype, resolve_dtype
 from server_helpers import one_torch_thread  # noqa: F401 - autouse fixture
 from test_profile import FLY_POINT, make_profile
@@ -128,9 +128,9 @@ def test_the_python_api_loads_the_profiles_dtype(monkeypatch, caplog, float32_pr
 
 def test_bench_eval_and_serve_take_the_profiles_dtype(monkeypatch, float32_profile: Path, tiny_model_dir) -> None:
     """Their models load through ``engine_options`` with the specs each command runs."""
-    from flyspec.cli import build_parser
-    from flyspec.cli_options import engine_options
-    from flyspec.cli_speculation import speculation_config
+    from flyspec.cli.main import build_parser
+    from flyspec.cli.options import engine_options
+    from flyspec.cli.speculation import speculation_config
     from flyspec.harness.methods import parse_methods, speculations
 
     monkeypatch.setenv(AUTO_DTYPE_VARIABLE, "bfloat16")

@@ -17,9 +17,9 @@ import torch
 from scipy.stats import chisquare
 
 from conftest import on_devices
-from flyspec.acceptance import draft_probs_or_one_hot, rejection_accept_mask
 from flyspec.config import FlyConfig, SamplingConfig
-from flyspec.sampling import logits_to_probs, sample, uniform
+from flyspec.sampling.acceptance import draft_probs_or_one_hot, rejection_accept_mask
+from flyspec.sampling.sampler import logits_to_probs, sample, uniform
 from flyspec.types import Draft, Verdict
 from flyspec.verifiers import ExactVerifier, FlyVerifier, RejectionVerifier, Verifier
 from flyspec.verifiers.base import build_verdict

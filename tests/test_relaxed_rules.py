@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from flyspec.calibration.space import points
-from flyspec.cli import main
+from flyspec.cli.main import main
 from flyspec.config import (
     CascadeConfig,
     ConfigError,
@@ -23,7 +23,7 @@ from flyspec.config import (
     SpeculationConfig,
 )
 from flyspec.drafters.registry import make_drafter
-from flyspec.profile import looser
+from flyspec.profiles.profile import looser
 from flyspec.server.settings import describe
 from flyspec.types import Draft, Verdict
 from flyspec.verifiers.cascade import CascadeVerifier, defers

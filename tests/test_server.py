@@ -19,11 +19,11 @@ import openai
 import pytest
 
 from flyspec.api import build_decoder
-from flyspec.cli import build_parser, main
+from flyspec.cli.main import build_parser, main
 from flyspec.config import ConfigError, DecodeConfig, FlyConfig, SamplingConfig, SpeculationConfig
-from flyspec.result import GenerationResult
+from flyspec.decoding.result import GenerationResult
 from flyspec.runtime.loaded_model import LoadedModel
-from flyspec.sampling import make_generator
+from flyspec.sampling.sampler import make_generator
 from flyspec.server.app import create_app
 from flyspec.server.command import settings_from_args
 from flyspec.server.errors import INTERNAL_ERROR_MESSAGE

@@ -20,12 +20,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integrations" / "v
 
 from flyspec_vllm.rule import RequestRule, apply_batch, judge, keep_draft_tokens  # noqa: E402
 
-from flyspec import acceptance  # noqa: E402
 from flyspec.api import build_decoder  # noqa: E402
 from flyspec.config import DecodeConfig, GuardConfig, SamplingConfig, SpeculationConfig  # noqa: E402
 from flyspec.resources import Resources  # noqa: E402
 from flyspec.runtime.loaded_model import LoadedModel  # noqa: E402
 from flyspec.runtime.syncs import SyncCounter, counting_steps  # noqa: E402
+from flyspec.sampling import acceptance  # noqa: E402
 from flyspec.types import VerifyContext  # noqa: E402
 from flyspec.verifiers.guard import prepare as prepare_guards  # noqa: E402
 

@@ -29,7 +29,7 @@ from flyspec.config import (
     SpeculationConfig,
     TypicalConfig,
 )
-from flyspec.names import LOSSLESS_VERIFIERS, VERIFIER_SUMMARIES, VERIFIERS
+from flyspec.config.names import LOSSLESS_VERIFIERS, VERIFIER_SUMMARIES, VERIFIERS
 from flyspec.types import Draft, Verdict
 from flyspec.verifiers import (
     ExactVerifier,

@@ -14,7 +14,7 @@ import torch
 
 import vllm_fly_reference as reference
 from flyspec.config import FlyConfig, GuardConfig, SamplingConfig
-from flyspec.sampling import logits_to_probs
+from flyspec.sampling.sampler import logits_to_probs
 from flyspec.types import Draft
 from flyspec.verifiers.fly import FlyVerifier, fly_candidates
 

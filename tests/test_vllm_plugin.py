@@ -290,7 +290,7 @@ def test_an_operator_profile_sets_fly_and_refuses_looser_requests(tmp_path) -> N
     from flyspec_vllm.options import PROFILE_VARIABLE, operator_profile
 
     from conftest import make_tiny_model, make_tokenizer
-    from flyspec.profile import Profile
+    from flyspec.profiles.profile import Profile
     from test_profile import FLY_POINT, make_profile
 
     target = make_tiny_model(make_tokenizer(), 0)
@@ -588,7 +588,7 @@ def test_sampled_requests_on_vllms_own_fly_get_vetoes_only() -> None:
     """The random kernel's deferrals (u set to 0) are undone where the guards refuse, and nowhere else."""
     from flyspec_vllm import native
 
-    from flyspec.sampling import logits_to_probs
+    from flyspec.sampling.sampler import logits_to_probs
 
     sampler = SimpleNamespace(
         apply_fly_greedy_acceptance_kernel=ReferenceKernel(greedy=True),

@@ -51,9 +51,9 @@ Rule = Callable[[np.ndarray], list[list[int]]]
 
 
 def greedy_outputs(limit: int, path: Path) -> list[dict]:
-    from flyspec.baseline import PlainDecoder
     from flyspec.bench.data import load_prompts
     from flyspec.config import DecodeConfig
+    from flyspec.decoding.plain import PlainDecoder
     from flyspec.resources import Resources
 
     target = Resources("float32").model("smollm2-135m-instruct")

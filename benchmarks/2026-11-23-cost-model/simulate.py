@@ -21,10 +21,10 @@ import argparse
 import json
 from pathlib import Path
 
-from flyspec.baseline import PlainDecoder
 from flyspec.bench.data import load_prompts
 from flyspec.config import DecodeConfig, DraftLengthConfig, SamplingConfig
-from flyspec.draft_length import new_draft_length
+from flyspec.decoding.draft_length import new_draft_length
+from flyspec.decoding.plain import PlainDecoder
 from flyspec.drafters.ngram import NgramDrafter
 from flyspec.resources import Resources
 from flyspec.runtime.step_cost import StepCost

@@ -18,7 +18,7 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 from flyspec_vllm import proposer, worker  # noqa: E402
 
-from flyspec.batch_schedule import BatchSchedule  # noqa: E402
+from flyspec.config.schedule import BatchSchedule  # noqa: E402
 
 
 def engine(method: str, model: str):  # noqa: ANN201 - vllm.LLM

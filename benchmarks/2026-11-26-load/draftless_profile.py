@@ -19,7 +19,7 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 from flyspec_vllm import proposer, worker  # noqa: E402
 
-from flyspec.batch_schedule import BatchSchedule  # noqa: E402
+from flyspec.config.schedule import BatchSchedule  # noqa: E402
 
 QUESTIONS = Path(__file__).resolve().parents[3] / "shared" / "data" / "spec_bench" / "question.jsonl"
 METHODS = ("vllm-flyspec-ngram", "vllm-plain")

@@ -13,8 +13,8 @@ import sys
 import torch
 
 from flyspec.api import build_decoder, make_generator, resolve_model
-from flyspec.baseline import PlainDecoder
 from flyspec.config import DecodeConfig, FlyConfig, GuardConfig
+from flyspec.decoding.plain import PlainDecoder
 from flyspec.eval.data import LoadReport
 from flyspec.eval.tasks import builtin_tasks, load_items
 from flyspec.eval.trust import meaning_change, new_loop

@@ -14,7 +14,7 @@ from collections import Counter
 from typing import Any
 
 from flyspec.calibration import vllm_engine
-from flyspec.cli import main
+from flyspec.cli.main import main
 from flyspec.harness import vllm_session
 
 log: list[tuple[str, object, float]] = []

@@ -20,13 +20,14 @@ import importlib
 import importlib.util
 from typing import TYPE_CHECKING, Any
 
-from flyspec.names import VERSION
+from flyspec import _moved
+from flyspec.config.names import VERSION
 
 __version__ = VERSION
+_moved.install()  # modules that moved into rooms keep their old names (flyspec.stats, flyspec.profile, ...)
 
 if TYPE_CHECKING:  # the same names for type checkers and IDEs; at run time __getattr__ imports them
     from flyspec.api import build_decoder, generate, generate_plain
-    from flyspec.baseline import PlainDecoder
     from flyspec.calibration import Budget, CalibrationConfig, calibrate
     from flyspec.config import (
         BildConfig,
@@ -46,7 +47,12 @@ if TYPE_CHECKING:  # the same names for type checkers and IDEs; at run time __ge
         SpeculationConfig,
         TypicalConfig,
     )
-    from flyspec.decoding import SpeculativeDecoder
+    from flyspec.config.names import DEFAULT_MODEL
+    from flyspec.decoding.plain import PlainDecoder
+    from flyspec.decoding.result import GenerationResult
+    from flyspec.decoding.speculative import SpeculativeDecoder
+    from flyspec.decoding.stats import DecodeStats
+    from flyspec.decoding.streaming import GenerationStream
     from flyspec.drafters import (
         CrossTokenizerDrafter,
         Drafter,
@@ -58,16 +64,12 @@ if TYPE_CHECKING:  # the same names for type checkers and IDEs; at run time __ge
         make_drafter,
         multilevel_drafter,
     )
-    from flyspec.hf_generate import custom_generate, from_transformers
-    from flyspec.names import DEFAULT_MODEL
-    from flyspec.profile import Profile
+    from flyspec.integrations.hf_generate import custom_generate, from_transformers
+    from flyspec.profiles.profile import Profile
     from flyspec.resources import Resources, set_max_cached_models
-    from flyspec.result import GenerationResult
     from flyspec.runtime.loaded_model import LoadedModel
     from flyspec.runtime.loading import ModelLoadError, load_model
-    from flyspec.sampling import make_generator
-    from flyspec.stats import DecodeStats
-    from flyspec.streaming import GenerationStream
+    from flyspec.sampling.sampler import make_generator
     from flyspec.types import Draft, LooseAccept, Verdict
     from flyspec.verifiers import (
         BildVerifier,
@@ -87,7 +89,7 @@ if TYPE_CHECKING:  # the same names for type checkers and IDEs; at run time __ge
 # module → the public names it defines (tests/test_startup.py checks this against __all__)
 _SOURCES = {
     "flyspec.api": ("build_decoder", "generate", "generate_plain"),
-    "flyspec.baseline": ("PlainDecoder",),
+    "flyspec.decoding.plain": ("PlainDecoder",),
     "flyspec.calibration": ("Budget", "CalibrationConfig", "calibrate"),
     "flyspec.config": (
         "BildConfig",
@@ -107,7 +109,7 @@ _SOURCES = {
         "SpeculationConfig",
         "TypicalConfig",
     ),
-    "flyspec.decoding": ("SpeculativeDecoder",),
+    "flyspec.decoding.speculative": ("SpeculativeDecoder",),
     "flyspec.drafters": (
         "CrossTokenizerDrafter",
         "Drafter",
@@ -119,16 +121,16 @@ _SOURCES = {
         "make_drafter",
         "multilevel_drafter",
     ),
-    "flyspec.hf_generate": ("custom_generate", "from_transformers"),
-    "flyspec.names": ("DEFAULT_MODEL",),
+    "flyspec.integrations.hf_generate": ("custom_generate", "from_transformers"),
+    "flyspec.config.names": ("DEFAULT_MODEL",),
     "flyspec.runtime.loaded_model": ("LoadedModel",),
     "flyspec.runtime.loading": ("ModelLoadError", "load_model"),
-    "flyspec.profile": ("Profile",),
+    "flyspec.profiles.profile": ("Profile",),
     "flyspec.resources": ("Resources", "set_max_cached_models"),
-    "flyspec.result": ("GenerationResult",),
-    "flyspec.sampling": ("make_generator",),
-    "flyspec.stats": ("DecodeStats",),
-    "flyspec.streaming": ("GenerationStream",),
+    "flyspec.decoding.result": ("GenerationResult",),
+    "flyspec.sampling.sampler": ("make_generator",),
+    "flyspec.decoding.stats": ("DecodeStats",),
+    "flyspec.decoding.streaming": ("GenerationStream",),
     "flyspec.types": ("Draft", "LooseAccept", "Verdict"),
     "flyspec.verifiers": (
         "BildVerifier",

@@ -8,18 +8,18 @@ from typing import Any
 
 import torch
 
-from flyspec.baseline import PlainDecoder
 from flyspec.config import DEFAULT_DEVICE, DEFAULT_DTYPE, DecodeConfig, SamplingConfig, SpeculationConfig
-from flyspec.decoding import SpeculativeDecoder
-from flyspec.draft_length import resolve_policy
+from flyspec.config.names import DEFAULT_MODEL
+from flyspec.decoding.draft_length import resolve_policy
+from flyspec.decoding.generation import Prompt
+from flyspec.decoding.plain import PlainDecoder
+from flyspec.decoding.result import GenerationResult
+from flyspec.decoding.speculative import SpeculativeDecoder
 from flyspec.drafters.registry import make_drafter
-from flyspec.generation import Prompt
-from flyspec.names import DEFAULT_MODEL
-from flyspec.profile import load_dtype, resolution
+from flyspec.profiles.profile import load_dtype, resolution
 from flyspec.resources import ModelRef, Resources, default_resources
-from flyspec.result import GenerationResult
 from flyspec.runtime.loading import set_threads
-from flyspec.sampling import make_generator
+from flyspec.sampling.sampler import make_generator
 from flyspec.verifiers.base import Verifier
 from flyspec.verifiers.guard import prepare as prepare_guards
 from flyspec.verifiers.registry import check_draft_length, make_verifier

@@ -1,4 +1,4 @@
-"""What passes between the stages: Drafter → Draft → Verifier → Verdict (the result: ``result.py``)."""
+"""What passes between the stages: Drafter → Draft → Verifier → Verdict (the result: ``decoding/result.py``)."""
 
 from __future__ import annotations
 
@@ -118,7 +118,7 @@ class VerifyContext:
     committed tokens (prompt, then output), so it is current at every step. ``vocabulary`` holds
     the target's per-model token facts (EOS ids, token classes; ``verifiers/tokens.py``).
     ``memo`` keeps values derived from the prompt once per generation (e.g. its names).
-    ``breaker``: the generation's circuit breaker (``breaker.py``), if its profile set one.
+    ``breaker``: the generation's circuit breaker (``decoding/breaker.py``), if its profile set one.
     """
 
     token_ids: list[int]

@@ -16,16 +16,16 @@ import torch
 from transformers import GenerationConfig
 
 from flyspec.api import build_decoder
-from flyspec.baseline import PlainDecoder
 from flyspec.bench.data import BenchPrompt
 from flyspec.config import DecodeConfig, SamplingConfig, SpeculationConfig
+from flyspec.decoding.generation import Decoder
+from flyspec.decoding.plain import PlainDecoder
 from flyspec.drafters.cross_tokenizer import tokenizers_match
-from flyspec.generation import Decoder
 from flyspec.harness.methods import Method
 from flyspec.resources import Resources
 from flyspec.runtime.clock import device_clock
 from flyspec.runtime.loaded_model import LoadedModel, PromptCodec
-from flyspec.sampling import make_generator
+from flyspec.sampling.sampler import make_generator
 
 
 @dataclass

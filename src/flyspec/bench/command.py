@@ -7,10 +7,10 @@ import os
 from pathlib import Path
 from typing import Any
 
-from flyspec.cli_options import add_model_options, engine_options
-from flyspec.cli_speculation import add_speculation_options
-from flyspec.extras import require_extra
-from flyspec.names import LOSSY_VERIFIERS
+from flyspec.cli.extras import require_extra
+from flyspec.cli.options import add_model_options, engine_options
+from flyspec.cli.speculation import add_speculation_options
+from flyspec.config.names import LOSSY_VERIFIERS
 
 QUICK_LIMIT = 2
 QUICK_MAX_NEW_TOKENS = 48
@@ -116,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
     from flyspec.bench.data import load_prompts
     from flyspec.bench.live import LiveView
     from flyspec.bench.loop import BenchSettings, VllmSettings, bench_methods, forward_times, make_backends, run_bench
-    from flyspec.cli_speculation import speculation_config
+    from flyspec.cli.speculation import speculation_config
     from flyspec.config import ConfigError, SamplingConfig
     from flyspec.harness.data import JsonlWriter
     from flyspec.harness.methods import speculations
@@ -181,12 +181,12 @@ def _run_load(args: argparse.Namespace) -> int:
     """``--concurrency``: vLLM engines under load (``bench/load.py``)."""
     from rich.console import Console
 
-    from flyspec.batch_schedule import BatchSchedule
     from flyspec.bench import load, online
     from flyspec.bench.backends import conversation_ids
     from flyspec.bench.data import load_prompts
-    from flyspec.cli_speculation import speculation_config
+    from flyspec.cli.speculation import speculation_config
     from flyspec.config import ConfigError
+    from flyspec.config.schedule import BatchSchedule
     from flyspec.harness.meta import run_metadata
     from flyspec.harness.vllm_worker import VllmOptions, check_venv, venv_python
     from flyspec.runtime.loading import cpu_isa, load_served

@@ -9,7 +9,7 @@ lossless
     token for token plain decoding's output;
 fly
     n-gram drafts + FLy loose verification (arXiv 2511.22972) at the shipped calibration profile for
-    this model, drafter and dtype (``profile="auto"``, ``profile.py``); without one, flyspec's guarded
+    this model, drafter and dtype (``profile="auto"``, ``profiles/profile.py``); without one, flyspec's guarded
     FLy defaults. Lossy: "changed in meaning" is ``flyspec eval``'s scorer (``eval/trust.py``: the
     numbers or identifiers of the output differ from plain decoding's).
 
@@ -25,12 +25,12 @@ import math
 import shlex
 from typing import TYPE_CHECKING, Any
 
+from flyspec.cli.extras import require_extra
 from flyspec.config import DEFAULT_DTYPE, ConfigError
-from flyspec.extras import require_extra
-from flyspec.names import DEFAULT_MODEL, DTYPE_NAMES, LOSSLESS_VERIFIERS
+from flyspec.config.names import DEFAULT_MODEL, DTYPE_NAMES, LOSSLESS_VERIFIERS
 
 if TYPE_CHECKING:
-    from flyspec.decoding import SpeculativeDecoder
+    from flyspec.decoding.speculative import SpeculativeDecoder
 
 DEMO_MAX_NEW_TOKENS = 48
 # the table's rows: (row name, bench method, what it runs)
@@ -98,9 +98,9 @@ def run(args: argparse.Namespace) -> int:
     from flyspec.bench.backends import BackendSettings, FlyspecBackend
     from flyspec.bench.loop import BenchSettings, make_backends, run_bench
     from flyspec.config import SamplingConfig, SpeculationConfig
-    from flyspec.decoding import SpeculativeDecoder
+    from flyspec.decoding.speculative import SpeculativeDecoder
     from flyspec.harness.methods import Method, parse_method
-    from flyspec.profile import load_dtype
+    from flyspec.profiles.profile import load_dtype
     from flyspec.resources import Resources
     from flyspec.runtime.loading import set_threads
 

@@ -9,7 +9,7 @@ concurrency starts, so drift on a shared machine hits them alike.
 
 ``--derive-schedule`` first sweeps draft lengths on flyspec's proposer (the first ``vllm-flyspec-ngram`` /
 ``vllm-ngram+fly*`` method): at each concurrency, at most ``k`` drafts per request for every ``k`` in
-``draft_lengths`` (0: none), on the same engine. :func:`flyspec.batch_schedule.derive_schedule` turns the
+``draft_lengths`` (0: none), on the same engine. :func:`flyspec.config.schedule.derive_schedule` turns the
 sweep into a batch-size schedule (schedule.json, vLLM's ``num_speculative_tokens_per_batch_size``), and every
 flyspec-proposer method then also runs with it (``<method> scheduled``). ``--schedule FILE`` runs a given one.
 The verdict compares each scheduled method with ``max(vllm-plain, vllm-ngram)`` of the same run, round by round
@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from flyspec.batch_schedule import DEFAULT_MARGIN, BatchSchedule, derive_schedule
 from flyspec.config import ConfigError
+from flyspec.config.schedule import DEFAULT_MARGIN, BatchSchedule, derive_schedule
 from flyspec.harness.vllm_worker import ColocatedPlain, VllmOptions, VllmWorker
 
 DEFAULT_CONCURRENCIES = (1, 2, 4, 8, 16, 32)

@@ -28,8 +28,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from flyspec.batch_schedule import BatchSchedule
 from flyspec.config import ConfigError
+from flyspec.config.schedule import BatchSchedule
 
 FLYSPEC_SERVE = "flyspec-serve"
 SERVED_NAME = "bench"

@@ -3,7 +3,7 @@
 ``calibrate(target, CalibrationConfig(...))`` runs a drafter's lossless baseline and a grid of lossy
 settings on calibration prompts by replay (``replay.py``), judges every point against the budget
 (``budget.py``), projects its speed from measured costs (``projection.py``), chooses one or none
-(``frontier.py``) and writes a profile (``flyspec.profile``), a report and a plot (``report.py``).
+(``frontier.py``) and writes a profile (``flyspec.profiles.profile``), a report and a plot (``report.py``).
 
 The names are imported on first use (PEP 562): ``flyspec --help`` imports this package's command
 module without torch.

@@ -10,7 +10,7 @@ The steps, each in its own module:
    the target's measured t(n) and the drafter's measured cost per draft token), one is chosen or none;
 5. a live check re-runs plain decoding and the chosen point for real on the first prompts and
    counts how many outputs equal the replayed ones (replay is exact up to float rounding);
-6. ``profile.json`` (``flyspec.profile``: the chosen point, the best point per rule and the whole
+6. ``profile.json`` (``flyspec.profiles.profile``: the chosen point, the best point per rule and the whole
    frontier), ``report.md`` and ``frontier.png`` are written to the output directory (``record.py``).
 
 This module runs them on flyspec's own engine; ``on_vllm.py`` runs them on vLLM (``--engine vllm``).
@@ -45,9 +45,9 @@ from flyspec.calibration.settings import CalibrationConfig
 from flyspec.calibration.space import RULES, Point
 from flyspec.calibration.space import points as grid_points
 from flyspec.config import ConfigError, SpeculationConfig
+from flyspec.config.names import DISTRIBUTION_DRAFTERS, DISTRIBUTION_VERIFIERS, VERSION
 from flyspec.drafters.cross_tokenizer import tokenizers_match
 from flyspec.drafters.registry import drafter_levels, make_drafter
-from flyspec.names import DISTRIBUTION_DRAFTERS, DISTRIBUTION_VERIFIERS, VERSION
 from flyspec.resources import ModelRef, Resources
 from flyspec.runtime.cached_model import CachedModel
 from flyspec.runtime.clock import device_clock
@@ -171,8 +171,8 @@ def _live_check(
     """Plain decoding, the chosen point and the lossy point that loosened most re-run live (no replay) on
     ``items``: how many outputs match replay's (the loosest point's paths diverge most from the others')."""
     from flyspec.api import build_decoder
-    from flyspec.baseline import PlainDecoder
-    from flyspec.generation import Decoder
+    from flyspec.decoding.generation import Decoder
+    from flyspec.decoding.plain import PlainDecoder
 
     points = {point.name: point for point in calibrator.points}
 

@@ -6,11 +6,11 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from flyspec.cli_options import add_engine_options, add_model_options, engine_options, vllm_options
-from flyspec.cli_speculation import parse_skip_layers
+from flyspec.cli.extras import require_extra
+from flyspec.cli.options import add_engine_options, add_model_options, engine_options, vllm_options
+from flyspec.cli.speculation import parse_skip_layers
 from flyspec.config import ConfigError, SpeculationConfig
-from flyspec.extras import require_extra
-from flyspec.names import DRAFTERS, LOSSY_VERIFIERS
+from flyspec.config.names import DRAFTERS, LOSSY_VERIFIERS
 
 RULE_NAMES = LOSSY_VERIFIERS  # calibration/space.py RULES
 GRID_NAMES = ("default", "quick")
@@ -219,7 +219,7 @@ def run(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             console.print(f"interrupted: records kept in {config.out_dir} (rerun with --resume to continue)")
             return 130
-    from flyspec.profile import Profile
+    from flyspec.profiles.profile import Profile
 
     print(Profile.load(result.profile_path).describe())
     print(f"report: {result.out_dir / 'report.md'}")

@@ -16,7 +16,7 @@ def deployment(record: dict[str, Any]) -> dict[str, Any]:
     chosen = record.get("chosen")
     spec = SpeculationConfig.from_dict(chosen["speculation"]) if chosen else None
     engine = str((record.get("engine") or {}).get("name", "flyspec"))
-    schedule = (record.get("schedule") or {}).get("num_speculative_tokens_per_batch_size")  # batch_schedule.py
+    schedule = (record.get("schedule") or {}).get("num_speculative_tokens_per_batch_size")  # config/schedule.py
     num_draft_tokens = spec.num_draft_tokens if spec else SpeculationConfig().num_draft_tokens
     plugin_config = speculative_config("vllm-ngram+fly", num_draft_tokens, schedule)  # the plugin's proposer
     out: dict[str, Any] = {

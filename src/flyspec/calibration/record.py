@@ -23,8 +23,8 @@ from flyspec.calibration.projection import CostModel
 from flyspec.calibration.report import PLOT_FILE, plot_frontier, write_report
 from flyspec.calibration.runner import Calibrator
 from flyspec.config import PROFILE_NONE, ConfigError, SpeculationConfig
-from flyspec.names import VERSION
-from flyspec.profile import PROFILE_FORMAT, Profile, identity
+from flyspec.config.names import VERSION
+from flyspec.profiles.profile import PROFILE_FORMAT, Profile, identity
 from flyspec.runtime.loaded_model import LoadedModel, ServedModel
 from flyspec.runtime.loading import cpu_isa, cpu_name
 
@@ -97,7 +97,7 @@ def profile_record(
     tasks: list[str],
     num_items: int,
 ) -> dict[str, Any]:
-    """What a profile says about how it was made (``flyspec.profile`` reads it): model, dtype, drafter, data, and
+    """What a profile says about how it was made (``profiles/profile.py`` reads it): model, dtype, drafter, data, and
     the batch schedule it carries (``--schedule``: measured by ``flyspec bench --concurrency --derive-schedule``)."""
     record = {
         "flyspec_profile": PROFILE_FORMAT,
@@ -116,7 +116,7 @@ def profile_record(
         "min_items": min_items(config.budget.max_meaning_change, config.budget.confidence),
     }
     if config.schedule is not None:
-        from flyspec.batch_schedule import VLLM_KEY, BatchSchedule
+        from flyspec.config.schedule import VLLM_KEY, BatchSchedule
 
         schedule = BatchSchedule.load(config.schedule)
         record["schedule"] = {VLLM_KEY: schedule.to_vllm(), "description": schedule.describe(), "file": config.schedule}

@@ -21,21 +21,21 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from flyspec.api import build_decoder
-from flyspec.baseline import PlainDecoder
 from flyspec.calibration.budget import Budget, judge
 from flyspec.calibration.data import CalibrationItem
 from flyspec.calibration.frontier import BASELINE, PLAIN
 from flyspec.calibration.replay import DraftStore, ReplayDrafter, ReplayTarget, ScoreStore
 from flyspec.calibration.space import Point
 from flyspec.config import ConfigError, DecodeConfig, SpeculationConfig
-from flyspec.decoding import SpeculativeDecoder
+from flyspec.config.names import DISTRIBUTION_VERIFIERS
+from flyspec.decoding.generation import Decoder
+from flyspec.decoding.plain import PlainDecoder
+from flyspec.decoding.result import GenerationResult
+from flyspec.decoding.speculative import SpeculativeDecoder
 from flyspec.drafters.registry import make_drafter
 from flyspec.eval import trust
-from flyspec.generation import Decoder
 from flyspec.harness.data import JsonlWriter, read_records
-from flyspec.names import DISTRIBUTION_VERIFIERS
 from flyspec.resources import Resources
-from flyspec.result import GenerationResult
 from flyspec.runtime.loaded_model import LoadedModel, PromptCodec
 
 logger = logging.getLogger(__name__)

@@ -3,7 +3,7 @@ own engine right after the calibration (issue 37).
 
 The sweep is ``flyspec bench --concurrency ... --derive-schedule``'s (:func:`flyspec.bench.load.sweep`): throughput
 at every concurrency with at most k drafts per request, k = 0 included, every request decoded with the chosen
-point's rule (``exact`` when nothing was chosen); :func:`flyspec.batch_schedule.derive_schedule` turns it into vLLM's
+point's rule (``exact`` when nothing was chosen); :func:`flyspec.config.schedule.derive_schedule` turns it into vLLM's
 ``num_speculative_tokens_per_batch_size``. The prompts are the calibration's own, as its engine saw them.
 """
 
@@ -13,9 +13,9 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from flyspec.batch_schedule import VLLM_KEY, BatchSchedule
 from flyspec.bench.load import DEFAULT_CONCURRENCIES, LoadSettings, sweep
 from flyspec.config import SpeculationConfig
+from flyspec.config.schedule import VLLM_KEY, BatchSchedule
 from flyspec.harness.vllm_worker import VllmWorker
 from flyspec.verifiers.registry import rule_mapping
 

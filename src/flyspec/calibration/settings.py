@@ -56,7 +56,7 @@ class CalibrationConfig:
         if self.wave_size < 1:
             raise ConfigError(f"--wave must be >= 1 (got {self.wave_size})")
         if self.schedule is not None:
-            from flyspec.batch_schedule import BatchSchedule
+            from flyspec.config.schedule import BatchSchedule
 
             BatchSchedule.load(self.schedule)  # refused before any work when unreadable
         if self.derive_schedule is not None and (self.engine != "vllm" or self.schedule is not None):

@@ -49,7 +49,7 @@ from flyspec.config import (
     SpeculationConfig,
     TypicalConfig,
 )
-from flyspec.names import COPY_DRAFTERS, DISTRIBUTION_DRAFTERS, LOSSY_VERIFIERS
+from flyspec.config.names import COPY_DRAFTERS, DISTRIBUTION_DRAFTERS, LOSSY_VERIFIERS
 
 GRIDS = ("default", "quick")
 RULES = LOSSY_VERIFIERS  # the lossy rules a calibration can compare: all of them

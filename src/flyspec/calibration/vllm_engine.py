@@ -37,8 +37,8 @@ from flyspec.calibration.frontier import BASELINE, PLAIN
 from flyspec.calibration.projection import CostModel
 from flyspec.calibration.runner import Outputs, Work
 from flyspec.calibration.space import Point
+from flyspec.decoding.result import GenerationResult
 from flyspec.harness.vllm_session import VllmSession
-from flyspec.result import GenerationResult
 from flyspec.runtime.step_cost import StepCost
 from flyspec.verifiers.registry import rule_mapping
 

@@ -55,8 +55,8 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from flyspec.config import ConfigError, SamplingConfig
-from flyspec.detokenize import REPLACEMENT_CHARACTER, CommittedText, TextCodec
 from flyspec.drafters.base import Drafter
+from flyspec.runtime.detokenize import REPLACEMENT_CHARACTER, CommittedText, TextCodec
 from flyspec.types import MODEL, Draft
 
 MAX_ANCHOR_TRIES = 4  # cut points tried before a draft-side update re-encodes the whole text

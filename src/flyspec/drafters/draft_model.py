@@ -27,13 +27,18 @@ from typing import Any
 
 import torch
 
-from flyspec.acceptance import draft_probs_or_one_hot, num_leading_true, rejection_accept_mask, rejection_next_token
 from flyspec.config import DEFAULT_NUM_PROPOSAL_TOKENS, ConfigError, NgramConfig, SamplingConfig
 from flyspec.drafters.base import Drafter
 from flyspec.drafters.ngram import NgramDrafter
 from flyspec.runtime.cached_model import CachedModel
 from flyspec.runtime.loaded_model import LoadedModel
-from flyspec.sampling import logits_to_probs, uniform
+from flyspec.sampling.acceptance import (
+    draft_probs_or_one_hot,
+    num_leading_true,
+    rejection_accept_mask,
+    rejection_next_token,
+)
+from flyspec.sampling.sampler import logits_to_probs, uniform
 from flyspec.types import MODEL, Draft
 
 

@@ -20,13 +20,13 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from flyspec.config import ConfigError, NgramCacheConfig, NgramConfig, SpeculationConfig
+from flyspec.config.names import DISTRIBUTION_VERIFIERS, DRAFTERS
 from flyspec.drafters.base import Drafter
 from flyspec.drafters.cross_tokenizer import CrossTokenizerDrafter, tokenizers_match
 from flyspec.drafters.draft_model import DraftModelDrafter
 from flyspec.drafters.layer_skip import Calibrations, LayerSkipDrafter
 from flyspec.drafters.ngram import NgramDrafter
 from flyspec.drafters.ngram_cache import NgramCache, NgramCacheDrafter
-from flyspec.names import DISTRIBUTION_VERIFIERS, DRAFTERS
 from flyspec.runtime.loaded_model import LoadedModel
 
 NGRAM_LEVELS = ("ngram", "ngram-cache")

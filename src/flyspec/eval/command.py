@@ -7,14 +7,14 @@ import json
 from pathlib import Path
 from typing import Any
 
-from flyspec.cli_options import add_engine_options, add_model_options, engine_options, vllm_options
-from flyspec.cli_speculation import add_speculation_options, speculation_config
+from flyspec.cli.extras import require_extra
+from flyspec.cli.options import add_engine_options, add_model_options, engine_options, vllm_options
+from flyspec.cli.speculation import add_speculation_options, speculation_config
 from flyspec.config import ConfigError
+from flyspec.config.names import DRAFTERS
 from flyspec.eval.scoring import METRICS
 from flyspec.eval.stats import DEFAULT_FLOOR, DEFAULT_RESAMPLES
 from flyspec.eval.tasks import DEFAULT_TASKS
-from flyspec.extras import require_extra
-from flyspec.names import DRAFTERS
 
 META_FILE = "meta.json"
 DEFAULT_METHODS = ("exact", "fly", "fly+bare", "margin")

@@ -19,22 +19,22 @@ from pathlib import Path
 from typing import Any
 
 from flyspec.api import build_decoder
-from flyspec.baseline import PlainDecoder
 from flyspec.config import ConfigError, DecodeConfig, SpeculationConfig
+from flyspec.config.names import DISTRIBUTION_VERIFIERS, LOSSLESS_VERIFIERS, LOSSY_VERIFIERS
+from flyspec.decoding.generation import Decoder
+from flyspec.decoding.plain import PlainDecoder
+from flyspec.decoding.result import GenerationResult
 from flyspec.eval import fidelity, trust
 from flyspec.eval.data import EvalItem, LoadReport
 from flyspec.eval.tasks import PROMPT_FORMAT, Task, load_items
-from flyspec.generation import Decoder
 from flyspec.harness.data import JsonlWriter, read_records
 from flyspec.harness.methods import PLAIN, Method
 from flyspec.harness.vllm_session import VllmSession
 from flyspec.harness.vllm_worker import VllmOptions
-from flyspec.names import DISTRIBUTION_VERIFIERS, LOSSLESS_VERIFIERS, LOSSY_VERIFIERS
-from flyspec.profile import resolve as resolve_profile
+from flyspec.profiles.profile import resolve as resolve_profile
 from flyspec.resources import Resources
-from flyspec.result import GenerationResult
 from flyspec.runtime.loaded_model import LoadedModel, ServedModel
-from flyspec.sampling import make_generator
+from flyspec.sampling.sampler import make_generator
 from flyspec.verifiers.registry import rule_mapping
 
 # the lossy rules the flyspec-vllm plugin applies per request: those of the target's logits alone

@@ -13,11 +13,11 @@ from __future__ import annotations
 from flyspec.bench.backends import BackendSettings
 from flyspec.bench.vllm import VllmBackend, unavailable_reason, venv_python
 from flyspec.config import ConfigError, DecodeConfig, SamplingConfig, SpeculationConfig
+from flyspec.decoding.result import GenerationResult
+from flyspec.decoding.stats import DecodeStats
+from flyspec.decoding.stopping import Stopper
 from flyspec.harness.methods import Method
-from flyspec.result import GenerationResult
 from flyspec.runtime.loaded_model import LoadedModel
-from flyspec.stats import DecodeStats
-from flyspec.stopping import Stopper
 
 PEERS = ("vllm-ngram+fly", "vllm-ngram+fly+bare")  # the peers eval runs (``harness.methods`` grammar)
 
@@ -33,7 +33,7 @@ def start_engine(method: Method, target: LoadedModel, num_draft_tokens: int, ven
 
 
 class VllmDecoder:
-    """The part of :class:`flyspec.decoding.Decoder` that eval calls, answered by a vLLM worker."""
+    """The part of :class:`flyspec.decoding.speculative.Decoder` that eval calls, answered by a vLLM worker."""
 
     def __init__(self, engine: VllmBackend, target: LoadedModel, config: DecodeConfig) -> None:
         self.engine = engine

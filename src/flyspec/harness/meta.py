@@ -17,7 +17,7 @@ def run_metadata(target: LoadedModel | ServedModel, command: str | None) -> dict
     import torch
     import transformers
 
-    from flyspec.names import VERSION
+    from flyspec.config.names import VERSION
 
     if not isinstance(target, LoadedModel):  # --engine vllm: the model runs in vLLM's process, not here
         engine = {"device": "vLLM's (--engine vllm)", "kernels": "vLLM's"}

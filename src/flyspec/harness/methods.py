@@ -40,7 +40,7 @@ from flyspec.config import (
     GuardConfig,
     SpeculationConfig,
 )
-from flyspec.names import DRAFT_LENGTH_POLICIES, DRAFTERS, LOSSLESS_VERIFIERS, VERIFIERS
+from flyspec.config.names import DRAFT_LENGTH_POLICIES, DRAFTERS, LOSSLESS_VERIFIERS, VERIFIERS
 
 logger = logging.getLogger(__name__)
 

@@ -16,12 +16,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from flyspec.config import DecodeConfig, NgramConfig, SpeculationConfig
+from flyspec.decoding.result import GenerationResult
+from flyspec.decoding.stats import DecodeStats
+from flyspec.decoding.stopping import Stopper
 from flyspec.drafters.ngram import copy_sources, longest_match
 from flyspec.harness.vllm_worker import VllmWorker
-from flyspec.result import GenerationResult
 from flyspec.runtime.loaded_model import ServedModel
-from flyspec.stats import DecodeStats
-from flyspec.stopping import Stopper
 from flyspec.types import LooseAccept, Verdict
 
 logger = logging.getLogger(__name__)

@@ -30,7 +30,7 @@ def speculative_config(
     method: str, num_draft_tokens: int, schedule: list[list[int]] | None = None
 ) -> dict[str, Any] | None:
     """vLLM's ``speculative_config`` for a method of the worker (``flyspec_vllm.worker``) and of ``flyspec bench
-    --online``'s vLLM server; ``schedule``: its ``num_speculative_tokens_per_batch_size`` (``batch_schedule.py``)."""
+    --online``'s vLLM server; ``schedule``: its ``num_speculative_tokens_per_batch_size`` (``config/schedule.py``)."""
     if method == "vllm-plain":
         return None
     config: dict[str, Any]

@@ -11,6 +11,6 @@
 - ``clock.py``          clock reads that wait for the device first (GPU kernels run asynchronously)
 
 Nothing here imports the rest of flyspec except the torch-free declarations every layer shares
-(``config.py`` with ``config_mapping.py``, ``names.py``): ``tests/test_layout.py`` checks it. The
+(``config/speculation.py`` with ``config/mapping.py``, ``config/names.py``): ``tests/test_layout.py`` checks it. The
 drafters, verifiers and decoders are built on top of this package; it knows none of them.
 """

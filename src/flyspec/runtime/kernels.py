@@ -37,7 +37,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from flyspec.config import ConfigError
-from flyspec.names import KERNELS
+from flyspec.config.names import KERNELS
 from flyspec.runtime.packed_linears import pack_linears
 
 logger = logging.getLogger(__name__)

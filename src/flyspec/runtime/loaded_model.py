@@ -99,7 +99,7 @@ class LoadedModel(PromptCodec):
 
     @functools.cached_property
     def fingerprints(self) -> dict[str, str]:
-        """What identifies this model for a calibration profile (``profile.py``): its weights and tokenizer."""
+        """What identifies this model for a calibration profile (``profiles/profile.py``): its weights and tokenizer."""
         weights = self.weights_fingerprint or weights_fingerprint(self.model)
         return {"weights": weights, "tokenizer": tokenizer_fingerprint(self.tokenizer)}
 

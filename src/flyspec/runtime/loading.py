@@ -27,7 +27,7 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from flyspec.config import DEFAULT_DEVICE, DEFAULT_DTYPE, ConfigError, check_device
-from flyspec.names import DTYPE_NAMES, PACKAGED_MODELS
+from flyspec.config.names import DTYPE_NAMES, PACKAGED_MODELS
 from flyspec.runtime.compiled_steps import compile_steps
 from flyspec.runtime.kernels import check_kernels
 from flyspec.runtime.kernels import install as install_kernels

@@ -1,6 +1,6 @@
 """What one target forward costs by the number of tokens it scores: t(n), measured once and cached.
 
-The cost-aware draft length (``draft_length.py``) verifies the draft length that maximises
+The cost-aware draft length (``decoding/draft_length.py``) verifies the draft length that maximises
 expected committed tokens per second, so it needs t(n) for n = 1 .. k + 1. How t(n) grows with n
 is a property of the model, dtype, device, thread count, kernels, compile state and machine: on a CPU
 without native bf16 a 16-token bf16 forward costs ~7 one-token ones, with it ~1.5, and on a GPU

@@ -171,7 +171,7 @@ def _library(filename: str) -> str:
 
 @contextmanager
 def counting_steps(decoder: Any) -> Iterator[SyncCounter]:
-    """Count a speculative decoder's syncs, marking a step at each verify call (``decoding.py``'s loop)."""
+    """Count a speculative decoder's syncs, marking a step at each verify call (``decoding/speculative.py``'s loop)."""
     verifier = decoder.verifier
     verify = verifier.verify
     counter = SyncCounter()

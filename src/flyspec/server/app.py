@@ -24,8 +24,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive
 
 from flyspec.config import ConfigError, SpeculationConfig
-from flyspec.names import VERSION
-from flyspec.result import GenerationResult
+from flyspec.config.names import VERSION
+from flyspec.decoding.result import GenerationResult
 from flyspec.runtime.loaded_model import LoadedModel
 from flyspec.server.cache_file import DEFAULT_MAX_ENTRIES, CacheFile, load_secret
 from flyspec.server.caches import tenant_ids

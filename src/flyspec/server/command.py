@@ -12,11 +12,11 @@ import logging
 import os
 from pathlib import Path
 
-from flyspec.cli_options import add_model_options, engine_options
-from flyspec.cli_speculation import add_speculation_options, speculation_config
+from flyspec.cli.extras import require_extra
+from flyspec.cli.options import add_model_options, engine_options
+from flyspec.cli.speculation import add_speculation_options, speculation_config
 from flyspec.config import ConfigError, SpeculationConfig
-from flyspec.extras import require_extra
-from flyspec.names import LOSSY_VERIFIERS
+from flyspec.config.names import LOSSY_VERIFIERS
 from flyspec.server.settings import (
     ALLOW_REQUEST_SPECULATIVE,
     LOOPBACK_HOSTS,

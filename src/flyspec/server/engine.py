@@ -2,7 +2,7 @@
 
 The decoders keep per-instance KV caches and a CPU box has few cores, so target forwards are
 serialized: the event loop only enqueues jobs and awaits their events; the worker thread iterates
-each job's :class:`~flyspec.streaming.GenerationStream` (one target forward per step) and hands the
+each job's :class:`~flyspec.decoding.streaming.GenerationStream` (one target forward per step) and hands the
 text pieces back to the loop with ``call_soon_threadsafe``.
 
 A job's life: ``reserve`` (a place in the queue, taken before its prompt is tokenized, so
@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 from flyspec.api import make_generator
 from flyspec.config import ConfigError
-from flyspec.generation import Decoder
+from flyspec.decoding.generation import Decoder
 from flyspec.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)

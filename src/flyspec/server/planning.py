@@ -29,9 +29,9 @@ from pydantic import ValidationError
 
 from flyspec.api import build_decoder
 from flyspec.config import MODEL_DRAFTERS, ConfigError, DecodeConfig, SamplingConfig, SpeculationConfig
-from flyspec.decoding import SpeculativeDecoder
-from flyspec.generation import context_room
-from flyspec.profile import looser, resolution
+from flyspec.decoding.generation import context_room
+from flyspec.decoding.speculative import SpeculativeDecoder
+from flyspec.profiles.profile import looser, resolution
 from flyspec.resources import Resources
 from flyspec.runtime.loaded_model import LoadedModel
 from flyspec.server.caches import TenantCaches

@@ -18,7 +18,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from flyspec.result import GenerationResult
+from flyspec.decoding.result import GenerationResult
 
 Kind = Literal["completion", "chat"]
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}

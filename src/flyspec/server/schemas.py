@@ -20,9 +20,9 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
 from flyspec.config import PROTECT_CLASSES
+from flyspec.config.names import DRAFT_LENGTH_POLICIES
+from flyspec.config.rules import CASCADE_RULES, FSD_DIVERGENCES
 from flyspec.drafters.registry import DRAFTERS
-from flyspec.names import DRAFT_LENGTH_POLICIES
-from flyspec.rule_config import CASCADE_RULES, FSD_DIVERGENCES
 from flyspec.verifiers.registry import VERIFIERS
 
 MAX_DRAFT_TOKENS = 64

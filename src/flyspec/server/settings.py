@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from flyspec.config import DEFAULT_MAX_NEW_TOKENS, ConfigError, SpeculationConfig
-from flyspec.config_mapping import FLAT_OPTIONS
-from flyspec.names import LOSSLESS_VERIFIERS, LOSSY_VERIFIERS
+from flyspec.config.mapping import FLAT_OPTIONS
+from flyspec.config.names import LOSSLESS_VERIFIERS, LOSSY_VERIFIERS
 
 # Which verifier each per-request speculative parameter belongs to: setting one while another
 # verifier runs is a 400, so nobody believes they ran FLy when they did not.
@@ -76,7 +76,7 @@ def changed_fields(spec: SpeculationConfig, other: SpeculationConfig) -> list[st
 
 def describe(spec: SpeculationConfig) -> dict[str, Any]:
     """What ran, for the ``flyspec`` object in responses: the verifier's own parameters only."""
-    from flyspec.draft_length import resolve_policy  # imports torch: not at the CLI's start-up (--help)
+    from flyspec.decoding.draft_length import resolve_policy  # imports torch: not at the CLI's start-up (--help)
 
     policy = resolve_policy(spec.draft_length, is_lossless(spec), spec.drafter)
     described: dict[str, Any] = {

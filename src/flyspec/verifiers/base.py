@@ -59,9 +59,14 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from flyspec.acceptance import draft_probs_or_one_hot, exact_accept_mask, rejection_accept_mask, rejection_next_token
 from flyspec.config import GuardConfig, SamplingConfig
-from flyspec.sampling import logits_to_probs, uniform
+from flyspec.sampling.acceptance import (
+    draft_probs_or_one_hot,
+    exact_accept_mask,
+    rejection_accept_mask,
+    rejection_next_token,
+)
+from flyspec.sampling.sampler import logits_to_probs, uniform
 from flyspec.types import Draft, LooseAccept, Verdict, VerifyContext
 from flyspec.verifiers.guard import guard_loose_mask
 

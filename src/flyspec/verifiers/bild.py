@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flyspec.acceptance import where_needed
 from flyspec.config import BildConfig, SamplingConfig
+from flyspec.sampling.acceptance import where_needed
 from flyspec.verifiers.base import GREEDY, LooseRule
 
 

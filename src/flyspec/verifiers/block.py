@@ -25,9 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
-from flyspec.acceptance import draft_probs_or_one_hot
 from flyspec.config import SamplingConfig
-from flyspec.sampling import logits_to_probs, sample, uniform
+from flyspec.sampling.acceptance import draft_probs_or_one_hot
+from flyspec.sampling.sampler import logits_to_probs, sample, uniform
 from flyspec.types import Draft
 from flyspec.verifiers.base import NextToken, StrictRule, strict_base_rule
 

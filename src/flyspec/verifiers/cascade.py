@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flyspec.acceptance import where_needed
 from flyspec.config import CascadeConfig, SamplingConfig
+from flyspec.sampling.acceptance import where_needed
 from flyspec.types import Draft
 from flyspec.verifiers.base import GREEDY, LooseRule
 from flyspec.verifiers.distributions import (

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from flyspec.acceptance import fit_vocabulary
 from flyspec.config import ConfigError
+from flyspec.sampling.acceptance import fit_vocabulary
 from flyspec.types import Draft
 
 

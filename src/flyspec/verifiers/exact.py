@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from flyspec.acceptance import exact_accept_mask
 from flyspec.config import SamplingConfig
-from flyspec.sampling import choose_tokens
+from flyspec.sampling.acceptance import exact_accept_mask
+from flyspec.sampling.sampler import choose_tokens
 from flyspec.types import Draft
 from flyspec.verifiers.base import NextToken, StrictRule
 

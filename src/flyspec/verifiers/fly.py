@@ -47,9 +47,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flyspec.acceptance import where_needed
 from flyspec.config import FlyConfig, SamplingConfig
-from flyspec.sampling import choose_tokens, logits_to_probs
+from flyspec.sampling.acceptance import where_needed
+from flyspec.sampling.sampler import choose_tokens, logits_to_probs
 from flyspec.types import Draft
 from flyspec.verifiers.base import GREEDY, LooseRule, NextToken, strict_base_rule
 

@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flyspec.acceptance import exact_accept_mask, where_needed
 from flyspec.config import FsdConfig, SamplingConfig
-from flyspec.sampling import choose_tokens
+from flyspec.sampling.acceptance import exact_accept_mask, where_needed
+from flyspec.sampling.sampler import choose_tokens
 from flyspec.types import Draft
 from flyspec.verifiers.base import GREEDY, LooseRule, NextToken
 from flyspec.verifiers.distributions import divergence, draft_distribution, no_plugin_candidates, target_distribution

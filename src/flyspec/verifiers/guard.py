@@ -39,7 +39,7 @@ On by default (``GuardConfig()``), off in ``GuardConfig.bare()``:
     an answer (a refusal, the first fact) is verified exactly, the correction a comparison of relaxed
     verifiers found to recover most of the safety they lose at almost no speed cost.
 ``breaker``
-    The generation's circuit breaker has tripped (``breaker.py``; only with a ``BreakerConfig``,
+    The generation's circuit breaker has tripped (``decoding/breaker.py``; only with a ``BreakerConfig``,
     which a calibration profile sets, in bare rules too): it made far more loose accepts than its
     profile's calibration saw, so every later candidate is refused.
 ``copy``
@@ -57,8 +57,8 @@ from collections.abc import Sequence
 
 import torch
 
-from flyspec.acceptance import where_needed
 from flyspec.config import GuardConfig
+from flyspec.sampling.acceptance import where_needed
 from flyspec.types import CACHE, Draft, VerifyContext
 from flyspec.verifiers.tokens import Vocabulary
 

@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flyspec.acceptance import draft_probs_or_one_hot, where_needed
 from flyspec.config import LenienceConfig, SamplingConfig
-from flyspec.sampling import logits_to_probs, uniform
+from flyspec.sampling.acceptance import draft_probs_or_one_hot, where_needed
+from flyspec.sampling.sampler import logits_to_probs, uniform
 from flyspec.types import Draft
 from flyspec.verifiers.base import GREEDY, LooseRule
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from flyspec.config import ConfigError, SpeculationConfig
-from flyspec.names import LOSSLESS_VERIFIERS as LOSSLESS_VERIFIERS  # re-exported: the names live in names.py
-from flyspec.names import LOSSY_RULE_FIELDS as LOSSY_RULE_FIELDS  # re-exported: what make_verifier reads
-from flyspec.names import VERIFIERS
+from flyspec.config.names import LOSSLESS_VERIFIERS as LOSSLESS_VERIFIERS  # re-exported: the names live in config/names.py
+from flyspec.config.names import LOSSY_RULE_FIELDS as LOSSY_RULE_FIELDS  # re-exported: what make_verifier reads
+from flyspec.config.names import VERIFIERS
 from flyspec.verifiers.base import Verifier
 from flyspec.verifiers.bild import BildVerifier
 from flyspec.verifiers.block import BlockVerifier

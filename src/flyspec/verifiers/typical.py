@@ -15,9 +15,9 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from flyspec.acceptance import where_needed
 from flyspec.config import SamplingConfig, TypicalConfig
-from flyspec.sampling import choose_tokens, logits_to_probs
+from flyspec.sampling.acceptance import where_needed
+from flyspec.sampling.sampler import choose_tokens, logits_to_probs
 from flyspec.types import Draft
 from flyspec.verifiers.base import GREEDY, LooseRule, NextToken
 

@@ -1,13 +1,13 @@
 """Everything the plugin takes from flyspec, imported in this one place (the core API may move)."""
 
-from flyspec.acceptance import num_leading_true
-from flyspec.batch_schedule import BatchSchedule
-from flyspec.breaker import CircuitBreaker
 from flyspec.config import BreakerConfig, ConfigError, FlyConfig, GuardConfig, NgramConfig, SpeculationConfig
-from flyspec.names import DISTRIBUTION_VERIFIERS, LOSSY_VERIFIERS
-from flyspec.profile import Profile, looser
+from flyspec.config.names import DISTRIBUTION_VERIFIERS, LOSSY_VERIFIERS
+from flyspec.config.schedule import BatchSchedule
+from flyspec.decoding.breaker import CircuitBreaker
+from flyspec.decoding.stats import DecodeStats
+from flyspec.profiles.profile import Profile, looser
 from flyspec.runtime.loaded_model import tokenizer_fingerprint
-from flyspec.stats import DecodeStats
+from flyspec.sampling.acceptance import num_leading_true
 from flyspec.types import Draft, VerifyContext
 from flyspec.verifiers.guard import guard_loose_mask
 from flyspec.verifiers.guard import prepare as prepare_guards

@@ -8,7 +8,7 @@ asks for none (``extra_args={"flyspec_draft": false}``) gets no drafts: plain de
 calibration's baseline that names its output (``flyspec_reference``) gets its drafts cut to what its shadow
 rules read (``reference.py``).
 
-A batch-size schedule (``flyspec.batch_schedule``) caps the drafts by the step's batch size: vLLM's own
+A batch-size schedule (``flyspec.config.schedule``) caps the drafts by the step's batch size: vLLM's own
 ``speculative_config["num_speculative_tokens_per_batch_size"]`` (vLLM 0.32 hands it only to its built-in
 proposers, so this one reads it itself), else the file ``$FLYSPEC_VLLM_SCHEDULE`` names (a schedule.json or
 a profile carrying one). ``k = 0`` in a range: no drafts at those batch sizes, plain decoding.

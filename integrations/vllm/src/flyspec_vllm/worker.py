@@ -8,7 +8,7 @@ exits 1 when the engine cannot start), then answers one JSON object per stdin li
 "drafts": d, "draft_tokens": t, "accepted": a, "loose_accepts": l}``: all prompts of a line are
 submitted at once (one prompt: batch 1), counters are the differences over that call. Optional, for flyspec's
 proposer: ``"num_draft_tokens": k`` (at most k drafts per request in this call) or ``"schedule": [[start, end, k],
-...]`` (a batch-size schedule for this call, ``flyspec.batch_schedule``) — one engine sweeps every draft length;
+...]`` (a batch-size schedule for this call, ``flyspec.config.schedule``) — one engine sweeps every draft length;
 ``"extra_args": {...}``: every prompt's ``SamplingParams.extra_args`` (its rule, ``flyspec_vllm.options``).
 With ``--colocated-plain`` the worker also starts a plain engine (no speculation) in the same process, and a line
 with ``"engine": "plain"`` goes to it: a control that shares the speculative engine's process, memory and threads
@@ -136,7 +136,7 @@ def start_engine(args: argparse.Namespace) -> Any:
     optional = {"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {}
     schedule = None
     if args.schedule:
-        from flyspec.batch_schedule import BatchSchedule
+        from flyspec.config.schedule import BatchSchedule
 
         schedule = BatchSchedule.load(args.schedule).to_vllm()
     return LLM(
@@ -156,7 +156,7 @@ def start_engine(args: argparse.Namespace) -> Any:
 
 def call_schedule(request: dict[str, Any]) -> Any:
     """The batch-size schedule a request line sets for its call (``num_draft_tokens`` or ``schedule``), or None."""
-    from flyspec.batch_schedule import BatchSchedule
+    from flyspec.config.schedule import BatchSchedule
 
     if request.get("schedule") is not None:
         return BatchSchedule.from_entries(request["schedule"])

@@ -5,9 +5,9 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
-from flyspec.result import GenerationResult
-from flyspec.stats import DecodeStats
-from flyspec.stopping import Stopper
+from flyspec.decoding.result import GenerationResult
+from flyspec.decoding.stats import DecodeStats
+from flyspec.decoding.stopping import Stopper
 
 # What a decoding loop yields per target forward: the committed tokens, and which of them
 # (indices into that list) were loosely accepted.

@@ -1,7 +1,7 @@
 """The online circuit breaker: a calibrated lossy rule falls back to its strict base rule when a
 generation's loose accepts run far above what calibration saw.
 
-A profile (``profile.py``) records how many loose accepts per 100 tokens its chosen point made on
+A profile (``profiles/profile.py``) records how many loose accepts per 100 tokens its chosen point made on
 the calibration prompts. A prompt that makes the rule loosen far more often is unlike those
 prompts, and the quality bounds measured on them say nothing about it. Once a generation has made
 at least ``min_loose_accepts`` loose accepts and more than ``max_loose_per_100`` per 100 committed
@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from flyspec.config import BreakerConfig
-from flyspec.stats import DecodeStats
+from flyspec.decoding.stats import DecodeStats
 
 
 @dataclass

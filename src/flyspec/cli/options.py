@@ -1,8 +1,8 @@
 """Command-line options shared by ``generate``, ``bench``, ``eval`` and ``serve``.
 
 Each subcommand lives in its own module and registers itself with ``add_parser(commands)``;
-this module holds the option groups they share (the speculation flags: ``cli_speculation.py``).
-Errors are printed by ``cli.py`` (one line, exit code 2, no traceback).
+this module holds the option groups they share (the speculation flags: ``speculation.py``).
+Errors are printed by ``main.py`` (one line, exit code 2, no traceback).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from flyspec.config import (
     SpeculationConfig,
     check_device,
 )
-from flyspec.names import DEFAULT_MODEL, DTYPE_NAMES, KERNELS
+from flyspec.config.names import DEFAULT_MODEL, DTYPE_NAMES, KERNELS
 
 
 def add_model_options(parser: argparse.ArgumentParser, *, chat: bool = True) -> None:
@@ -87,7 +87,7 @@ def engine_options(args: argparse.Namespace, specs: Iterable[SpeculationConfig] 
     """
     dtype = args.dtype
     if dtype == DEFAULT_DTYPE:
-        from flyspec.profile import load_dtype  # torch: only when a command runs, never for --help
+        from flyspec.profiles.profile import load_dtype  # torch: only when a command runs, never for --help
 
         choice = load_dtype(specs, args.target, dtype, args.device)
         if choice.note is not None:

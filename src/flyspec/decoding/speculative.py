@@ -12,16 +12,16 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator
 
-from flyspec.breaker import CircuitBreaker
 from flyspec.config import DecodeConfig, SpeculationConfig
-from flyspec.draft_length import DraftLength, decoder_policy, new_draft_length, resolve_policy
+from flyspec.config.names import COPY_DRAFTERS
+from flyspec.decoding.breaker import CircuitBreaker
+from flyspec.decoding.draft_length import DraftLength, decoder_policy, new_draft_length, resolve_policy
+from flyspec.decoding.generation import Decoder, Generation
+from flyspec.decoding.streaming import Step
 from flyspec.drafters.base import Drafter
-from flyspec.generation import Decoder, Generation
-from flyspec.names import COPY_DRAFTERS
-from flyspec.profile import Profile
+from flyspec.profiles.profile import Profile
 from flyspec.runtime.loaded_model import LoadedModel
 from flyspec.runtime.step_cost import StepCost
-from flyspec.streaming import Step
 from flyspec.types import Draft, VerifyContext
 from flyspec.verifiers.base import Verifier
 from flyspec.verifiers.registry import check_draft_length
@@ -33,7 +33,7 @@ class SpeculativeDecoder(Decoder):
 
     ``speculation`` gives the draft length (``num_draft_tokens``, ``draft_length``) and describes what runs;
     ``step_cost`` is the target's forward cost t(n), which the ``cost`` draft-length policy needs;
-    ``profile`` the calibration profile that set the lossy settings (``profile.py``), if any.
+    ``profile`` the calibration profile that set the lossy settings (``profiles/profile.py``), if any.
     """
 
     def __init__(

@@ -11,9 +11,9 @@ from collections.abc import Iterator
 
 import torch
 
-from flyspec.generation import Decoder, Generation
-from flyspec.sampling import choose_tokens
-from flyspec.streaming import Step
+from flyspec.decoding.generation import Decoder, Generation
+from flyspec.decoding.streaming import Step
+from flyspec.sampling.sampler import choose_tokens
 
 
 class PlainDecoder(Decoder):

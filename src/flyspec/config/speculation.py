@@ -1,5 +1,6 @@
 """Frozen configuration dataclasses. Every default lives here, and only here (the lossy rules' own settings
-in :mod:`flyspec.rule_config`, the drafters' in :mod:`flyspec.drafter_config`, both re-exported here).
+in :mod:`flyspec.config.rules`, the drafters' in :mod:`flyspec.config.drafters`; :mod:`flyspec.config` re-exports
+them all).
 
 Each dataclass validates itself in ``__post_init__`` and raises :class:`ConfigError` with a
 message that says what to change. The CLI turns a ``ConfigError`` into exit code 2.
@@ -13,23 +14,19 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from flyspec.config_mapping import FLAT_OPTIONS, floats, from_vllm, jsonable, replaced
-from flyspec.config_mapping import ConfigError as ConfigError  # re-exported: raised by every config here
-from flyspec.config_mapping import require as _require
-from flyspec.drafter_config import NGRAM_MATCHES as NGRAM_MATCHES  # re-exported, as are the drafter configs below
-from flyspec.drafter_config import DraftLengthConfig as DraftLengthConfig
-from flyspec.drafter_config import LayerSkipConfig as LayerSkipConfig
-from flyspec.drafter_config import NgramCacheConfig as NgramCacheConfig
-from flyspec.drafter_config import NgramConfig as NgramConfig
-from flyspec.names import DISTRIBUTION_DRAFTERS, DISTRIBUTION_VERIFIERS
-from flyspec.rule_config import FLY_VARIANTS as FLY_VARIANTS  # re-exported, as are the rule configs below
-from flyspec.rule_config import BildConfig as BildConfig
-from flyspec.rule_config import CascadeConfig as CascadeConfig
-from flyspec.rule_config import FlyConfig as FlyConfig
-from flyspec.rule_config import FsdConfig as FsdConfig
-from flyspec.rule_config import LenienceConfig as LenienceConfig
-from flyspec.rule_config import MarginConfig as MarginConfig
-from flyspec.rule_config import TypicalConfig as TypicalConfig
+from flyspec.config.drafters import DraftLengthConfig, LayerSkipConfig, NgramCacheConfig, NgramConfig
+from flyspec.config.mapping import FLAT_OPTIONS, floats, from_vllm, jsonable, replaced
+from flyspec.config.mapping import require as _require
+from flyspec.config.names import DISTRIBUTION_DRAFTERS, DISTRIBUTION_VERIFIERS
+from flyspec.config.rules import (
+    BildConfig,
+    CascadeConfig,
+    FlyConfig,
+    FsdConfig,
+    LenienceConfig,
+    MarginConfig,
+    TypicalConfig,
+)
 
 # FLy reference config (AMD-AGI/FLy): 15 draft tokens, window 6, entropy threshold 0.3 over the
 # target's top-3 probabilities.
@@ -166,7 +163,7 @@ class GuardConfig:
 
 @dataclass(frozen=True)
 class BreakerConfig:
-    """The online circuit breaker of a lossy rule (``breaker.py``); a calibration profile sets it.
+    """The online circuit breaker of a lossy rule (``decoding/breaker.py``); a calibration profile sets it.
 
     Per generation: once it has made at least ``min_loose_accepts`` loose accepts and more than
     ``max_loose_per_100`` per 100 committed tokens, far more than the rule made on the prompts it
@@ -189,7 +186,7 @@ class BreakerConfig:
         return self.max_loose_per_100 > 0
 
 
-PROFILE_AUTO = "auto"  # the profile flyspec ships for the model, drafter and dtype, if any (profile.py)
+PROFILE_AUTO = "auto"  # the profile flyspec ships for the model, drafter and dtype, if any (profiles/profile.py)
 PROFILE_NONE = "none"
 
 
@@ -241,7 +238,7 @@ class SpeculationConfig:
     lenience: LenienceConfig = field(default_factory=LenienceConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
-    # a calibration profile (``flyspec calibrate``, ``profile.py``): a JSON file, "auto" (the one flyspec ships
+    # a calibration profile (``flyspec calibrate``, ``profiles/profile.py``): a JSON file, "auto" (the one flyspec ships
     # for this model, drafter and dtype, used when a lossy verifier runs with its default settings) or "none"
     profile: str = PROFILE_AUTO
 

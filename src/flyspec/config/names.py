@@ -32,7 +32,7 @@ DISTRIBUTION_VERIFIERS = ("fsd", "cascade")
 DISTRIBUTION_DRAFTERS = ("draft-model", "multilevel", "layer-skip")
 # the SpeculationConfig fields that decide a loose accept: each lossy rule's settings are the field of its name
 LOSSY_RULE_FIELDS = ("verifier", *LOSSY_VERIFIERS, "guard")
-COPY_DRAFTERS = ("ngram", "ngram-cache")  # proposals cost nothing per token (draft_length.py)
+COPY_DRAFTERS = ("ngram", "ngram-cache")  # proposals cost nothing per token (decoding/draft_length.py)
 DRAFT_LENGTH_POLICIES = ("auto", "fixed", "heuristic", "cost")
 KERNELS = ("auto", "stock")  # auto: flyspec's CPU kernels where they apply (runtime/kernels.py)
 

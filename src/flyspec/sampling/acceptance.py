@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from flyspec.sampling import sample
+from flyspec.sampling.sampler import sample
 from flyspec.types import Draft
 
 

@@ -5,7 +5,7 @@ threshold that keeps more, a smaller one that defers less, a guard left out."""
 from __future__ import annotations
 
 from flyspec.config import GuardConfig, SpeculationConfig
-from flyspec.names import LOSSLESS_VERIFIERS
+from flyspec.config.names import LOSSLESS_VERIFIERS
 
 DRAFT_FIELDS = ("drafter", "draft_model", "stack", "num_proposal_tokens", "ngram", "layer_skip")
 

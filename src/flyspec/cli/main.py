@@ -15,13 +15,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from flyspec.cli_options import add_model_options, engine_options, quiet_transformers
-from flyspec.cli_speculation import add_speculation_options, speculation_config
+from flyspec.cli.options import add_model_options, engine_options, quiet_transformers
+from flyspec.cli.speculation import add_speculation_options, speculation_config
 from flyspec.config import DEFAULT_MAX_NEW_TOKENS, ConfigError, DecodeConfig, SamplingConfig, SpeculationConfig
-from flyspec.names import LOSSLESS_VERIFIERS, LOSSY_VERIFIERS, VERSION
+from flyspec.config.names import LOSSLESS_VERIFIERS, LOSSY_VERIFIERS, VERSION
 
 if TYPE_CHECKING:
-    from flyspec.result import GenerationResult
+    from flyspec.decoding.result import GenerationResult
 
 # torch and transformers are imported by the command handlers, never here: `flyspec --help` stays instant
 
@@ -162,10 +162,10 @@ def _non_empty(prompt: str, source: str) -> str:
 
 def _generate(args: argparse.Namespace) -> int:
     from flyspec.api import build_decoder
-    from flyspec.baseline import PlainDecoder
+    from flyspec.decoding.plain import PlainDecoder
     from flyspec.resources import Resources
     from flyspec.runtime.loading import set_threads
-    from flyspec.sampling import make_generator
+    from flyspec.sampling.sampler import make_generator
 
     args.prompt = read_prompt(args)
     set_threads(args.threads)

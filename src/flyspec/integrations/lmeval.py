@@ -1,10 +1,10 @@
 """lm-evaluation-harness model ``flyspec``: generation through flyspec, log-likelihoods through the target.
 
 lm-eval 0.4.13 finds models only in its own registry (no entry-point discovery), so importing
-this module registers ``flyspec`` there, and ``python -m flyspec.lmeval`` runs lm-eval's own
+this module registers ``flyspec`` there, and ``python -m flyspec.integrations.lmeval`` runs lm-eval's own
 command line after that import::
 
-    python -m flyspec.lmeval --model flyspec \\
+    python -m flyspec.integrations.lmeval --model flyspec \\
         --model_args target=smollm2-135m-instruct,verifier=fly,num_draft_tokens=8 --tasks gsm8k
 
 (every ``lm_eval`` argument works; in Python, ``lm_eval.simple_evaluate(model=FlyspecLM(...))``).
@@ -46,12 +46,12 @@ from tqdm import tqdm
 
 from flyspec.api import build_decoder
 from flyspec.config import ConfigError, DecodeConfig, SamplingConfig, SpeculationConfig
-from flyspec.config_mapping import FLAT_OPTIONS
-from flyspec.names import DEFAULT_MODEL
+from flyspec.config.mapping import FLAT_OPTIONS
+from flyspec.config.names import DEFAULT_MODEL
 from flyspec.resources import Resources
 from flyspec.runtime.loaded_model import LoadedModel
 from flyspec.runtime.loading import load_model, set_threads
-from flyspec.sampling import make_generator
+from flyspec.sampling.sampler import make_generator
 
 logger = logging.getLogger(__name__)
 
@@ -206,7 +206,7 @@ def _available(device: str | None) -> str | None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """``lm_eval``'s command line with the ``flyspec`` model registered (``python -m flyspec.lmeval``)."""
+    """``lm_eval``'s command line with the ``flyspec`` model registered (``python -m flyspec.integrations.lmeval``)."""
     from lm_eval.__main__ import cli_evaluate
 
     if argv is not None:
@@ -214,7 +214,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         cli_evaluate()
     except ConfigError as error:  # flyspec's own errors (model_args, generation options) in one line
-        from flyspec.cli import fail
+        from flyspec.cli.main import fail
 
         fail(str(error))
 

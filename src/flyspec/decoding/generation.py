@@ -2,7 +2,7 @@
 
 :class:`Decoder` turns a prompt (text, chat or ids) into token ids, makes the generation's
 :class:`Stopper` and statistics, and wraps the subclass's loop (``_steps``) in a
-:class:`GenerationStream`. The loops live in ``decoding.py`` (speculative) and ``baseline.py``
+:class:`GenerationStream`. The loops live in ``speculative.py`` (speculative) and ``plain.py``
 (plain); neither encodes, detokenizes or streams.
 """
 
@@ -14,13 +14,13 @@ from dataclasses import dataclass, field
 import torch
 
 from flyspec.config import ConfigError, DecodeConfig
-from flyspec.draft_length import DraftLength
-from flyspec.result import GenerationResult
+from flyspec.decoding.draft_length import DraftLength
+from flyspec.decoding.result import GenerationResult
+from flyspec.decoding.stats import DecodeStats
+from flyspec.decoding.stopping import Stopper
+from flyspec.decoding.streaming import GenerationStream, Step
 from flyspec.runtime.loaded_model import LoadedModel
 from flyspec.runtime.target import Target
-from flyspec.stats import DecodeStats
-from flyspec.stopping import Stopper
-from flyspec.streaming import GenerationStream, Step
 from flyspec.types import Draft, Verdict
 
 Prompt = str | list[dict[str, str]] | list[int]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from flyspec.stats import DecodeStats
+from flyspec.decoding.stats import DecodeStats
 
 
 @dataclass

@@ -44,8 +44,8 @@ from flyspec.config import (
     ConfigError,
     SpeculationConfig,
 )
-from flyspec.names import LOSSLESS_VERIFIERS, LOSSY_RULE_FIELDS
-from flyspec.profile_limits import looser as looser  # re-exported: the limit a profile sets
+from flyspec.config.names import LOSSLESS_VERIFIERS, LOSSY_RULE_FIELDS
+from flyspec.profiles.limits import looser as looser  # re-exported: the limit a profile sets
 from flyspec.runtime.loaded_model import LoadedModel, ServedModel
 from flyspec.runtime.loading import resolve_device, resolve_dtype
 
@@ -60,7 +60,7 @@ AGREED: dict[tuple[str, str, str], str] = {
     # 2026-11-25; 20,847 outputs compared, 25 differ, every one within k tokens of the token limit; same choice
     ("13f516a0785c7cf2d9bc61a1da3fdecc", "ngram", "float32"): "EVALUATION.md, Calibrating on vLLM (2026-11-25)",
 }
-SHIPPED = Path(__file__).parent / "profiles"
+SHIPPED = Path(__file__).parent  # the shipped profiles lie beside this file
 # what a profile's point decides (the rest of a SpeculationConfig is the drafter, which must match)
 RULE_FIELDS = (*LOSSY_RULE_FIELDS, "breaker", "num_draft_tokens", "draft_length")
 

@@ -49,7 +49,7 @@ from flyspec.api import build_decoder
 from flyspec.config import ConfigError, DecodeConfig, SamplingConfig, SpeculationConfig
 from flyspec.resources import Resources
 from flyspec.runtime.loaded_model import LoadedModel
-from flyspec.sampling import make_generator
+from flyspec.sampling.sampler import make_generator
 
 SAMPLING_WARPERS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 STOPPING_CRITERIA = (MaxLengthCriteria, EosTokenCriteria, StopStringCriteria)

@@ -1,6 +1,6 @@
 """Command-line options for speculation, shared by ``generate``, ``bench``, ``eval`` and ``serve``: the
 ``speculation`` and ``drafting`` groups, and the :class:`SpeculationConfig` they give (``--speculative-config``,
-then the flags). The other shared groups (model, engine) are in ``cli_options.py``.
+then the flags). The other shared groups (model, engine) are in ``options.py``.
 """
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import json
 from typing import Any
 
 from flyspec.config import PROTECT_CLASSES, ConfigError, SpeculationConfig
-from flyspec.names import DRAFT_LENGTH_POLICIES, DRAFTERS, VERIFIER_SUMMARIES, VERIFIERS
-from flyspec.rule_config import CASCADE_RULES, FSD_DIVERGENCES
+from flyspec.config.names import DRAFT_LENGTH_POLICIES, DRAFTERS, VERIFIER_SUMMARIES, VERIFIERS
+from flyspec.config.rules import CASCADE_RULES, FSD_DIVERGENCES
 
-# Defaults are SpeculationConfig's (config.py); a flag left out keeps the --speculative-config value.
+# Defaults are SpeculationConfig's (config/speculation.py); a flag left out keeps the --speculative-config value.
 _DEFAULT = SpeculationConfig()
 
 

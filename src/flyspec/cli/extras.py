@@ -3,7 +3,7 @@
 ``pip install flyspec`` installs what the library and ``flyspec generate`` need; ``serve``,
 ``bench`` and ``eval`` need their extra (``pip install 'flyspec[serve]'``, or ``[all]``). Each
 command checks its extra first, so a missing one is a one-line error naming it, not an
-``ImportError`` from deep inside (exit code 2, printed by ``cli.py``).
+``ImportError`` from deep inside (exit code 2, printed by ``main.py``).
 """
 
 from __future__ import annotations

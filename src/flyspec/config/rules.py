@@ -9,8 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from flyspec.config_mapping import ConfigError as ConfigError  # re-exported: raised by every config here
-from flyspec.config_mapping import require as _require
+from flyspec.config.mapping import ConfigError as ConfigError  # re-exported: raised by every config here
+from flyspec.config.mapping import require as _require
 
 FLY_VARIANTS = ("flyspec", "vllm")  # FlyConfig.variant: the reference code's window, or vLLM 0.33's native rule
 

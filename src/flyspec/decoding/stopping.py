@@ -2,7 +2,7 @@
 
 Shared by speculative and plain decoding, so both truncate in exactly the same place even
 though speculative decoding commits several tokens at once. The output text is kept up to date
-incrementally (:class:`~flyspec.detokenize.CommittedText`): each step decodes a window at the
+incrementally (:class:`~flyspec.runtime.detokenize.CommittedText`): each step decodes a window at the
 end, not the whole output.
 """
 
@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
-from flyspec.detokenize import OVERLAP_TOKENS, CommittedText, TextCodec
+from flyspec.runtime.detokenize import OVERLAP_TOKENS, CommittedText, TextCodec
 from flyspec.runtime.loaded_model import decode_text
 
 

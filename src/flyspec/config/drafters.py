@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from flyspec.config_mapping import ConfigError as ConfigError  # re-exported: raised by every config here
-from flyspec.config_mapping import require as _require
-from flyspec.names import DRAFT_LENGTH_POLICIES
+from flyspec.config.mapping import ConfigError as ConfigError  # re-exported: raised by every config here
+from flyspec.config.mapping import require as _require
+from flyspec.config.names import DRAFT_LENGTH_POLICIES
 
 NGRAM_MATCHES = ("recent", "earliest", "frequent")  # NgramConfig.match
 
@@ -45,7 +45,7 @@ class DraftLengthConfig:
 
     ``policy``: ``cost`` (the most expected tokens per second), ``fixed``, ``heuristic``, or ``auto``
     (``cost`` under a lossless verifier — every drafter when greedy, n-gram drafters when sampling — else
-    ``fixed``): see ``draft_length.py``.
+    ``fixed``): see ``decoding/draft_length.py``.
     The adaptive policies stay within ``min_tokens`` .. ``num_draft_tokens`` (``cost`` may also draft
     nothing). ``confidence_threshold`` (model drafters): stop drafting once the draft model's own top
     probability falls below it (after keeping that token); 0 never stops early.

@@ -30,7 +30,7 @@ from __future__ import annotations
 import numpy as np
 
 from flyspec.config import ConfigError, DraftLengthConfig
-from flyspec.names import COPY_DRAFTERS
+from flyspec.config.names import COPY_DRAFTERS
 from flyspec.runtime.step_cost import StepCost
 from flyspec.types import UNKNOWN_SOURCE, Draft
 
