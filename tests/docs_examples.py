@@ -300,8 +300,8 @@ def run_main(main: Callable[[list[str]], Any], argv: list[str], stdin: str | Non
 
 def check_serve(args: argparse.Namespace) -> None:
     """What ``flyspec serve`` checks before it loads a model, without serving."""
-    from flyspec.api import checked_verifier
     from flyspec.server.command import security_from_args, settings_from_args
+    from flyspec.verifiers.registry import checked_verifier
 
     defaults, _ = settings_from_args(args)
     security_from_args(args)

@@ -11,7 +11,7 @@ import torch
 from flyspec.calibration.space import points
 from flyspec.cli.speculation import FLAG_NAMES
 from flyspec.config import BildConfig, ConfigError, GuardConfig, SamplingConfig, SpeculationConfig
-from flyspec.profiles.profile import looser
+from flyspec.profiles import looser
 from flyspec.server.settings import describe, for_request
 from flyspec.types import Draft, Verdict
 from flyspec.verifiers.bild import BildVerifier, rollback_distance

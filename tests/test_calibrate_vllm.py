@@ -231,8 +231,8 @@ def test_a_profile_carries_a_batch_schedule_into_both_deploy_blocks(tmp_path) ->
 
 def test_a_profile_from_the_other_engine_is_refused_unless_the_engines_agreed(monkeypatch, tiny_target) -> None:
     from flyspec.config import SpeculationConfig
+    from flyspec.profiles import Profile
     from flyspec.profiles import profile as profile_module
-    from flyspec.profiles.profile import Profile
     from test_profile import make_profile
 
     record = make_profile(tiny_target)

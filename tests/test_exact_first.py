@@ -11,7 +11,7 @@ import torch
 from flyspec.calibration.space import points
 from flyspec.cli.main import main
 from flyspec.config import ConfigError, FlyConfig, GuardConfig, SamplingConfig, SpeculationConfig
-from flyspec.profiles.profile import looser
+from flyspec.profiles import looser
 from flyspec.server.settings import describe, for_request
 from flyspec.types import Draft, VerifyContext
 from flyspec.verifiers.registry import make_verifier

@@ -31,8 +31,8 @@ from flyspec.config import (
 )
 from flyspec.decoding.breaker import CircuitBreaker
 from flyspec.decoding.stats import DecodeStats
+from flyspec.profiles import Profile, identity, looser, resolution, resolve
 from flyspec.profiles import profile as profile_module
-from flyspec.profiles.profile import Profile, identity, looser, resolution, resolve
 from flyspec.resources import Resources
 from flyspec.runtime.loaded_model import LoadedModel
 from flyspec.server.app import create_app

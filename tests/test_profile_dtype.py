@@ -15,8 +15,7 @@ import flyspec
 from flyspec.api import build_decoder
 from flyspec.cli.main import main
 from flyspec.config import PROFILE_NONE, ConfigError, DecodeConfig, SpeculationConfig
-from flyspec.profiles import profile as profile_module
-from flyspec.profiles.profile import Profile, load_dtype
+from flyspec.profiles import DtypeChoice, Profile, load_dtype
 from flyspec.runtime.loading import AUTO_DTYPE_VARIABLE, default_dtype, resolve_dtype
 from server_helpers import one_torch_thread  # noqa: F401 - autouse fixture
 from test_profile import FLY_POINT, make_profile
@@ -81,7 +80,7 @@ def test_the_shipped_profiles_bring_float32_to_a_bfloat16_machine(monkeypatch) -
         SpeculationConfig(verifier="fly", profile=PROFILE_NONE),
         SpeculationConfig(verifier="fly", drafter="draft-model", draft_model="gemma3-270m"),
     ):
-        assert load_dtype([spec], "smollm2-135m-instruct") == profile_module.DtypeChoice("auto"), spec
+        assert load_dtype([spec], "smollm2-135m-instruct") == DtypeChoice("auto"), spec
     assert load_dtype([fly], "another-model").dtype == "auto"
     # where auto already means the profile's dtype nothing changes
     monkeypatch.setenv(AUTO_DTYPE_VARIABLE, "float32")

@@ -23,7 +23,7 @@ from flyspec.config import (
     SpeculationConfig,
 )
 from flyspec.drafters.registry import make_drafter
-from flyspec.profiles.profile import looser
+from flyspec.profiles import looser
 from flyspec.server.settings import describe
 from flyspec.types import Draft, Verdict
 from flyspec.verifiers.cascade import CascadeVerifier, defers

@@ -290,7 +290,7 @@ def test_an_operator_profile_sets_fly_and_refuses_looser_requests(tmp_path) -> N
     from flyspec_vllm.options import PROFILE_VARIABLE, operator_profile
 
     from conftest import make_tiny_model, make_tokenizer
-    from flyspec.profiles.profile import Profile
+    from flyspec.profiles import Profile
     from test_profile import FLY_POINT, make_profile
 
     target = make_tiny_model(make_tokenizer(), 0)

@@ -65,7 +65,7 @@ if TYPE_CHECKING:  # the same names for type checkers and IDEs; at run time __ge
         multilevel_drafter,
     )
     from flyspec.integrations.hf_generate import custom_generate, from_transformers
-    from flyspec.profiles.profile import Profile
+    from flyspec.profiles import Profile
     from flyspec.resources import Resources, set_max_cached_models
     from flyspec.runtime.loaded_model import LoadedModel
     from flyspec.runtime.loading import ModelLoadError, load_model
@@ -125,7 +125,7 @@ _SOURCES = {
     "flyspec.config.names": ("DEFAULT_MODEL",),
     "flyspec.runtime.loaded_model": ("LoadedModel",),
     "flyspec.runtime.loading": ("ModelLoadError", "load_model"),
-    "flyspec.profiles.profile": ("Profile",),
+    "flyspec.profiles": ("Profile",),
     "flyspec.resources": ("Resources", "set_max_cached_models"),
     "flyspec.decoding.result": ("GenerationResult",),
     "flyspec.sampling.sampler": ("make_generator",),

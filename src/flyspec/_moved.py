@@ -32,7 +32,7 @@ MOVED = {
     "flyspec.hf_generate": "flyspec.integrations.hf_generate",
     "flyspec.lmeval": "flyspec.integrations.lmeval",
     "flyspec.names": "flyspec.config.names",
-    "flyspec.profile": "flyspec.profiles.profile",
+    "flyspec.profile": "flyspec.profiles",
     "flyspec.profile_limits": "flyspec.profiles.limits",
     "flyspec.result": "flyspec.decoding.result",
     "flyspec.rule_config": "flyspec.config.rules",

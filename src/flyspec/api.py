@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import logging
 from typing import Any
 
 import torch
@@ -15,27 +14,11 @@ from flyspec.decoding.generation import Prompt
 from flyspec.decoding.plain import PlainDecoder
 from flyspec.decoding.result import GenerationResult
 from flyspec.decoding.speculative import SpeculativeDecoder
-from flyspec.drafters.registry import make_drafter
-from flyspec.profiles.profile import load_dtype, resolution
+from flyspec.profiles import decide
 from flyspec.resources import ModelRef, Resources, default_resources
 from flyspec.runtime.loading import set_threads
 from flyspec.sampling.sampler import make_generator
-from flyspec.verifiers.base import Verifier
-from flyspec.verifiers.guard import prepare as prepare_guards
-from flyspec.verifiers.registry import check_draft_length, make_verifier
-from flyspec.verifiers.tokens import vocabulary_of
-
-logger = logging.getLogger(__name__)
-
-
-def checked_verifier(spec: SpeculationConfig) -> Verifier:
-    """``spec``'s verifier, after the checks that need no model: its name, and a draft length it can use.
-
-    ``build_decoder`` calls it before loading anything, so these errors never wait for a model.
-    """
-    verifier = make_verifier(spec.verifier, spec)
-    check_draft_length(verifier, spec)  # FLy needs window_size + 1 draft tokens
-    return verifier
+from flyspec.verifiers.registry import checked_verifier
 
 
 def build_decoder(
@@ -48,29 +31,43 @@ def build_decoder(
     """A :class:`SpeculativeDecoder` for ``target`` (the CLI, bench, eval and server use this).
 
     ``spec`` says what to speculate with (default: n-gram drafter, exact verifier), its ``profile`` the
-    calibration profile that sets or limits its lossy settings (``profile.resolve``); ``decode`` the
+    calibration profile that sets or limits its lossy settings (``profiles/resolution.py``); ``decode`` the
     generation's length, stop strings and sampling. ``resources`` resolves model names (target,
     draft model, stack levels) and holds n-gram caches and layer-skip calibrations; by default a
     private one for this decoder (``resources.default_resources``: only its models are shared, through
     the process-wide ``DEFAULT_MODELS``), so nothing a prompt reaches is shared unless the caller shares it.
     """
-    spec = spec or SpeculationConfig()
-    verifier = checked_verifier(spec)
-    resources = resources or _default_resources([spec], target, DEFAULT_DTYPE, DEFAULT_DEVICE)
+    return _build(target, spec or SpeculationConfig(), decode or DecodeConfig(), resources)
+
+
+def _build(
+    target: ModelRef,
+    spec: SpeculationConfig,
+    decode: DecodeConfig,
+    resources: Resources | None,
+    dtype: str | torch.dtype = DEFAULT_DTYPE,
+    device: str | torch.device = DEFAULT_DEVICE,
+) -> SpeculativeDecoder:
+    """Decide once, then build each part once, going down: the profile's decision (the config, the profile, the
+    dtype; before any model loads), the resources, the verifier (its checks need no model), the models and the
+    decision held against them, the drafter, the guards' tables and the step cost, the decoder."""
+    if resources is not None:
+        decision = decide(spec, target, resources.dtype, resources.device, choose_dtype=False)
+    else:
+        decision = decide(spec, target, dtype, device)
+    resources = resources or default_resources(decision.dtype, device)  # loads nothing yet
+    verifier = checked_verifier(decision.spec)  # before any model loads
     target_model = resources.model(target)
-    # a calibration profile (flyspec calibrate) sets the lossy settings, or refuses looser ones
     draft_model = resources.model(spec.draft_model) if spec.draft_model and spec.models else None
-    resolved = resolution(spec, target_model, draft_model)
-    if resolved.spec != spec:
-        spec, verifier = resolved.spec, checked_verifier(resolved.spec)
-    drafter = make_drafter(spec, target_model, resources)
-    if not verifier.lossless:  # the trust guards' token-class masks, built before any timed step
-        prepare_guards(vocabulary_of(target_model), spec.guard)
+    confirmed = decision.confirm(target_model, draft_model)
+    if confirmed.spec != decision.spec:  # a shipped profile made for another model decides nothing after all
+        verifier = checked_verifier(confirmed.spec)
+    confirmed.announce()
+    spec = confirmed.spec
     # the cost-aware draft length weighs t(k + 1): measured once per model and machine, then cached
-    decode = decode or DecodeConfig()
     costed = resolve_policy(spec.draft_length, verifier.lossless, spec.drafter, decode.sampling.greedy) == "cost"
     cost = resources.step_cost(target_model, spec.num_draft_tokens + 1) if costed else None
-    return SpeculativeDecoder(target_model, drafter, verifier, decode, spec, step_cost=cost, profile=resolved.profile)
+    return SpeculativeDecoder.build(target_model, verifier, decode, spec, resources, cost, confirmed.profile)
 
 
 def generate(
@@ -102,21 +99,8 @@ def generate(
     """
     set_threads(threads)
     spec, decode = _configs(spec, decode, SamplingConfig(temperature, top_k, top_p), fields)
-    resources = resources or _default_resources([spec], target, dtype, device)
-    decoder = build_decoder(target, spec, decode, resources=resources)
+    decoder = _build(target, spec, decode, resources, dtype, device)
     return decoder.generate(prompt, generator=make_generator(seed, decoder.device), use_chat=use_chat)
-
-
-def _default_resources(
-    specs: list[SpeculationConfig], target: ModelRef, dtype: str | torch.dtype, device: str | torch.device
-) -> Resources:
-    """A library call's own resources; with dtype ``auto``, a calibration profile's dtype (``profile.load_dtype``)."""
-    if isinstance(dtype, str) and isinstance(device, str):
-        choice = load_dtype(specs, target, dtype, device)
-        if choice.note is not None:
-            logger.warning("%s", choice.note)
-        dtype = choice.dtype
-    return default_resources(dtype, device)
 
 
 def generate_plain(

@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     from flyspec.config import SamplingConfig, SpeculationConfig
     from flyspec.decoding.speculative import SpeculativeDecoder
     from flyspec.harness.methods import Method, parse_method
-    from flyspec.profiles.profile import load_dtype
+    from flyspec.profiles import load_dtype
     from flyspec.resources import Resources
     from flyspec.runtime.loading import set_threads
 

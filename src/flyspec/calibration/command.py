@@ -219,7 +219,7 @@ def run(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             console.print(f"interrupted: records kept in {config.out_dir} (rerun with --resume to continue)")
             return 130
-    from flyspec.profiles.profile import Profile
+    from flyspec.profiles import Profile
 
     print(Profile.load(result.profile_path).describe())
     print(f"report: {result.out_dir / 'report.md'}")

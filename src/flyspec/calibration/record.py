@@ -24,7 +24,7 @@ from flyspec.calibration.report import PLOT_FILE, plot_frontier, write_report
 from flyspec.calibration.runner import Calibrator
 from flyspec.config import PROFILE_NONE, ConfigError, SpeculationConfig
 from flyspec.config.names import VERSION
-from flyspec.profiles.profile import PROFILE_FORMAT, Profile, identity
+from flyspec.profiles import PROFILE_FORMAT, Profile, identity
 from flyspec.runtime.loaded_model import LoadedModel, ServedModel
 from flyspec.runtime.loading import cpu_isa, cpu_name
 

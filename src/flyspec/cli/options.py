@@ -87,7 +87,7 @@ def engine_options(args: argparse.Namespace, specs: Iterable[SpeculationConfig] 
     """
     dtype = args.dtype
     if dtype == DEFAULT_DTYPE:
-        from flyspec.profiles.profile import load_dtype  # torch: only when a command runs, never for --help
+        from flyspec.profiles import load_dtype  # torch: only when a command runs, never for --help
 
         choice = load_dtype(specs, args.target, dtype, args.device)
         if choice.note is not None:

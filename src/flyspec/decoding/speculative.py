@@ -3,8 +3,8 @@
 prompt ids ─► Drafter.propose ─► Target.score ─► Verifier.verify ─► commit ─► rollback caches ─► stop?
 
 The front end (prompt encoding, stopping, streaming) and the per-generation state are in
-``generation.py``; building a decoder from a config (models, drafter stack, profile, step cost) in
-``api.py``; the terms (accepted, recovered, bonus, τ) in ``verifiers/base.py``.
+``generation.py``; building a decoder from a config (the profile's decision, models, drafter stack, step
+cost) in ``api.py``; the terms (accepted, recovered, bonus, τ) in ``verifiers/base.py``.
 """
 
 from __future__ import annotations
@@ -19,11 +19,13 @@ from flyspec.decoding.draft_length import DraftLength, decoder_policy, new_draft
 from flyspec.decoding.generation import Decoder, Generation
 from flyspec.decoding.streaming import Step
 from flyspec.drafters.base import Drafter
-from flyspec.profiles.profile import Profile
+from flyspec.drafters.registry import StackResources, make_drafter
+from flyspec.profiles import Profile
 from flyspec.runtime.loaded_model import LoadedModel
 from flyspec.runtime.step_cost import StepCost
 from flyspec.types import Draft, VerifyContext
 from flyspec.verifiers.base import Verifier
+from flyspec.verifiers.guard import prepare as prepare_guards
 from flyspec.verifiers.registry import check_draft_length
 from flyspec.verifiers.tokens import vocabulary_of
 
@@ -48,13 +50,31 @@ class SpeculativeDecoder(Decoder):
     ) -> None:
         super().__init__(target, config)
         speculation = speculation or SpeculationConfig()
-        check_draft_length(verifier, speculation)  # FLy needs window_size + 1 draft tokens
         self.drafter, self.verifier, self.speculation = drafter, verifier, speculation
         self.step_cost, self.profile = step_cost, profile
         # the policy that runs, ``auto`` decided (``draft_length.decoder_policy``)
         self.draft_length_policy = decoder_policy(
             speculation.draft_length, verifier.lossless, drafter.name, step_cost, self.config.sampling.greedy
         )
+        check_draft_length(verifier, speculation)  # FLy needs window_size + 1 draft tokens
+
+    @classmethod
+    def build(
+        cls,
+        target: LoadedModel,
+        verifier: Verifier,
+        config: DecodeConfig,
+        speculation: SpeculationConfig,
+        resources: StackResources,
+        step_cost: StepCost | None = None,
+        profile: Profile | None = None,
+    ) -> SpeculativeDecoder:
+        """A decoder with ``speculation``'s drafter stack (models, n-gram caches and calibrations from ``resources``)
+        and, for a lossy ``verifier``, the trust guards' token-class tables built before any timed step."""
+        drafter = make_drafter(speculation, target, resources)
+        if not verifier.lossless:
+            prepare_guards(vocabulary_of(target), speculation.guard)
+        return cls(target, drafter, verifier, config, speculation, step_cost, profile)
 
     def new_draft_length(self, greedy: bool = True) -> DraftLength:
         speculation, verifier = self.speculation, self.verifier

@@ -31,7 +31,7 @@ from flyspec.harness.data import JsonlWriter, read_records
 from flyspec.harness.methods import PLAIN, Method
 from flyspec.harness.vllm_session import VllmSession
 from flyspec.harness.vllm_worker import VllmOptions
-from flyspec.profiles.profile import resolve as resolve_profile
+from flyspec.profiles import resolve as resolve_profile
 from flyspec.resources import Resources
 from flyspec.runtime.loaded_model import LoadedModel, ServedModel
 from flyspec.sampling.sampler import make_generator

@@ -1,11 +1,36 @@
 """Calibration profiles: the lossy settings ``flyspec calibrate`` chose inside a quality budget, and the limits
 they set. flyspec ships one per packaged model pair (the ``*.json`` files here).
 
-- ``profile.py``  Profile (load, save, check against a model), the shipped profiles, and their resolution
-- ``limits.py``   which settings are looser than a profile's (a profile refuses them)
+- ``profile.py``     Profile: load, save, describe, check against a model; the shipped profiles
+- ``resolution.py``  what a profile decides for a SpeculationConfig (:func:`decide`), once, before any model loads
+- ``limits.py``      which settings are looser than a profile's (a profile refuses them)
 """
 
 from flyspec.profiles.limits import looser
-from flyspec.profiles.profile import Profile
+from flyspec.profiles.profile import PROFILE_FORMAT, Profile, identity, shipped
+from flyspec.profiles.resolution import (
+    Decision,
+    DtypeChoice,
+    Resolution,
+    decide,
+    load_dtype,
+    lossy_settings_are_defaults,
+    resolution,
+    resolve,
+)
 
-__all__ = ["Profile", "looser"]
+__all__ = [
+    "PROFILE_FORMAT",
+    "Decision",
+    "DtypeChoice",
+    "Profile",
+    "Resolution",
+    "decide",
+    "identity",
+    "load_dtype",
+    "looser",
+    "lossy_settings_are_defaults",
+    "resolution",
+    "resolve",
+    "shipped",
+]

@@ -5,26 +5,8 @@ its tokenizer), the dtype, the drafter (with a layer-skip set pinned, and the dr
 the budget, the data and its size, the date, the flyspec version and the machine, the chosen point
 (None when no lossy point beat the lossless baseline inside the budget), the best point of each
 rule, the circuit breaker's limit, and the whole frontier. ``profile.json`` in a calibration's output
-directory is one; flyspec ships one per packaged model pair in ``flyspec/profiles/``.
-
-How a :class:`SpeculationConfig` uses one (its ``profile`` field; ``--profile``, the server's
-``--profile``, vLLM's ``speculative_config`` key ``profile``), by :func:`resolve`, when the decoder is
-built and the model is known:
-
-- ``"none"``: the config as given (the papers' default settings).
-- a file: the model, tokenizer, dtype, drafter and draft model must be the profile's, else a
-  :class:`ConfigError` says which differs. The verifier's settings come from the profile: its chosen
-  point (a lossless verifier where it chose none), or with a lossy verifier named, that rule's best
-  point (an error where it has none). Settings the caller changed from the defaults are kept when
-  they are no looser than the profile's point (:func:`looser`), else refused: a profile is a limit.
-- ``"auto"`` (the default): a lossy verifier left at its default settings runs at the best point of
-  its rule in the profile flyspec ships for this model, drafter and dtype, if there is one; where
-  that profile found no point of the rule inside its budget, the verifier falls back to ``exact``
-  (logged). Anything else is left as given.
-
-A profile brings its dtype (:func:`load_dtype`): a run given ``--dtype auto`` (the API's ``dtype="auto"``)
-loads its models in the dtype of the profile that will decide its lossy settings, a file or the shipped
-one, and says so in one line; an explicit other dtype is refused by :meth:`Profile.check`.
+directory is one; flyspec ships one per packaged model pair beside this file. How a
+:class:`SpeculationConfig` uses one (its ``profile`` field): ``resolution.py``.
 """
 
 from __future__ import annotations
@@ -32,22 +14,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from flyspec.config import (
-    DEFAULT_DEVICE,
-    DEFAULT_DTYPE,
-    PROFILE_AUTO,
-    PROFILE_NONE,
-    ConfigError,
-    SpeculationConfig,
-)
-from flyspec.config.names import LOSSLESS_VERIFIERS, LOSSY_RULE_FIELDS
-from flyspec.profiles.limits import looser as looser  # re-exported: the limit a profile sets
+from flyspec.config import ConfigError, SpeculationConfig
+from flyspec.config.names import LOSSY_RULE_FIELDS
 from flyspec.runtime.loaded_model import LoadedModel, ServedModel
-from flyspec.runtime.loading import resolve_device, resolve_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -225,152 +197,3 @@ def _load(path: str) -> Profile:
 def shipped() -> list[Profile]:
     """The profiles flyspec ships (``flyspec/profiles/*.json``)."""
     return [_load(str(path)) for path in sorted(SHIPPED.glob("*.json"))]
-
-
-def find_shipped(
-    target: LoadedModel | ServedModel,
-    spec: SpeculationConfig,
-    draft: LoadedModel | None = None,
-    engine: str = "flyspec",
-) -> Profile | None:
-    """The shipped profile for this model, tokenizer, dtype, drafter (and draft model) and engine, if any."""
-    for profile in shipped():
-        if profile.model["name"] == target.name and profile.matches(target, spec, draft, engine):
-            return profile
-    return None
-
-
-def _shipped_for(spec: SpeculationConfig, target: str, preferred_dtype: str) -> Profile | None:
-    """The shipped profile ``profile="auto"`` would apply to ``spec`` on a model named ``target``, judged by
-    names alone (before any model loads): the one in ``preferred_dtype`` if there is one, else any dtype's."""
-    if spec.verifier in LOSSLESS_VERIFIERS or not lossy_settings_are_defaults(spec):
-        return None
-    draft_name = spec.draft_model if spec.models else None
-    candidates = [
-        profile
-        for profile in shipped()
-        if profile.model["name"] == target
-        and profile.drafter == spec.drafter
-        and (profile.record["drafter"].get("draft_model") or {}).get("name") == draft_name
-    ]
-    preferred = [profile for profile in candidates if profile.dtype == preferred_dtype]
-    return next(iter(preferred or candidates), None)
-
-
-@dataclasses.dataclass(frozen=True)
-class DtypeChoice:
-    """The dtype a run loads its models in, and the one line saying a profile chose it (None: it did not)."""
-
-    dtype: str
-    note: str | None = None
-
-
-def load_dtype(
-    specs: Iterable[SpeculationConfig], target: Any, dtype: str = DEFAULT_DTYPE, device: str = DEFAULT_DEVICE
-) -> DtypeChoice:
-    """A profile brings its dtype: with ``dtype`` ``auto``, the dtype of the profile that will decide the lossy
-    settings of one of ``specs`` (a ``--profile`` file, or the shipped profile ``profile="auto"`` picks for a
-    lossy verifier at its defaults), where it differs from what ``auto`` means on this machine.
-
-    An explicit dtype is kept as given: a profile of another dtype refuses it when the decoder is built
-    (:meth:`Profile.check`). ``target`` that is not a name (a loaded model) keeps its own dtype.
-    """
-    if not isinstance(dtype, str) or dtype != DEFAULT_DTYPE or not isinstance(target, str):
-        return DtypeChoice(dtype)
-    here = str(resolve_dtype(dtype, resolve_device(device))).removeprefix("torch.")
-    for spec in specs:
-        if spec.profile == PROFILE_NONE:
-            continue
-        profile = Profile.load(spec.profile) if spec.profile != PROFILE_AUTO else _shipped_for(spec, target, here)
-        if profile is not None and profile.dtype != here:
-            return DtypeChoice(
-                profile.dtype,
-                f"loading {target} in {profile.dtype}, the dtype profile {profile.name} was calibrated in "
-                f"(--dtype auto means {here} on this machine; pass --dtype to choose)",
-            )
-    return DtypeChoice(dtype)
-
-
-def lossy_settings_are_defaults(spec: SpeculationConfig) -> bool:
-    """The caller left every setting a profile decides at its default (any verifier)."""
-    defaults = SpeculationConfig()
-    return all(getattr(spec, name) == getattr(defaults, name) for name in RULE_FIELDS if name != "verifier")
-
-
-@dataclasses.dataclass(frozen=True)
-class Resolution:
-    """A config with its profile applied (``profile="none"``), and the profile that decided it (None: none did)."""
-
-    spec: SpeculationConfig
-    profile: Profile | None = None
-
-
-def resolve(
-    spec: SpeculationConfig,
-    target: LoadedModel | ServedModel,
-    draft: LoadedModel | None = None,
-    engine: str = "flyspec",
-) -> SpeculationConfig:
-    """``spec`` with its profile applied (see the module docstring); ``profile="none"`` afterwards. ``engine``: where
-    it will run (``flyspec`` or ``vllm``), so that a profile measured on the other one is refused unless they agree."""
-    return resolution(spec, target, draft, engine).spec
-
-
-def resolution(
-    spec: SpeculationConfig,
-    target: LoadedModel | ServedModel,
-    draft: LoadedModel | None = None,
-    engine: str = "flyspec",
-) -> Resolution:
-    """:func:`resolve`, also saying which profile decided (a server keeps it as the limit of its requests)."""
-    if spec.profile == PROFILE_NONE:
-        return Resolution(spec)
-    done = dataclasses.replace(spec, profile=PROFILE_NONE)
-    lossy = spec.verifier not in LOSSLESS_VERIFIERS
-    if spec.profile == PROFILE_AUTO:
-        profile = find_shipped(target, spec, draft, engine) if lossy and lossy_settings_are_defaults(spec) else None
-        if profile is None:
-            return Resolution(done)
-        resolved = profile.speculation(done, spec.verifier)
-        if resolved is None and not profile.calibrated(spec.verifier):
-            logger.warning(
-                "%s did not calibrate %s (the rule was not in its grid); %s runs as exact (lossless). "
-                "Pass --profile none for its default settings, or calibrate it: flyspec calibrate --rules %s",
-                profile.name, spec.verifier, spec.verifier, spec.verifier,
-            )  # fmt: skip
-            resolved = dataclasses.replace(done, verifier="exact")
-        elif resolved is None:
-            logger.warning(
-                "%s: no %s setting was measured inside its %.0f%% quality budget and faster than exact on %s; "
-                "%s runs as exact (lossless). "
-                "Pass --profile none for the paper's settings.",
-                profile.name, spec.verifier, 100 * profile.record["budget"]["max_meaning_change"], target.name,
-                spec.verifier,
-            )  # fmt: skip
-            resolved = dataclasses.replace(done, verifier="exact")
-        return Resolution(resolved, profile)
-    profile = Profile.load(spec.profile)
-    profile.check(target, spec, draft, engine)
-    if lossy_settings_are_defaults(spec):
-        resolved = profile.speculation(done, spec.verifier if lossy else None)
-        if resolved is None and not profile.calibrated(spec.verifier):
-            raise ConfigError(
-                f"profile {profile.path} did not calibrate {spec.verifier}; calibrate it (flyspec calibrate --rules "
-                f"{spec.verifier}), leave out --verifier to use the profile's chosen point, or pass --profile none"
-            )
-        if resolved is None:
-            raise ConfigError(
-                f"profile {profile.path} found no {spec.verifier} setting inside its budget; leave out --verifier "
-                "to use its chosen point, or choose a lossless verifier"
-            )
-        return Resolution(resolved, profile)
-    if lossy and not profile.calibrated(spec.verifier):
-        raise ConfigError(
-            f"profile {profile.path} did not calibrate {spec.verifier}, so it sets no limit for it; calibrate it "
-            f"(flyspec calibrate --rules {spec.verifier}) or pass --profile none"
-        )
-    limit = profile.speculation(done, spec.verifier if lossy else None) or dataclasses.replace(done, verifier="exact")
-    reasons = looser(limit, done)
-    if reasons:
-        raise ConfigError(f"these settings are looser than profile {profile.path} allows: {'; '.join(reasons)}")
-    return Resolution(done, profile)

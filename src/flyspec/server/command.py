@@ -215,10 +215,11 @@ def run(args: argparse.Namespace) -> int:
         from flyspec.server.cache_file import check_cache_path
 
         check_cache_path(args.ngram_cache_file)  # a corrupt file fails now, before the model loads
-    from flyspec.api import build_decoder, checked_verifier  # heavy imports only when serving
+    from flyspec.api import build_decoder  # heavy imports only when serving
     from flyspec.runtime.loading import load_model
     from flyspec.server.app import create_app
     from flyspec.server.lifecycle import GracefulServer, server_config
+    from flyspec.verifiers.registry import checked_verifier
 
     checked_verifier(defaults)  # option errors that need no model come before loading one
     logging.getLogger("flyspec").setLevel(getattr(logging, args.log_level.upper()))

@@ -31,7 +31,7 @@ from flyspec.api import build_decoder
 from flyspec.config import MODEL_DRAFTERS, ConfigError, DecodeConfig, SamplingConfig, SpeculationConfig
 from flyspec.decoding.generation import context_room
 from flyspec.decoding.speculative import SpeculativeDecoder
-from flyspec.profiles.profile import looser, resolution
+from flyspec.profiles import looser, resolution
 from flyspec.resources import Resources
 from flyspec.runtime.loaded_model import LoadedModel
 from flyspec.server.caches import TenantCaches

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from flyspec.config import ConfigError, SpeculationConfig
-from flyspec.config.names import LOSSLESS_VERIFIERS as LOSSLESS_VERIFIERS  # re-exported: the names live in config/names.py
+from flyspec.config.names import LOSSLESS_VERIFIERS as LOSSLESS_VERIFIERS  # re-exported (config/names.py)
 from flyspec.config.names import LOSSY_RULE_FIELDS as LOSSY_RULE_FIELDS  # re-exported: what make_verifier reads
 from flyspec.config.names import VERIFIERS
 from flyspec.verifiers.base import Verifier
@@ -79,3 +79,11 @@ def check_draft_length(verifier: Verifier, speculation: SpeculationConfig) -> No
             f"it needs at least {shortest} (FLy: window_size + 1, or no mismatch could ever be judged); "
             "raise --num-draft-tokens or lower --window-size"
         )
+
+
+def checked_verifier(spec: SpeculationConfig) -> Verifier:
+    """``spec``'s verifier, after the checks that need no model: its name, and a draft length it can use
+    (``build_decoder`` builds it before loading anything, so these errors never wait for a model)."""
+    verifier = make_verifier(spec.verifier, spec)
+    check_draft_length(verifier, spec)  # FLy needs window_size + 1 draft tokens
+    return verifier
