@@ -9,7 +9,7 @@ document order with one namespace per page; a ``skip: next "reason"`` HTML comme
   saved as Hugging Face directories, so no weights are read and no network is needed; the name a model
   was asked by stays its name. The real models are tested in ``tests/test_real_model.py``.
 - **Shell.** Each command line of a ``bash`` block runs: ``flyspec ...`` in process through
-  ``flyspec.cli.main`` (no interpreter start-up per command) with the limits of ``FAST_ARGUMENTS``
+  ``flyspec.cli.app`` (no interpreter start-up per command) with the limits of ``FAST_ARGUMENTS``
   appended (and two Spec-Bench categories for ``bench``); ``python -m flyspec.integrations.lmeval`` through its
   ``main``; ``curl`` as itself against the server a page started; ``echo ... |``, ``< file``, ``export``
   and ``VAR=value`` prefixes as in a shell (``$VAR`` and ``$(...)`` expanded by bash). ``flyspec serve``
@@ -271,7 +271,7 @@ def run_command(argv: list[str], stdin: str | None, namespace: dict[str, Any]) -
 
 
 def run_flyspec(argv: list[str], stdin: str | None) -> None:
-    from flyspec.cli.main import build_parser, main
+    from flyspec.cli.app import build_parser, main
 
     command = argv[0] if argv else ""
     if command == "serve":
@@ -315,7 +315,7 @@ def server_starter(namespace: dict[str, Any], cleanups: list[Callable[[], None]]
     def start_server(*options: str, **flags: Any) -> Any:
         """Serve the tiny target as ``flyspec serve OPTIONS --FLAG VALUE`` would, on a free loopback port."""
         import flyspec
-        from flyspec.cli.main import build_parser
+        from flyspec.cli.app import build_parser
         from flyspec.server.app import create_app
         from flyspec.server.command import security_from_args, settings_from_args
         from server_helpers import RunningServer

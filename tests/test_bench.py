@@ -14,7 +14,7 @@ import pytest
 from flyspec.bench.data import SPEC_BENCH_CATEGORIES, load_prompts
 from flyspec.bench.loop import bench_methods
 from flyspec.bench.summary import OVERALL, summarize
-from flyspec.cli.main import main
+from flyspec.cli.app import main
 from flyspec.config import ConfigError
 from flyspec.harness.data import DataError, spec_bench_path
 

@@ -489,7 +489,7 @@ def test_an_empty_or_malformed_prompt_file_is_one_line_and_exit_2(
 
 def test_the_calibrate_command_end_to_end(capsys, monkeypatch, tiny_model_dir, tmp_path, auto_dtype) -> None:
     """Calibrated where ``auto`` means one dtype, the profile is used where it means the other (issue 35)."""
-    from flyspec.cli.main import main
+    from flyspec.cli.app import main
 
     path = tmp_path / "prompts.jsonl"
     path.write_text("\n".join(json.dumps({"prompt": text}) for text in PROMPTS) + "\n")

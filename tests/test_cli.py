@@ -17,7 +17,7 @@ from tokenizers import ByteLevelBPETokenizer
 from transformers import PreTrainedTokenizerFast
 
 from conftest import CORPUS, make_tiny_model
-from flyspec.cli.main import main
+from flyspec.cli.app import main
 from flyspec.config.names import DISTRIBUTION_VERIFIERS, LOSSLESS_VERIFIERS
 from flyspec.verifiers.registry import VERIFIERS
 
@@ -274,7 +274,7 @@ def test_missing_prompt_is_usage_error(capsys: pytest.CaptureFixture[str]) -> No
 
 def test_console_script_bad_option_exits_2_without_traceback(tiny_model_dir: Path) -> None:
     script = Path(sys.executable).with_name("flyspec")
-    command = [str(script)] if script.is_file() else [sys.executable, "-m", "flyspec.cli.main"]
+    command = [str(script)] if script.is_file() else [sys.executable, "-m", "flyspec.cli.app"]
     completed = subprocess.run(
         [*command, "generate", PROMPT, "--target", str(tiny_model_dir), "--dtype", "float32", "-k", "0"],
         capture_output=True,
@@ -361,3 +361,16 @@ def test_new_drafters_from_the_command_line(capsys: pytest.CaptureFixture[str], 
     ):
         record = run_json(capsys, tiny_model_dir, *options, "--compare")
         assert record["identical_to_baseline"] is True, options
+
+
+@pytest.mark.parametrize("command", ["generate", "bench", "eval", "calibrate", "serve", "demo"])
+def test_every_command_takes_model_as_vllm_does_and_target_still(command: str) -> None:
+    """``--model`` (vLLM's, transformers' and lm-eval's name) wherever ``--target`` is accepted; both set one value."""
+    from flyspec.cli import build_parser
+
+    parser = build_parser()
+    extra = ["hello"] if command == "generate" else []
+    by_model = parser.parse_args([command, *extra, "--model", "some-model"])
+    by_target = parser.parse_args([command, *extra, "--target", "other-model"])
+    assert (by_model.target, by_target.target) == ("some-model", "other-model")
+    assert parser.parse_args([command, *extra]).target == "smollm2-135m-instruct"

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import flyspec.resources
-from flyspec.cli.main import main
+from flyspec.cli.app import main
 
 PROMPT = "Speculative decoding drafts"
 OPTIONS = ["--dtype", "float32", "--no-chat", "--json", "--max-new-tokens", "12"]

@@ -21,7 +21,7 @@ from torch.overrides import TorchFunctionMode
 
 from conftest import on_devices
 from flyspec.api import build_decoder, generate
-from flyspec.cli.main import build_parser, main
+from flyspec.cli.app import build_parser, main
 from flyspec.config import (
     DEFAULT_DEVICE,
     ConfigError,

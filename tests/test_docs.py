@@ -9,7 +9,11 @@ before it first). The site itself (links, anchors, the generated references) is 
 
 from __future__ import annotations
 
+import os
 import re
+import shlex
+import shutil
+import subprocess
 import unittest
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -25,6 +29,7 @@ from docs_examples import (
     DOCUMENTS,
     EXAMPLE_LANGUAGES,
     REPO,
+    command_lines,
     parse,
     resolve_to_tiny,
     server_starter,
@@ -140,3 +145,66 @@ def test_the_verifier_page_names_every_rule_and_whether_it_is_lossless() -> None
     rows = re.findall(r"^\| `(\w+)`[^|]*\|[^|]*\| (yes|no)", (REPO / "docs/concepts/verifiers.md").read_text(), re.M)
     assert {name for name, _ in rows} == set(VERIFIERS)
     assert {name for name, lossless in rows if lossless == "yes"} == set(LOSSLESS_VERIFIERS)
+
+
+ACTIVATE = "source .venv/bin/activate"
+_SUBSTITUTION = re.compile(r"\$\([^()]*\)")
+
+
+def _shell_blocks(text: str) -> list[str]:
+    """The ```bash blocks of a page, skipped ones too, but for those another machine runs (a GPU build)."""
+    blocks = []
+    for match in re.finditer(r"(<!--\s*skip:([^>]*)-->\s*)?```bash\n(.*?)```", text, re.DOTALL):
+        if "GPU" not in (match.group(2) or ""):
+            blocks.append(match.group(3))
+    return blocks
+
+
+def _programs(line: str) -> list[str]:
+    """The program each command of a shell line runs (``VAR=value`` prefixes and comments left out)."""
+    lexer = shlex.shlex(_SUBSTITUTION.sub("X", line), posix=True, punctuation_chars=True)
+    lexer.whitespace_split = True
+    programs, starting = [], True
+    for word in lexer:
+        if word in ("|", "||", "&&", ";", "&"):
+            starting = True
+        elif starting and not re.fullmatch(r"[A-Za-z_]\w*=.*", word):
+            programs.append(word)
+            starting = False
+    return programs
+
+
+def test_a_fresh_shell_finds_flyspec_after_the_readmes_line(tmp_path: Path) -> None:
+    """The README's way to run ``flyspec`` after the two set-up commands, in a shell that inherits nothing."""
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    assert f"{ACTIVATE}   #" in readme
+    if not (REPO / ".venv/bin/activate").is_file():
+        pytest.skip("no .venv here: `make setup` makes it (CI runs the suite from it)")
+    clean = {"HOME": str(tmp_path), "PATH": "/usr/local/bin:/usr/bin:/bin"}
+    before = subprocess.run(["bash", "-c", "command -v flyspec"], cwd=REPO, env=clean, capture_output=True, text=True)
+    assert before.returncode != 0, "flyspec is on the bare PATH: this test would prove nothing"
+    shell = subprocess.run(
+        ["bash", "-c", f"{ACTIVATE} && flyspec --version && command -v python curl make"],
+        cwd=REPO, env=clean, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert shell.returncode == 0, shell.stderr
+    assert shell.stdout.startswith("flyspec ")
+
+
+@pytest.mark.parametrize("path", DOCUMENTS, ids=[str(path.relative_to(REPO)) for path in DOCUMENTS])
+def test_every_shell_command_names_a_program_an_activated_shell_has(path: Path) -> None:
+    """Each command line of every ```bash block (skipped ones too) starts with a program found on the PATH of a
+    fresh shell after the README's activation line: the venv's scripts, then the system's."""
+    venv_bin = REPO / ".venv" / "bin"
+    if not venv_bin.is_dir():
+        pytest.skip("no .venv here: `make setup` makes it")
+    search = os.pathsep.join([str(venv_bin), "/usr/local/bin", "/usr/bin", "/bin"])
+    builtins = {"source", "export", "cd", "echo", "for", "do", "done", "if", "then", "fi", "cat", "wait", "kill"}
+    missing = {
+        program
+        for block in _shell_blocks(path.read_text(encoding="utf-8"))
+        for line in command_lines(block)
+        for program in _programs(line)
+        if program not in builtins and not (REPO / program).exists() and shutil.which(program, path=search) is None
+    }
+    assert sorted(missing) == [], f"{path.name}: programs a fresh, activated shell does not have"

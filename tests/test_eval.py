@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import CORPUS, make_tiny_model
-from flyspec.cli.main import main
+from flyspec.cli.app import main
 from flyspec.config import ConfigError
 from flyspec.eval.data import LoadReport, data_path, load_custom
 from flyspec.eval.evaluation import EvalConfig, Evaluation, load_all_items

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from flyspec.calibration.space import points
-from flyspec.cli.main import main
+from flyspec.cli.app import main
 from flyspec.config import ConfigError, FlyConfig, GuardConfig, SamplingConfig, SpeculationConfig
 from flyspec.profiles import looser
 from flyspec.server.settings import describe, for_request

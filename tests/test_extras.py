@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from flyspec.cli.app import main
 from flyspec.cli.extras import EXTRA_MODULES, MissingExtraError, require_extra
-from flyspec.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "src" / "flyspec"
@@ -90,7 +90,7 @@ def test_the_core_and_generate_need_no_extra() -> None:
         f"import sys; {hide}\n"
         "import flyspec\n"
         "[getattr(flyspec, name) for name in flyspec.__all__]\n"
-        "from flyspec.cli.main import build_parser\n"
+        "from flyspec.cli.app import build_parser\n"
         "args = build_parser().parse_args(['generate', 'hi', '--verifier', 'fly'])\n"
         "print(args.verifier)\n"
     )

@@ -12,7 +12,7 @@ from scipy import stats as scipy_stats
 
 from conftest import make_tiny_model
 from flyspec.api import build_decoder
-from flyspec.cli.main import main
+from flyspec.cli.app import main
 from flyspec.config import (
     ConfigError,
     FlyConfig,

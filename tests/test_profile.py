@@ -17,7 +17,7 @@ from conftest import make_tiny_model, make_tokenizer
 from flyspec.api import build_decoder
 from flyspec.calibration.budget import Budget
 from flyspec.calibration.deploy import breaker_for
-from flyspec.cli.main import main
+from flyspec.cli.app import main
 from flyspec.config import (
     PROFILE_NONE,
     BreakerConfig,

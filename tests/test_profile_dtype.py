@@ -13,7 +13,7 @@ import torch
 
 import flyspec
 from flyspec.api import build_decoder
-from flyspec.cli.main import main
+from flyspec.cli.app import main
 from flyspec.config import PROFILE_NONE, ConfigError, DecodeConfig, SpeculationConfig
 from flyspec.profiles import DtypeChoice, Profile, load_dtype
 from flyspec.runtime.loading import AUTO_DTYPE_VARIABLE, default_dtype, resolve_dtype
@@ -127,7 +127,7 @@ def test_the_python_api_loads_the_profiles_dtype(monkeypatch, caplog, float32_pr
 
 def test_bench_eval_and_serve_take_the_profiles_dtype(monkeypatch, float32_profile: Path, tiny_model_dir) -> None:
     """Their models load through ``engine_options`` with the specs each command runs."""
-    from flyspec.cli.main import build_parser
+    from flyspec.cli.app import build_parser
     from flyspec.cli.options import engine_options
     from flyspec.cli.speculation import speculation_config
     from flyspec.harness.methods import parse_methods, speculations

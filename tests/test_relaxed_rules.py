@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from flyspec.calibration.space import points
-from flyspec.cli.main import main
+from flyspec.cli.app import main
 from flyspec.config import (
     CascadeConfig,
     ConfigError,

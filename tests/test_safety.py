@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import make_tiny_model, make_tokenizer
-from flyspec.cli.main import main
+from flyspec.cli.app import main
 from flyspec.eval.data import LoadReport
 from flyspec.eval.safety import INJECTION, SOURCES, injections, is_refusal, load_safety, refusal
 from flyspec.eval.tasks import builtin_tasks

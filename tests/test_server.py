@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from flyspec.api import build_decoder
-from flyspec.cli.main import build_parser, main
+from flyspec.cli.app import build_parser, main
 from flyspec.config import ConfigError, DecodeConfig, FlyConfig, SamplingConfig, SpeculationConfig
 from flyspec.decoding.result import GenerationResult
 from flyspec.runtime.loaded_model import LoadedModel

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from flyspec.cli.main import main
+from flyspec.cli.app import main
 from flyspec.config import ConfigError, SpeculationConfig
 from flyspec.resources import Resources
 from flyspec.runtime.loaded_model import LoadedModel

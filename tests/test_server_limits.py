@@ -24,7 +24,7 @@ import httpx
 import pytest
 
 from flyspec.api import build_decoder
-from flyspec.cli.main import build_parser
+from flyspec.cli.app import build_parser
 from flyspec.config import ConfigError, DecodeConfig, SamplingConfig, SpeculationConfig
 from flyspec.drafters.ngram_cache import NgramCacheCounters
 from flyspec.runtime.loaded_model import LoadedModel

@@ -19,7 +19,7 @@ import pytest
 from transformers import PreTrainedTokenizerFast
 
 from conftest import make_tiny_model
-from flyspec.cli.main import build_parser
+from flyspec.cli.app import build_parser
 from flyspec.config import SpeculationConfig
 from flyspec.runtime.loaded_model import LoadedModel
 from flyspec.server.app import create_app

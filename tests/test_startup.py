@@ -33,7 +33,7 @@ def test_version_and_help_import_neither_torch_nor_transformers(argv: list[str])
 def test_import_flyspec_and_build_parser_stay_light_until_a_public_name_is_used() -> None:
     code = (
         "import sys, flyspec\n"
-        "from flyspec.cli.main import build_parser\n"
+        "from flyspec.cli.app import build_parser\n"
         "build_parser().parse_args(['generate', 'hi', '--verifier', 'fly', '-k', '4'])\n"
         f"print(flyspec.__version__, [name for name in {HEAVY!r} if name in sys.modules])\n"
         "flyspec.SpeculativeDecoder\n"

@@ -1,5 +1,5 @@
 """``python -m flyspec``: the same command line as ``flyspec``."""
 
-from flyspec.cli.main import main
+from flyspec.cli.app import main
 
 raise SystemExit(main())

@@ -31,7 +31,7 @@ def build_decoder(
     """A :class:`SpeculativeDecoder` for ``target`` (the CLI, bench, eval and server use this).
 
     ``spec`` says what to speculate with (default: n-gram drafter, exact verifier), its ``profile`` the
-    calibration profile that sets or limits its lossy settings (``profiles/resolution.py``); ``decode`` the
+    calibration profile that sets or limits its lossy settings (``profiles/decision.py``); ``decode`` the
     generation's length, stop strings and sampling. ``resources`` resolves model names (target,
     draft model, stack levels) and holds n-gram caches and layer-skip calibrations; by default a
     private one for this decoder (``resources.default_resources``: only its models are shared, through

@@ -21,8 +21,11 @@ length limit, and every figure from this one run: a first look, not a measuremen
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import math
 import shlex
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from flyspec.cli.extras import require_extra
@@ -110,19 +113,19 @@ def run(args: argparse.Namespace) -> int:
     if not out.is_terminal:
         out.width = max(out.width, 120)  # logs: no wrapping of the table
     choice = load_dtype([SpeculationConfig(verifier="fly")], args.target, args.dtype)  # the fly row's profile
-    if choice.note is not None:
-        err.print(f"[profile] {choice.note}", highlight=False, markup=False, soft_wrap=True)
     resources = Resources(choice.dtype)
     with err.status(f"loading {args.target}"):
         target = resources.model(args.target)
     out.print(header(target, len(prompts), args.max_new_tokens), highlight=False, soft_wrap=True)
     methods: list[Method] = [parse_method(method, ()) for _, method, _ in ROWS]
     settings = BackendSettings(SamplingConfig(), SpeculationConfig(), resources=resources)
-    with err.status("building the decoders (the cost-aware draft length times the target once per machine)"):
+    building = err.status("building the decoders (the cost-aware draft length times the target once per machine)")
+    with building, said_here("flyspec.profiles"):  # the profile's decision is the one [profile] line below
         backends = make_backends(methods, target, None, settings)
     fly = backends["ngram+fly"]
     assert isinstance(fly, FlyspecBackend) and isinstance(fly.decoder, SpeculativeDecoder)
-    out.print(f"[profile] {profile_line(fly.decoder)}", highlight=False, markup=False, soft_wrap=True)
+    line = profile_line(fly.decoder, choice.note is not None)
+    out.print(f"[profile] {line}", highlight=False, markup=False, soft_wrap=True)
     fly_verifier = fly.decoder.speculation.verifier  # a profile without a FLy point falls back to exact
     progress = Progress(
         SpinnerColumn(),
@@ -180,14 +183,29 @@ def header(target: Any, num_prompts: int, max_new_tokens: int) -> str:
     )
 
 
-def profile_line(decoder: SpeculativeDecoder) -> str:
-    """The fly row's operating point: the shipped profile's (``Profile.describe``), or the guarded defaults."""
+@contextlib.contextmanager
+def said_here(logger_name: str) -> Iterator[None]:
+    """Hold back ``logger_name``'s warnings while the demo builds its decoders: it says the same in one line."""
+    logger = logging.getLogger(logger_name)
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def profile_line(decoder: SpeculativeDecoder, brought_dtype: bool = False) -> str:
+    """The fly row's operating point, once: the shipped profile's (``Profile.describe``), what the fly row runs where
+    the profile has no FLy point, and the dtype it brought (``brought_dtype``); or the guarded defaults."""
     profile = decoder.profile
     if profile is None:
         return "no shipped profile: guarded FLy defaults"
     verifier = decoder.speculation.verifier
-    fallback = "" if verifier == "fly" else f"; the fly row runs {verifier}"
-    return profile.describe() + fallback
+    line = profile.describe() + ("" if verifier == "fly" else f"; the fly row runs {verifier}")
+    if brought_dtype:
+        line += f"; the models load in {profile.dtype}, the profile's dtype (--dtype chooses another)"
+    return line
 
 
 def row_figures(
@@ -261,21 +279,26 @@ def table(rows: list[dict[str, Any]], num_prompts: int) -> Any:
 
 
 def verdict(rows: list[dict[str, Any]], num_prompts: int) -> str:
-    """One honest line: which row was fastest, whether lossless matched plain, what fly changed."""
+    """One honest line: which row was fastest, whether lossless matched plain, what fly changed. A fly row that ran
+    as exact runs what the lossless row runs: it is no contender of its own, and their gap is this run's noise."""
     by_name = {row["row"]: row for row in rows}
-    fastest = max(rows, key=lambda row: row["tokens_per_s"])
+    lossless, fly = by_name["lossless"], by_name["fly"]
+    contenders = rows if fly["lossy"] else [row for row in rows if row is not fly]
+    fastest = max(contenders, key=lambda row: row["tokens_per_s"])
     if fastest["row"] == "plain":
         speed = "plain was fastest: speculation did not pay off in this run"
     else:
         speed = f"{fastest['row']} was fastest ({fastest['speedup']:.2f}x plain)"
-    lossless, fly = by_name["lossless"], by_name["fly"]
     exact = (
         "lossless matched plain on every prompt"
         if lossless["identical"] == num_prompts
         else f"lossless matched plain on {lossless['identical']}/{num_prompts} (rounding: not float32?)"
     )
     if not fly["lossy"]:
-        loose = "fly ran as exact: the shipped profile found no FLy setting inside its budget"
+        loose = (
+            "fly ran as exact (the shipped profile found no FLy setting inside its budget), the lossless row's rule: "
+            f"its {fly['speedup']:.2f}x against lossless's {lossless['speedup']:.2f}x is this run's noise"
+        )
     elif fly["loose_accepts"] == 0:
         loose = "fly made no loose accept, so it was lossless here"
     else:
@@ -288,7 +311,7 @@ def verdict(rows: list[dict[str, Any]], num_prompts: int) -> str:
 
 def next_commands(target: str, dtype: str) -> list[str]:
     """What to run next, with the demo's model and dtype."""
-    model = "" if target == DEFAULT_MODEL else f" --target {shlex.quote(target)}"
+    model = "" if target == DEFAULT_MODEL else f" --model {shlex.quote(target)}"
     common = f"{model} --dtype {dtype}"
     return [
         f"flyspec bench --quick{common} --methods plain,ngram+exact,ngram+fly   "

@@ -49,7 +49,7 @@ def server_command(
 ) -> tuple[list[str], dict[str, str]]:  # fmt: skip
     """The command line and extra environment that start ``method``'s server on ``port``."""
     if method == FLYSPEC_SERVE:
-        command = [sys.executable, "-m", "flyspec", "serve", "--target", target, "--dtype", dtype, "--port", str(port),
+        command = [sys.executable, "-m", "flyspec", "serve", "--model", target, "--dtype", dtype, "--port", str(port),
                    "--served-model-name", SERVED_NAME, "--log-level", "warning"]  # fmt: skip
         return command, {}
     from flyspec.bench.load import FLYSPEC_PROPOSER, LOAD_METHODS, engine_method

@@ -8,6 +8,7 @@ Errors are printed by ``main.py`` (one line, exit code 2, no traceback).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Iterable
 from typing import Any
@@ -23,12 +24,17 @@ from flyspec.config.names import DEFAULT_MODEL, DTYPE_NAMES, KERNELS
 
 
 def add_model_options(parser: argparse.ArgumentParser, *, chat: bool = True) -> None:
-    """--target, --draft-model, --device, --dtype, --threads, --kernels, --compile and (optionally) --chat/--no-chat."""
+    """--model (or --target), --draft-model, --device, --dtype, --threads, --kernels, --compile and (optionally)
+    --chat/--no-chat."""
     models = parser.add_argument_group("models")
     models.add_argument(
+        "--model",
         "--target",
+        dest="target",
+        metavar="MODEL",
         default=DEFAULT_MODEL,
-        help=f"target model: packaged name, .gguf file, HF directory or hub id (default {DEFAULT_MODEL})",
+        help=f"the target model (vLLM's and transformers' --model; --target is the same): packaged name, .gguf file, "
+        f"HF directory or hub id (default {DEFAULT_MODEL})",
     )
     models.add_argument(
         "--draft-model",
@@ -105,7 +111,10 @@ def _device(text: str) -> str:
 
 
 def quiet_transformers() -> None:
-    """Silence transformers' info logs and progress bars (``-v`` keeps them)."""
+    """Silence the libraries' info logs and progress bars (``-v`` keeps them): transformers' own, and the tqdm bars
+    it draws directly (dequantizing a GGUF file). tqdm reads ``TQDM_DISABLE`` when it is first imported, so this
+    runs before anything imports transformers; a vLLM worker started from here inherits it."""
+    os.environ.setdefault("TQDM_DISABLE", "1")
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()

@@ -214,7 +214,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         cli_evaluate()
     except ConfigError as error:  # flyspec's own errors (model_args, generation options) in one line
-        from flyspec.cli.main import fail
+        from flyspec.cli.app import fail
 
         fail(str(error))
 

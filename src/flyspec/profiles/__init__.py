@@ -2,13 +2,11 @@
 they set. flyspec ships one per packaged model pair (the ``*.json`` files here).
 
 - ``profile.py``     Profile: load, save, describe, check against a model; the shipped profiles
-- ``resolution.py``  what a profile decides for a SpeculationConfig (:func:`decide`), once, before any model loads
+- ``decision.py``  what a profile decides for a SpeculationConfig (:func:`decide`), once, before any model loads
 - ``limits.py``      which settings are looser than a profile's (a profile refuses them)
 """
 
-from flyspec.profiles.limits import looser
-from flyspec.profiles.profile import PROFILE_FORMAT, Profile, identity, shipped
-from flyspec.profiles.resolution import (
+from flyspec.profiles.decision import (
     Decision,
     DtypeChoice,
     Resolution,
@@ -18,6 +16,8 @@ from flyspec.profiles.resolution import (
     resolution,
     resolve,
 )
+from flyspec.profiles.limits import looser
+from flyspec.profiles.profile import PROFILE_FORMAT, Profile, identity, shipped
 
 __all__ = [
     "PROFILE_FORMAT",

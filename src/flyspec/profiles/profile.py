@@ -6,7 +6,7 @@ the budget, the data and its size, the date, the flyspec version and the machine
 (None when no lossy point beat the lossless baseline inside the budget), the best point of each
 rule, the circuit breaker's limit, and the whole frontier. ``profile.json`` in a calibration's output
 directory is one; flyspec ships one per packaged model pair beside this file. How a
-:class:`SpeculationConfig` uses one (its ``profile`` field): ``resolution.py``.
+:class:`SpeculationConfig` uses one (its ``profile`` field): ``decision.py``.
 """
 
 from __future__ import annotations
