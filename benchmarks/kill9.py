@@ -54,7 +54,7 @@ def start(
     args: argparse.Namespace, port: int, key_file: Path, cache: Path, log: Path, secret: bytes
 ) -> subprocess.Popen:
     command = [
-        sys.executable, "-c", "from flyspec.cli.main import main; raise SystemExit(main())", "serve",
+        sys.executable, "-c", "from flyspec.cli.app import main; raise SystemExit(main())", "serve",
         "--port", str(port), "--api-key-file", str(key_file), "--log-level", "warning", "--threads", "1",
         "--ngram-cache-file", str(cache), "--ngram-cache-save-interval", str(args.save_interval),
         "--ngram-cache-file-max-entries", str(args.entries * 2),

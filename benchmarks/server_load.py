@@ -93,7 +93,7 @@ def free_port() -> int:
 
 def start_server(args: argparse.Namespace, port: int, key: str) -> subprocess.Popen:
     command = [
-        sys.executable, "-c", "from flyspec.cli.main import main; raise SystemExit(main())", "serve",
+        sys.executable, "-c", "from flyspec.cli.app import main; raise SystemExit(main())", "serve",
         "--port", str(port), "--max-queue", str(args.streams + 32), "--log-level", "warning",
         *(["--target", args.target] if args.target else []),
         *(["--threads", str(args.threads)] if args.threads else []),

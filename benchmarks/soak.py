@@ -295,7 +295,7 @@ async def load(args: argparse.Namespace, url: str, keys: list[str], pid: int) ->
 
 def start_server(args: argparse.Namespace, port: int, key_file: Path, cache_file: Path) -> subprocess.Popen:
     command = [
-        sys.executable, "-c", "from flyspec.cli.main import main; raise SystemExit(main())", "serve",
+        sys.executable, "-c", "from flyspec.cli.app import main; raise SystemExit(main())", "serve",
         "--port", str(port), "--api-key-file", str(key_file), "--log-level", "warning",
         "--ngram-cache-file", str(cache_file), "--ngram-cache-save-interval", str(args.save_interval),
         "--allow-request-speculative", args.allow_request_speculative,

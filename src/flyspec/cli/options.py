@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -111,10 +112,12 @@ def _device(text: str) -> str:
 
 
 def quiet_transformers() -> None:
-    """Silence the libraries' info logs and progress bars (``-v`` keeps them): transformers' own, and the tqdm bars
-    it draws directly (dequantizing a GGUF file). tqdm reads ``TQDM_DISABLE`` when it is first imported, so this
-    runs before anything imports transformers; a vLLM worker started from here inherits it."""
+    """Silence the libraries' info logs, deprecation warnings and progress bars (``-v`` keeps them): transformers'
+    own, and the tqdm bars it draws directly (dequantizing a GGUF file). tqdm reads ``TQDM_DISABLE`` when it is
+    first imported, so this runs before anything imports transformers; a vLLM worker started from here inherits it."""
     os.environ.setdefault("TQDM_DISABLE", "1")
+    for category in (DeprecationWarning, PendingDeprecationWarning, FutureWarning):  # the libraries', not the user's
+        warnings.filterwarnings("ignore", category=category)
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()

@@ -5,7 +5,7 @@ from flyspec.config.names import DISTRIBUTION_VERIFIERS, LOSSY_VERIFIERS
 from flyspec.config.schedule import BatchSchedule
 from flyspec.decoding.breaker import CircuitBreaker
 from flyspec.decoding.stats import DecodeStats
-from flyspec.profiles.profile import Profile, looser
+from flyspec.profiles import Profile, looser
 from flyspec.runtime.loaded_model import tokenizer_fingerprint
 from flyspec.sampling.acceptance import num_leading_true
 from flyspec.types import Draft, VerifyContext
