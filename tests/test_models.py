@@ -351,3 +351,31 @@ def test_saved_weights_keep_a_tied_embedding_under_its_own_name(tmp_path: Path) 
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as saved:
         names = set(saved.keys())
     assert "model.embed_tokens.weight" in names and "lm_head.weight" not in names
+
+
+def test_a_gguf_file_is_converted_once_when_two_loads_race(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Parallel test workers or servers started together: one converts, the other waits and uses its result."""
+    import threading
+    import time
+
+    from flyspec.runtime import loading
+
+    monkeypatch.setenv("FLYSPEC_CACHE", str(tmp_path / "cache"))
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"not really a gguf file")
+    conversions = []
+
+    def convert(path: Path, target: Path) -> None:
+        conversions.append(path)
+        time.sleep(0.3)  # long enough for the other load to arrive while this one converts
+        target.mkdir(parents=True)
+        (target / loading._CACHE_COMPLETE).write_text(str(path))
+
+    monkeypatch.setattr(loading, "_convert", convert)
+    results: list[Path] = []
+    threads = [threading.Thread(target=lambda: results.append(loading.gguf_to_hf_dir(gguf))) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(conversions) == 1 and len(results) == 2 and results[0] == results[1]

@@ -13,6 +13,7 @@ its config names the architecture and a tied embedding is stored under the embed
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.util
 import logging
@@ -273,6 +274,16 @@ def gguf_to_hf_dir(gguf_path: Path) -> Path:
     target = cache_root() / "converted" / gguf_cache_key(gguf_path)
     if (target / _CACHE_COMPLETE).is_file():
         return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # one process converts, the others wait for it (parallel test workers, servers started together)
+    with (target.parent / f"{target.name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (target / _CACHE_COMPLETE).is_file():
+            _convert(gguf_path, target)
+    return target
+
+
+def _convert(gguf_path: Path, target: Path) -> None:
     logger.info("dequantizing %s into %s (once; later loads use the cache)", gguf_path, target)
     directory, name = str(gguf_path.parent), gguf_path.name
     try:
@@ -283,7 +294,6 @@ def gguf_to_hf_dir(gguf_path: Path) -> Path:
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config  # the saved weights are plain float32
     model.config.architectures = [type(model).__name__]  # engines that pick a class by name need it
-    target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=target.parent))
     try:
         save_weights(model, staging / "model.safetensors")
@@ -297,7 +307,6 @@ def gguf_to_hf_dir(gguf_path: Path) -> Path:
     finally:
         if staging.exists():
             shutil.rmtree(staging)
-    return target
 
 
 def save_weights(model: PreTrainedModel, path: Path) -> None:
