@@ -29,6 +29,7 @@ if TYPE_CHECKING:  # the same names for type checkers and IDEs; at run time __ge
     from flyspec.baseline import PlainDecoder
     from flyspec.calibration import Budget, CalibrationConfig, calibrate
     from flyspec.config import (
+        AdasdConfig,
         BildConfig,
         CascadeConfig,
         ConfigError,
@@ -70,6 +71,7 @@ if TYPE_CHECKING:  # the same names for type checkers and IDEs; at run time __ge
     from flyspec.streaming import GenerationStream
     from flyspec.types import Draft, LooseAccept, Verdict
     from flyspec.verifiers import (
+        AdasdVerifier,
         BildVerifier,
         BlockVerifier,
         CascadeVerifier,
@@ -90,6 +92,7 @@ _SOURCES = {
     "flyspec.baseline": ("PlainDecoder",),
     "flyspec.calibration": ("Budget", "CalibrationConfig", "calibrate"),
     "flyspec.config": (
+        "AdasdConfig",
         "BildConfig",
         "CascadeConfig",
         "ConfigError",
@@ -131,6 +134,7 @@ _SOURCES = {
     "flyspec.streaming": ("GenerationStream",),
     "flyspec.types": ("Draft", "LooseAccept", "Verdict"),
     "flyspec.verifiers": (
+        "AdasdVerifier",
         "BildVerifier",
         "BlockVerifier",
         "CascadeVerifier",
@@ -204,6 +208,8 @@ __all__ = [
     "Resources",
     "TypicalConfig",
     "TypicalVerifier",
+    "AdasdConfig",
+    "AdasdVerifier",
     "BildConfig",
     "BildVerifier",
     "BlockVerifier",

@@ -23,6 +23,7 @@ from flyspec.drafter_config import NgramCacheConfig as NgramCacheConfig
 from flyspec.drafter_config import NgramConfig as NgramConfig
 from flyspec.names import DISTRIBUTION_DRAFTERS, DISTRIBUTION_VERIFIERS
 from flyspec.rule_config import FLY_VARIANTS as FLY_VARIANTS  # re-exported, as are the rule configs below
+from flyspec.rule_config import AdasdConfig as AdasdConfig
 from flyspec.rule_config import BildConfig as BildConfig
 from flyspec.rule_config import CascadeConfig as CascadeConfig
 from flyspec.rule_config import FlyConfig as FlyConfig
@@ -238,6 +239,7 @@ class SpeculationConfig:
     bild: BildConfig = field(default_factory=BildConfig)
     fsd: FsdConfig = field(default_factory=FsdConfig)
     cascade: CascadeConfig = field(default_factory=CascadeConfig)
+    adasd: AdasdConfig = field(default_factory=AdasdConfig)
     lenience: LenienceConfig = field(default_factory=LenienceConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
