@@ -421,6 +421,24 @@ def test_resume_adds_nothing_to_a_finished_calibration(calibrated, models) -> No
         calibrate(target, other, resources=Resources("float32", models=(target,)))
 
 
+def test_resume_reads_a_state_written_before_a_config_field_was_added(calibrated, models, tmp_path) -> None:
+    """A field added since (a new rule's settings, as adasd's) is at its default in the old run's base: it resumes."""
+    directory, _ = calibrated
+    out = tmp_path / "out"
+    shutil.copytree(directory / "out", out)
+    state = json.loads((out / "calibration.json").read_text())
+    del state["speculation"]["adasd"]
+    (out / "calibration.json").write_text(json.dumps(state))
+    before = (out / "records.jsonl").read_text()
+    target = models["target"]
+    calibrate(target, _resumed(directory, out), resources=Resources("float32", models=(target,)))
+    assert (out / "records.jsonl").read_text() == before
+    state["speculation"]["num_draft_tokens"] = 6  # a field that was there and differs is still refused
+    (out / "calibration.json").write_text(json.dumps(state))
+    with pytest.raises(ConfigError, match="--resume: .* other speculation"):
+        calibrate(target, _resumed(directory, out), resources=Resources("float32", models=(target,)))
+
+
 def test_resume_with_a_smaller_limit_summarizes_only_those_prompts(calibrated, models, tmp_path) -> None:
     """A run stopped by hand is summarized at a prefix (``--limit N --resume``): the records of later prompts stay
     in records.jsonl but count nowhere."""
@@ -511,8 +529,8 @@ def test_the_calibrate_command_end_to_end(capsys, monkeypatch, tiny_model_dir, t
 
 
 def test_a_draft_model_of_another_tokenizer_calibrates_without_the_distribution_rules(models, tmp_path, caplog) -> None:
-    """fsd and cascade read a distribution over the target's vocabulary, which re-tokenized drafts do not have: the
-    default rules leave them out with a warning, and naming them in ``rules`` is refused in one line."""
+    """fsd, cascade and adasd read a distribution over the target's vocabulary, which re-tokenized drafts do not have:
+    the default rules leave them out with a warning, and naming them in ``rules`` is refused in one line."""
     from test_cross_tokenizer import make_metaspace_tokenizer
 
     target = models["target"]
@@ -531,7 +549,7 @@ def test_a_draft_model_of_another_tokenizer_calibrates_without_the_distribution_
     with caplog.at_level(logging.WARNING, logger="flyspec.calibration.api"):
         result = calibrate(target, config("default"), resources=resources)
     rules = {point["rule"] for point in result.frontier}
-    assert {"margin", "bild", "lenience"} <= rules and not rules & {"fsd", "cascade"}
-    assert "rules fsd, cascade left out" in caplog.text and "another tokenizer" in caplog.text
+    assert {"margin", "bild", "lenience"} <= rules and not rules & {"fsd", "cascade", "adasd"}
+    assert "rules fsd, cascade, adasd left out" in caplog.text and "another tokenizer" in caplog.text
     with pytest.raises(ConfigError, match=r"^--rules fsd: .*another tokenizer.*--drafter layer-skip$"):
         calibrate(target, config("named", rules=("bild", "fsd")), resources=resources)

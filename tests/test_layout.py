@@ -295,8 +295,8 @@ def test_python_m_runs_a_moved_module_by_its_old_name() -> None:
 
 
 def test_no_package_face_hides_a_module_of_its_room() -> None:
-    """A face that re-exports a name its room also has as a module (``flyspec.cli.main``: the module, or the
-    function?) makes ``import flyspec.cli.main as m`` give the function: every module stays reachable by its path."""
+    """A face that re-exports a name its room also has as a module (``flyspec.cli.app``: the module, or the
+    function?) makes ``import flyspec.cli.app as m`` give the function: every module stays reachable by its path."""
     import importlib
 
     for module in module_files():

@@ -9,9 +9,9 @@ import math
 import numpy as np
 import pytest
 import torch
+from flyspec.cli.app import main
 
 from flyspec.calibration.space import points
-from flyspec.cli.app import main
 from flyspec.config import (
     CascadeConfig,
     ConfigError,
@@ -153,7 +153,7 @@ def test_a_lenience_outside_the_rules_range_is_refused(rule: str, lenience: floa
 
 
 def test_distribution_rules_need_a_draft_model_in_one_line(capsys) -> None:
-    for verifier in ("fsd", "cascade"):
+    for verifier in ("fsd", "cascade", "adasd"):
         with pytest.raises(ConfigError, match="--drafter layer-skip, or draft-model or multilevel"):
             SpeculationConfig(verifier=verifier)
     with pytest.raises(SystemExit) as exited:

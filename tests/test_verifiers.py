@@ -40,6 +40,7 @@ from flyspec.verifiers import (
     Verifier,
     make_verifier,
 )
+from flyspec.verifiers.adasd import AdasdVerifier
 from flyspec.verifiers.bild import BildVerifier
 from flyspec.verifiers.block import BlockVerifier
 from flyspec.verifiers.cascade import CascadeVerifier
@@ -676,6 +677,7 @@ def test_registry_builds_each_verifier() -> None:
         "lenience": (LenienceVerifier, False),
         "fsd": (FsdVerifier, False),
         "cascade": (CascadeVerifier, False),
+        "adasd": (AdasdVerifier, False),
     }
     assert set(expected) == set(VERIFIERS) == set(VERIFIER_SUMMARIES)  # every rule the registry names is built here
     for name, (cls, lossless) in expected.items():

@@ -706,7 +706,7 @@ def test_the_plugin_refuses_distribution_rules_and_applies_the_others() -> None:
     assert set(LOSSY_RULES) == {"fly", "margin", "typical", "bild", "lenience"}
     assert {rule.verifier for rule in RULES} == set(LOSSY_RULES)  # the batch test above covers every one
     assert parse_rule({"verifier": "lenience", "lenience": {"lenience": 0.4}}).lenience.lenience == 0.4
-    for rule in ("fsd", "cascade"):
+    for rule in ("fsd", "cascade", "adasd"):
         with pytest.raises(ConfigError, match="does not see"):
             parse_rule({"verifier": rule})
     with pytest.raises(ConfigError, match='rejection_sample_method "block"'):

@@ -30,6 +30,7 @@ if TYPE_CHECKING:  # the same names for type checkers and IDEs; at run time __ge
     from flyspec.api import build_decoder, generate, generate_plain
     from flyspec.calibration import Budget, CalibrationConfig, calibrate
     from flyspec.config import (
+        AdasdConfig,
         BildConfig,
         CascadeConfig,
         ConfigError,
@@ -72,6 +73,7 @@ if TYPE_CHECKING:  # the same names for type checkers and IDEs; at run time __ge
     from flyspec.sampling.sampler import make_generator
     from flyspec.types import Draft, LooseAccept, Verdict
     from flyspec.verifiers import (
+        AdasdVerifier,
         BildVerifier,
         BlockVerifier,
         CascadeVerifier,
@@ -92,6 +94,7 @@ _SOURCES = {
     "flyspec.decoding.plain": ("PlainDecoder",),
     "flyspec.calibration": ("Budget", "CalibrationConfig", "calibrate"),
     "flyspec.config": (
+        "AdasdConfig",
         "BildConfig",
         "CascadeConfig",
         "ConfigError",
@@ -133,6 +136,7 @@ _SOURCES = {
     "flyspec.decoding.streaming": ("GenerationStream",),
     "flyspec.types": ("Draft", "LooseAccept", "Verdict"),
     "flyspec.verifiers": (
+        "AdasdVerifier",
         "BildVerifier",
         "BlockVerifier",
         "CascadeVerifier",
@@ -206,6 +210,8 @@ __all__ = [
     "Resources",
     "TypicalConfig",
     "TypicalVerifier",
+    "AdasdConfig",
+    "AdasdVerifier",
     "BildConfig",
     "BildVerifier",
     "BlockVerifier",

@@ -119,6 +119,8 @@ class VerifyContext:
     the target's per-model token facts (EOS ids, token classes; ``verifiers/tokens.py``).
     ``memo`` keeps values derived from the prompt once per generation (e.g. its names).
     ``breaker``: the generation's circuit breaker (``decoding/breaker.py``), if its profile set one.
+    ``rule_state``: the verifier's own state for this generation (``Verifier.new_state()``: adasd's running means),
+    made with the context, so it dies with the generation; None for the rules that keep none.
     """
 
     token_ids: list[int]
@@ -126,6 +128,7 @@ class VerifyContext:
     vocabulary: Any = None  # verifiers.tokens.Vocabulary, or None (then only vocabulary-free guards apply)
     memo: dict[str, Any] = field(default_factory=dict)
     breaker: Any = None  # breaker.CircuitBreaker, or None: once it trips, every loose candidate is vetoed
+    rule_state: Any = None  # the verifier's per-generation state (Verifier.new_state()), or None
 
     @property
     def prompt_ids(self) -> list[int]:

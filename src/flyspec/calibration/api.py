@@ -124,9 +124,9 @@ def _measure_costs(
 def _readable_points(
     points: list[Point], target: LoadedModel, base: SpeculationConfig, resources: Resources, rules: tuple[str, ...]
 ) -> list[Point]:
-    """``points`` without fsd and cascade where the draft model speaks another tokenizer than ``target``: its drafts
-    are re-tokenized, so it has no distribution over the target's vocabulary to compare. Left out of the default
-    rules with a warning; named in ``--rules``, refused in one line."""
+    """``points`` without fsd, cascade and adasd where the draft model speaks another tokenizer than ``target``: its
+    drafts are re-tokenized, so it has no distribution over the target's vocabulary to compare. Left out of the
+    default rules with a warning; named in ``--rules``, refused in one line."""
     if base.draft_model is None or base.drafter not in DISTRIBUTION_DRAFTERS:
         return points
     draft = resources.model(base.draft_model)

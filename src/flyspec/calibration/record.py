@@ -156,6 +156,7 @@ def check_resume(
     path = config.out_dir / STATE_FILE
     if config.resume and path.is_file():
         previous = json.loads(path.read_text())
+        previous["speculation"] = _with_new_defaults(previous.get("speculation"))
         keys = ("target", "engine", "dtype", "speculation", "budget")
         changed = [key for key in keys if previous.get(key, "flyspec" if key == "engine" else None) != state[key]]
         if previous.get("items", [])[: len(state["items"])] != state["items"][: len(previous.get("items", []))]:
@@ -166,6 +167,16 @@ def check_resume(
                 "use another --out or drop --resume"
             )
     path.write_text(json.dumps(state) + "\n")
+
+
+def _with_new_defaults(speculation: Any) -> Any:
+    """A state file's speculation with the fields added to :class:`SpeculationConfig` since at their defaults (a rule
+    added later, such as adasd, was not in the base then and is at its default now): the same drafter, so the same
+    calibration. As it was where it does not read as a config (then it differs, and the resume is refused)."""
+    try:
+        return SpeculationConfig.from_dict(speculation).to_dict()
+    except (ConfigError, TypeError, AttributeError):
+        return speculation
 
 
 def summarize_frontier(calibrator: Calibrator, cost: CostModel, budget: Budget, total: int) -> list[dict[str, Any]]:

@@ -101,7 +101,7 @@ class ReplayEngine:
     def __init__(self, target: LoadedModel, base: SpeculationConfig, points: list[Point], resources: Resources) -> None:
         self.target, self.points, self.resources = target, points, resources
         self.scores = ScoreStore(target)
-        keep = any(point.speculation.verifier in DISTRIBUTION_VERIFIERS for point in points)  # fsd, cascade
+        keep = any(point.speculation.verifier in DISTRIBUTION_VERIFIERS for point in points)  # fsd, cascade, adasd
         self.drafts = DraftStore(make_drafter(base, target, resources, keep_distribution=keep))
         self.decoders: dict[str, Decoder] = {PLAIN: self._replayed(PlainDecoder(target))}
         for point in points:

@@ -25,6 +25,9 @@ The default grid (``grid="default"``):
 - ``fly vllm`` — vLLM 0.33's native rule (``FlyConfig.variant="vllm"``, no guards: what
   ``rejection_sample_method: "fly"`` runs), from 1.08 down to 0.3 at window 6: a profile whose point is
   one of these deploys as vLLM's own ``speculative_config``, without flyspec (``calibration/deploy.py``).
+- ``fsd``, ``cascade chow|diff|opt``, ``adasd n>=8|32`` — where the drafter gives a distribution over the
+  target's vocabulary (a draft model of its tokenizer, layer-skip): FSD's JS threshold, each deferral rule's α, and
+  AdaSD's scale (0.5, 1: the paper's midpoint, 1.5) after 8 or 32 positions of each class.
 
 ``grid="quick"`` keeps a handful (the tests' and a first look's).
 """
@@ -37,6 +40,7 @@ from typing import Any
 
 from flyspec.config import (
     PROFILE_NONE,
+    AdasdConfig,
     BildConfig,
     CascadeConfig,
     ConfigError,
@@ -72,6 +76,10 @@ CASCADE_LENIENCES = {
     "diff": (-0.2, -0.1, 0.0, 0.1, 0.2),
     "opt": (-1.0, -0.5, 0.0, 0.5, 1.0),
 }
+# AdaSD as flyspec reads it: per min_samples (the positions of each class learnt before loosening), its scale from
+# the accepted tokens' mean JS distance toward the rejected ones' (1: the paper's midpoint), strict to loose
+ADASD_MIN_SAMPLES = (8, 32)
+ADASD_SCALES = (0.5, 1.0, 1.5)
 
 
 @dataclass(frozen=True)
@@ -109,6 +117,7 @@ def base_speculation(spec: SpeculationConfig, policy: str | None = None) -> Spec
         lenience=LenienceConfig(),
         fsd=FsdConfig(),
         cascade=CascadeConfig(),
+        adasd=AdasdConfig(),
         guard=GuardConfig(),
         draft_length=dataclasses.replace(spec.draft_length, policy=policy),
     )
@@ -228,21 +237,34 @@ def _grid(spec: SpeculationConfig, grid: str, rules: tuple[str, ...], draft_leng
             name = f"lenience l={lenience:g}"
             config = LenienceConfig(lenience)
             found.append(_point(base, "lenience", "lenience", order, name, {"lenience": lenience}, lenience=config))
-    distributions = base.drafter in DISTRIBUTION_DRAFTERS  # fsd and cascade read the draft model's distribution
-    if "fsd" in rules and distributions:
+    if base.drafter in DISTRIBUTION_DRAFTERS:  # fsd, cascade, adasd read the draft's distribution
+        found += _distribution_points(base, rules, quick)
+    if "bild" in rules:
+        for order, threshold in enumerate((1.4,) if quick else BILD_THRESHOLDS):
+            name = f"bild -log p<={threshold:g}"
+            bild = BildConfig(rollback_threshold=threshold)
+            found.append(_point(base, "bild", "bild", order, name, {"rollback_threshold": threshold}, bild=bild))
+    return found
+
+
+def _distribution_points(base: SpeculationConfig, rules: tuple[str, ...], quick: bool) -> list[Point]:
+    """The families of the rules that read the draft's distribution (a draft model's, or layer-skip's)."""
+    found: list[Point] = []
+    if "fsd" in rules:
         for order, threshold in enumerate((0.1,) if quick else FSD_THRESHOLDS):
             fsd = FsdConfig(threshold=threshold)
             found.append(_point(base, "fsd", "fsd", order, f"fsd js<={threshold:g}", {"threshold": threshold}, fsd=fsd))
-    if "cascade" in rules and distributions:
+    if "cascade" in rules:
         for rule, leniences in CASCADE_LENIENCES.items():
             for order, lenience in enumerate(leniences[2:3] if quick else leniences):
                 cascade = CascadeConfig(rule=rule, lenience=lenience)
                 name = f"cascade {rule} a={lenience:g}"
                 chosen = {"rule": rule, "lenience": lenience}
                 found.append(_point(base, "cascade", f"cascade {rule}", order, name, chosen, cascade=cascade))
-    if "bild" in rules:
-        for order, threshold in enumerate((1.4,) if quick else BILD_THRESHOLDS):
-            name = f"bild -log p<={threshold:g}"
-            bild = BildConfig(rollback_threshold=threshold)
-            found.append(_point(base, "bild", "bild", order, name, {"rollback_threshold": threshold}, bild=bild))
+    if "adasd" in rules:
+        for min_samples in ADASD_MIN_SAMPLES[:1] if quick else ADASD_MIN_SAMPLES:
+            for order, scale in enumerate((1.0,) if quick else ADASD_SCALES):
+                adasd = AdasdConfig(min_samples=min_samples, scale=scale)
+                name, chosen = f"adasd n>={min_samples} s={scale:g}", {"min_samples": min_samples, "scale": scale}
+                found.append(_point(base, "adasd", f"adasd n>={min_samples}", order, name, chosen, adasd=adasd))
     return found

@@ -125,6 +125,19 @@ def add_speculation_options(parser: argparse.ArgumentParser, *, components: bool
         help=f"speculative cascades: the rule's a; larger defers less (default {_DEFAULT.cascade.lenience})",
     )
     spec.add_argument(
+        "--adasd-min-samples",
+        type=int,
+        metavar="N",
+        help="AdaSD: exact until this generation has N accepted and N rejected positions to learn the threshold "
+        f"from (default {_DEFAULT.adasd.min_samples})",
+    )
+    spec.add_argument(
+        "--adasd-scale",
+        type=float,
+        help="AdaSD: the threshold's place between the mean JS distances of accepted (0) and rejected (2) tokens; "
+        f"1 is the paper's midpoint, larger keeps more (default {_DEFAULT.adasd.scale})",
+    )
+    spec.add_argument(
         "--exact-first",
         type=int,
         metavar="N",
@@ -230,6 +243,8 @@ FLAG_NAMES = (
     "fsd_threshold",
     "cascade_rule",
     "cascade_lenience",
+    "adasd_min_samples",
+    "adasd_scale",
     "exact_first",
     "max_ngram",
     "min_ngram",

@@ -16,6 +16,7 @@ from flyspec.config.drafters import NGRAM_MATCHES, DraftLengthConfig, LayerSkipC
 from flyspec.config.mapping import ConfigError
 from flyspec.config.rules import (
     FLY_VARIANTS,
+    AdasdConfig,
     BildConfig,
     CascadeConfig,
     FlyConfig,
@@ -56,6 +57,7 @@ __all__ = [
     "PROFILE_AUTO",
     "PROFILE_NONE",
     "PROTECT_CLASSES",
+    "AdasdConfig",
     "BildConfig",
     "BreakerConfig",
     "CascadeConfig",

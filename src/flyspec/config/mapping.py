@@ -43,6 +43,8 @@ FLAT_OPTIONS = {
     "fsd_threshold": "fsd.threshold",
     "cascade_rule": "cascade.rule",
     "cascade_lenience": "cascade.lenience",
+    "adasd_min_samples": "adasd.min_samples",
+    "adasd_scale": "adasd.scale",
     "exact_first": "guard.exact_first",
     "max_ngram": "ngram.max_ngram",
     "min_ngram": "ngram.min_ngram",

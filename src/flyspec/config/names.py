@@ -21,6 +21,7 @@ VERIFIER_SUMMARIES = {
     "lenience": "lossy: rejection sampling with q scaled by l < 1; greedy, a token with p >= l*max p (Leviathan)",
     "fsd": "lossy: also a mismatch where the draft and target distributions diverge <= a threshold (FSD; model drafts)",
     "cascade": "lossy: also the draft's token where a deferral rule (chow/diff/opt) trusts the draft (model drafts)",
+    "adasd": "lossy: also a mismatch whose JS distance <= a threshold learnt in this generation (AdaSD; model drafts)",
 }
 VERIFIERS = tuple(VERIFIER_SUMMARIES)
 LOSSLESS_VERIFIERS = ("exact", "rejection", "block")
@@ -28,7 +29,7 @@ LOSSY_VERIFIERS = tuple(name for name in VERIFIERS if name not in LOSSLESS_VERIF
 # the lossy rules that compare the draft model's distribution with the target's (Draft.draft_distribution): they
 # need a draft model of the target's tokenizer (drafter draft-model or multilevel) or the target's own skip view
 # (layer-skip: its early exit is a distribution over the target's vocabulary), not n-gram drafts
-DISTRIBUTION_VERIFIERS = ("fsd", "cascade")
+DISTRIBUTION_VERIFIERS = ("fsd", "cascade", "adasd")
 DISTRIBUTION_DRAFTERS = ("draft-model", "multilevel", "layer-skip")
 # the SpeculationConfig fields that decide a loose accept: each lossy rule's settings are the field of its name
 LOSSY_RULE_FIELDS = ("verifier", *LOSSY_VERIFIERS, "guard")

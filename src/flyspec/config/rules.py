@@ -156,6 +156,36 @@ class CascadeConfig:
         )
 
 
+# AdasdConfig.scale: the threshold's place between the two means (0: the accepted tokens', 2: the rejected tokens')
+ADASD_SCALE_RANGE = (0.0, 2.0)
+
+
+@dataclass(frozen=True)
+class AdasdConfig:
+    """AdaSD's acceptance as flyspec reads it (arXiv 2512.11280; ``verifiers/adasd.py``). A mismatching draft token is
+    kept while the Jensen-Shannon divergence (nats) between the target's and the draft's next-token distributions
+    there is at most ``mean_accepted + scale * (mean_rejected - mean_accepted) / 2``, the running means of that
+    divergence at the positions the exact rule accepted and rejected so far in this generation; the rule is exact
+    until each class holds ``min_samples`` positions. ``scale`` 1 is the paper's midpoint; 0 keeps only mismatches as
+    close as the accepted tokens' mean, 2 up to the rejected tokens' mean."""
+
+    min_samples: int = 8
+    scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        _require(
+            self.min_samples >= 1,
+            f"adasd min_samples must be >= 1 (got {self.min_samples}): the threshold needs that many accepted and "
+            "rejected positions of this generation; larger stays exact longer",
+        )
+        low, high = ADASD_SCALE_RANGE
+        _require(
+            math.isfinite(self.scale) and low <= self.scale <= high,
+            f"adasd scale must be a number in [{low:g}, {high:g}] (got {self.scale}): 1 is the paper's midpoint "
+            "between the accepted and rejected tokens' mean distances, larger keeps more mismatches",
+        )
+
+
 @dataclass(frozen=True)
 class LenienceConfig:
     """Leviathan et al.'s lenience (arXiv 2211.17192, appendix A.5): ``q(x)`` is multiplied by ``lenience`` l

@@ -19,6 +19,7 @@ from flyspec.config.mapping import FLAT_OPTIONS, floats, from_vllm, jsonable, re
 from flyspec.config.mapping import require as _require
 from flyspec.config.names import DISTRIBUTION_DRAFTERS, DISTRIBUTION_VERIFIERS
 from flyspec.config.rules import (
+    AdasdConfig,
     BildConfig,
     CascadeConfig,
     FlyConfig,
@@ -235,6 +236,7 @@ class SpeculationConfig:
     bild: BildConfig = field(default_factory=BildConfig)
     fsd: FsdConfig = field(default_factory=FsdConfig)
     cascade: CascadeConfig = field(default_factory=CascadeConfig)
+    adasd: AdasdConfig = field(default_factory=AdasdConfig)
     lenience: LenienceConfig = field(default_factory=LenienceConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
     breaker: BreakerConfig = field(default_factory=BreakerConfig)

@@ -93,7 +93,9 @@ class SpeculativeDecoder(Decoder):
         self._prefill(generation)
         token_ids = generation.token_ids  # grows in place as tokens are committed
         breaker = CircuitBreaker.of(self.speculation.breaker, stats)  # a profile's: strict once loosening runs wild
-        context = VerifyContext(token_ids, len(generation.prompt_ids), vocabulary_of(self.target), breaker=breaker)
+        state = self.verifier.new_state()  # the rule's, for this generation only (adasd's running means)
+        vocabulary = vocabulary_of(self.target)
+        context = VerifyContext(token_ids, len(generation.prompt_ids), vocabulary, breaker=breaker, rule_state=state)
         try:
             while not generation.finished:
                 # draft: up to k tokens after the committed ones

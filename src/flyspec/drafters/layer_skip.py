@@ -285,7 +285,7 @@ class LayerSkipDrafter:
     @property
     def keep_distribution(self) -> bool:
         """Drafts carry the skip view's own distribution (``Draft.draft_distribution``): it exits through the
-        target's norm and head, so it is a distribution over the target's vocabulary (fsd, cascade)."""
+        target's norm and head, so it is a distribution over the target's vocabulary (fsd, cascade, adasd)."""
         return self._keep_distribution
 
     @keep_distribution.setter

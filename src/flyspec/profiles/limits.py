@@ -33,6 +33,7 @@ def looser(limit: SpeculationConfig, spec: SpeculationConfig) -> list[str]:
         "lenience": _looser_lenience,
         "fsd": _looser_fsd,
         "cascade": _looser_cascade,
+        "adasd": _looser_adasd,
     }[spec.verifier]
     return reasons + rule_check(limit, spec) + _looser_guard(limit.guard, spec.guard) + _looser_breaker(limit, spec)
 
@@ -84,6 +85,12 @@ def _looser_cascade(limit: SpeculationConfig, spec: SpeculationConfig) -> list[s
     if spec.cascade.rule != limit.cascade.rule:
         return [f"cascade rule {spec.cascade.rule!r} differs from the profile's {limit.cascade.rule!r}"]
     return _above("cascade lenience", spec.cascade.lenience, limit.cascade.lenience)  # larger defers less
+
+
+def _looser_adasd(limit: SpeculationConfig, spec: SpeculationConfig) -> list[str]:
+    # a larger scale keeps more; fewer samples start loosening sooner
+    reasons = _above("adasd scale", spec.adasd.scale, limit.adasd.scale)
+    return reasons + _below("adasd min_samples", spec.adasd.min_samples, limit.adasd.min_samples)
 
 
 def _looser_guard(limit: GuardConfig, guard: GuardConfig) -> list[str]:

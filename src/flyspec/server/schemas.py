@@ -110,6 +110,8 @@ class SpeculativeOptions(_Strict):
     fsd_threshold: Annotated[float, Field(ge=0)] | None = None
     cascade_rule: Literal[tuple(CASCADE_RULES)] | None = None  # type: ignore[valid-type]
     cascade_lenience: float | None = None
+    adasd_min_samples: Annotated[int, Field(ge=1)] | None = None
+    adasd_scale: float | None = None
     exact_first: Annotated[int, Field(ge=0)] | None = None
     protect: list[Literal[PROTECT_CLASSES]] | None = None  # type: ignore[valid-type]
     bare_rule: bool | None = None  # the paper's rule without flyspec's trust guards (true), or with them (false)

@@ -31,6 +31,8 @@ VERIFIER_PARAMETERS: dict[str, tuple[str, ...]] = {
     "fsd_threshold": ("fsd",),
     "cascade_rule": ("cascade",),
     "cascade_lenience": ("cascade",),
+    "adasd_min_samples": ("adasd",),
+    "adasd_scale": ("adasd",),
     "protect": LOSSY_VERIFIERS,
     "bare_rule": LOSSY_VERIFIERS,
     "exact_first": LOSSY_VERIFIERS,

@@ -1,5 +1,6 @@
 """Verification rules, one file each. Definitions of every term: ``flyspec.verifiers.base``."""
 
+from flyspec.verifiers.adasd import AdasdVerifier
 from flyspec.verifiers.base import Verifier
 from flyspec.verifiers.bild import BildVerifier
 from flyspec.verifiers.block import BlockVerifier
@@ -16,6 +17,7 @@ from flyspec.verifiers.typical import TypicalVerifier
 __all__ = [
     "LOSSLESS_VERIFIERS",
     "VERIFIERS",
+    "AdasdVerifier",
     "BildVerifier",
     "BlockVerifier",
     "CascadeVerifier",

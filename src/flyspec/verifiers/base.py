@@ -13,7 +13,7 @@ target_probs / draft_probs
     drew its tokens from. Never ``p``/``q``: papers disagree on which is which.
 draft distribution
     The draft model's own next-token distribution at each draft position, at temperature 1
-    (``Draft.draft_distribution``), greedy or not: what fsd and cascade compare with the target's.
+    (``Draft.draft_distribution``), greedy or not: what fsd, cascade and adasd compare with the target's.
 accepted
     A draft token that is kept. A verifier accepts a prefix ``d_0 .. d_{n-1}``.
 recovered
@@ -55,7 +55,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -90,6 +90,12 @@ class Verifier(Protocol):
     @property
     def min_draft_tokens(self) -> int:
         """The shortest draft length at which the rule can do what it is for (FLy: its window + 1)."""
+        ...
+
+    def new_state(self) -> Any:
+        """This rule's state for one generation, or None when it keeps none: the decoder makes one per generation
+        and hands it back at every step in ``VerifyContext.rule_state`` (adasd's running means), so nothing a rule
+        learns outlives the generation."""
         ...
 
     def verify(
@@ -200,6 +206,10 @@ class Rule:
     @property
     def min_draft_tokens(self) -> int:
         return 1
+
+    def new_state(self) -> Any:
+        """None: a rule keeps no state across steps unless it says so (``verifiers/adasd.py``)."""
+        return None
 
     def strict(
         self,

@@ -1,4 +1,4 @@
-"""What the rules that compare the draft model's distribution with the target's share (fsd, cascade).
+"""What the rules that compare the draft model's distribution with the target's share (fsd, cascade, adasd).
 
 Both distributions are at temperature 1: the target's is the softmax of its raw logits, the draft's is
 ``Draft.draft_distribution`` (the draft model's own softmax at each draft position, kept by a draft model drafter

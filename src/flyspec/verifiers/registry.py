@@ -8,6 +8,7 @@ from flyspec.config import ConfigError, SpeculationConfig
 from flyspec.config.names import LOSSLESS_VERIFIERS as LOSSLESS_VERIFIERS  # re-exported (config/names.py)
 from flyspec.config.names import LOSSY_RULE_FIELDS as LOSSY_RULE_FIELDS  # re-exported: what make_verifier reads
 from flyspec.config.names import VERIFIERS
+from flyspec.verifiers.adasd import AdasdVerifier
 from flyspec.verifiers.base import Verifier
 from flyspec.verifiers.bild import BildVerifier
 from flyspec.verifiers.block import BlockVerifier
@@ -29,6 +30,7 @@ LOOSE_RULES = {
     "lenience": LenienceVerifier,
     "fsd": FsdVerifier,
     "cascade": CascadeVerifier,
+    "adasd": AdasdVerifier,
 }
 
 
