@@ -9,7 +9,7 @@ VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.flyspec-vllm-installed
 
-.PHONY: setup demo docs test test-all test-vllm vllm-setup lint clean gpu-bench gpu-test
+.PHONY: setup demo docs test test-all test-vllm vllm-setup lint clean gpu-bench gpu-check gpu-wheels
 
 setup: $(STAMP)
 
@@ -59,20 +59,25 @@ $(VLLM_STAMP): pyproject.toml integrations/vllm/pyproject.toml
 test-vllm: vllm-setup
 	$(VLLM_PY) -m pytest -q tests/vllm_engine
 
-# GPU: random-initialised targets with real shapes (benchmarks/gpu-configs), no weights, no network; needs only
-# torch + transformers (flyspec from src/), so it runs from the bare repo tree. Writes results.json + report.md
-# to $OUT (or gpu-bench-out/). GPU_BENCH_ARGS: e.g. --models llama-3.1-8b, or --smoke for a CPU check.
+# GPU: one prepared check for a bare, offline GPU machine with Python 3.12, torch, transformers, pytest, hypothesis,
+# scipy and numpy (scripts/gpu_check.py; DEPLOYMENT.md, "The GPU check"): the device-parametrised tests with their cuda
+# cases, t(n) to n = 64 of Llama-3.1-8B's shape in bf16, syncs per step, exact and FLy end to end; under 8 minutes.
+# flyspec runs from src/; what else it needs travels in gpu-wheels/ (`make gpu-wheels`, where there is a network).
+# Writes gpu-check.json + gpu-check.md to $OUT (or gpu-check-out/). GPU_CHECK_ARGS: e.g. --stages tests, or --smoke.
+GPU_CHECK_ARGS ?=
+gpu-check:
+	PYTHONUNBUFFERED=1 $(PYTHON) scripts/gpu_check.py --out "$${OUT:-gpu-check-out}" $(GPU_CHECK_ARGS)
+
+gpu-wheels:
+	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 -d gpu-wheels \
+		-r requirements-gpu-check.txt
+
+# The full GPU cost measurement: every config in benchmarks/gpu-configs, random weights, t(n), flyspec's decoders and
+# transformers' (scripts/gpu_bench.py; gpu-check runs it on Llama-3.1-8B only). Writes results.json + report.md to
+# $OUT (or gpu-bench-out/). GPU_BENCH_ARGS: e.g. --models llama-3.1-8b, or --smoke for a CPU check.
 GPU_BENCH_ARGS ?= --device cuda
 gpu-bench:
 	PYTHONPATH=src PYTHONUNBUFFERED=1 $(PYTHON) scripts/gpu_bench.py --out "$${OUT:-gpu-bench-out}" $(GPU_BENCH_ARGS)
-
-# The device-parametrised tests (they add a cuda case where a GPU is visible), from the bare repo tree: a machine
-# with torch + transformers; what the tests need besides (pytest, hypothesis, scipy, tokenizers) is installed here.
-GPU_TEST_REQUIREMENTS := pytest hypothesis scipy tokenizers numpy
-gpu-test:
-	$(PYTHON) -m pip install --quiet $(GPU_TEST_REQUIREMENTS)
-	PYTHONPATH=src:tests $(PYTHON) -m pytest -q -p no:cacheprovider tests/test_devices.py tests/test_reference.py \
-		tests/test_rejection_sampling.py tests/test_verifiers.py
 
 lint: setup
 	$(VENV)/bin/ruff check .

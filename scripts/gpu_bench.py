@@ -1,6 +1,7 @@
 """GPU cost measurement on random-initialised targets with real shapes: no weights, no network.
 
     make gpu-bench                                   # every config, on CUDA, into $OUT or gpu-bench-out/
+    make gpu-check                                   # Llama-3.1-8B's t(n) to n = 64 among the GPU check's stages
     PYTHONPATH=src python scripts/gpu_bench.py --device cuda --models llama-3.1-8b --out DIR
     PYTHONPATH=src python scripts/gpu_bench.py --smoke --device cpu --out DIR   # tiny config, seconds
 
@@ -316,6 +317,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--models", help="comma-separated config names (default: every file in benchmarks/gpu-configs)")
     parser.add_argument("--out", default=os.environ.get("OUT") or "gpu-bench-out", help="output directory ($OUT)")
     parser.add_argument("--per-category", type=int, default=2, help="Spec-Bench prompts per category (default 2)")
+    parser.add_argument("--max-prompts", type=int, help="at most this many of those prompts (default: all)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--max-prompt-tokens", type=int, default=1024)
     parser.add_argument("-k", "--num-draft-tokens", type=int, default=SpeculationConfig().num_draft_tokens)
@@ -329,7 +331,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.smoke:
         args.per_category, args.max_new_tokens, args.context, args.repeats = 1, 8, 32, 2
-        args.max_prompt_tokens, args.num_draft_tokens = 64, 8
+        args.max_prompt_tokens, args.num_draft_tokens, args.max_prompts = 64, 8, 2
     return args
 
 
@@ -344,9 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = byte_tokenizer()
-    prompts = prompt_ids(tokenizer, args.per_category, args.max_prompt_tokens)
-    if args.smoke:
-        prompts = prompts[:2]
+    prompts = prompt_ids(tokenizer, args.per_category, args.max_prompt_tokens)[: args.max_prompts]
     if args.smoke:
         configs = {"smoke-tiny": (SMOKE_CONFIG, "a tiny Llama built in gpu_bench.py (--smoke)")}
     else:

@@ -12,12 +12,12 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from flyspec.cli.app import main
 from hypothesis import given
 from hypothesis import strategies as st
 
 from flyspec.api import build_decoder
 from flyspec.calibration.space import points
+from flyspec.cli.app import main
 from flyspec.config import AdasdConfig, ConfigError, DecodeConfig, GuardConfig, SamplingConfig, SpeculationConfig
 from flyspec.profiles import looser
 from flyspec.resources import Resources

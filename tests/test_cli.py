@@ -274,7 +274,7 @@ def test_missing_prompt_is_usage_error(capsys: pytest.CaptureFixture[str]) -> No
 
 def test_console_script_bad_option_exits_2_without_traceback(tiny_model_dir: Path) -> None:
     script = Path(sys.executable).with_name("flyspec")
-    command = [str(script)] if script.is_file() else [sys.executable, "-m", "flyspec.cli.app"]
+    command = [str(script)] if script.is_file() else [sys.executable, "-m", "flyspec"]
     completed = subprocess.run(
         [*command, "generate", PROMPT, "--target", str(tiny_model_dir), "--dtype", "float32", "-k", "0"],
         capture_output=True,

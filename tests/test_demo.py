@@ -23,7 +23,7 @@ from flyspec.runtime.loading import cpu_isa
 
 def run_demo(*options: str) -> subprocess.CompletedProcess[str]:
     script = Path(sys.executable).with_name("flyspec")
-    command = [str(script)] if script.is_file() else [sys.executable, "-m", "flyspec.cli.app"]
+    command = [str(script)] if script.is_file() else [sys.executable, "-m", "flyspec"]
     return subprocess.run([*command, "demo", *options], capture_output=True, text=True, timeout=120, check=False)
 
 

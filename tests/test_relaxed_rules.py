@@ -9,9 +9,9 @@ import math
 import numpy as np
 import pytest
 import torch
-from flyspec.cli.app import main
 
 from flyspec.calibration.space import points
+from flyspec.cli.app import main
 from flyspec.config import (
     CascadeConfig,
     ConfigError,

@@ -122,8 +122,9 @@ def test_a_recorded_request_keeps_its_loose_accepts_with_output_indices() -> Non
     assert [(loose["index"], loose["draft_token"], loose["target_token"]) for loose in taken["loose_accepts"]] == [
         (7, 1, 0)
     ]
-    assert taken["loose_accepts"][0]["evidence"] > 1.0
-    assert records.take("r") == {"loose_accepts": [], "vetoes": {}, "diverged": {}, "cut": 0, "departed": None}
+    assert taken["loose_accepts"][0]["evidence"] > 1.0 and taken["steps"] == 1  # the step it judged
+    assert records.take("r") == {"loose_accepts": [], "vetoes": {}, "diverged": {}, "cut": 0, "departed": None,
+                                 "steps": 0}  # fmt: skip
 
 
 def test_shadow_rules_leave_the_path_exactly_where_their_own_run_would() -> None:
@@ -200,7 +201,8 @@ def test_a_reference_cuts_drafts_until_the_output_leaves_it() -> None:
     assert reference.cap(row, 4, [12, 13, 99, 15, 16, 17]) == [12, 13, 99, 15]  # misses at 2: 2 + reach kept
     assert reference.cap(row, 4, [99, 13]) == [99, 13]  # nothing to cut
     assert reference.cap(row, 4, [12, 13, 14, 15, 16, 17, 20, 21]) == [12, 13, 14, 15, 16, 17, 20, 21]  # ends inside
-    assert records.take("r") == {"loose_accepts": [], "vetoes": {}, "diverged": {}, "cut": 2, "departed": None}
+    assert records.take("r") == {"loose_accepts": [], "vetoes": {}, "diverged": {}, "cut": 2, "departed": None,
+                                 "steps": 0}  # fmt: skip
     row[3] = 50  # the output left its reference at output index 1
     assert reference.cap(row, 4, [12, 13, 99, 15, 16, 17]) == [12, 13, 99, 15, 16, 17]
     assert reference.departed and records.take("r")["departed"] == 2
@@ -472,19 +474,14 @@ def test_the_proposer_reads_a_schedule_file_and_refuses_a_bad_one(monkeypatch, t
         NgramProposer(proposer_config())
 
 
-def test_the_worker_sweeps_draft_lengths_on_one_engine(monkeypatch) -> None:
-    """A request line's num_draft_tokens / schedule applies to that call only (how bench --derive-schedule sweeps)."""
-    from flyspec_vllm import proposer as proposer_module
+def test_the_worker_sweeps_draft_lengths_on_one_engine() -> None:
+    """A request line's num_draft_tokens / schedule applies to that call only (how bench --derive-schedule sweeps;
+    it reaches every worker's proposer: tests/test_vllm_gather.py)."""
     from flyspec_vllm import worker
 
-    monkeypatch.delenv("FLYSPEC_VLLM_SCHEDULE", raising=False)
-    proposer = NgramProposer(proposer_config())
     assert worker.call_schedule({}) is None
-    with proposer_module.overriding(worker.call_schedule({"num_draft_tokens": 0})):
-        assert propose_at_batch(proposer, 1) == [[]]
-    with proposer_module.overriding(worker.call_schedule({"schedule": [[1, 1, 2], [2, 9, 1]]})):
-        assert propose_at_batch(proposer, 1) == [[7, 8]] and propose_at_batch(proposer, 2) == [[7]] * 2
-    assert propose_at_batch(proposer, 1) == [[7, 8, 9, 5]]  # the configured k again after the call
+    assert worker.call_schedule({"num_draft_tokens": 0}) == [[1, 1, 0]]
+    assert worker.call_schedule({"schedule": [[1, 1, 2], [2, 9, 1]]}) == [[1, 1, 2], [2, 9, 1]]
     config = worker.speculative_config("vllm-ngram", 15, [[1, 4, 8], [5, 64, 0]])
     assert config["num_speculative_tokens_per_batch_size"] == [[1, 4, 8], [5, 64, 0]]  # vLLM's own proposer too
     assert "num_speculative_tokens_per_batch_size" not in worker.speculative_config("vllm-ngram+fly", 15)

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from flyspec.config import DecodeConfig, NgramConfig, SpeculationConfig
+from flyspec.config import ConfigError, DecodeConfig, NgramConfig, SpeculationConfig
 from flyspec.decoding.result import GenerationResult
 from flyspec.decoding.stats import DecodeStats
 from flyspec.decoding.stopping import Stopper
@@ -86,6 +86,22 @@ def step_stats(steps: list[Step], length: int, loose: dict[int, dict[str, Any]])
     return stats
 
 
+def check_record(request: dict[str, Any], output: dict[str, Any], drafted_steps: int) -> None:
+    """A recorded request judged by a rule or shadows (``flyspec_vllm.records``) must have been judged at every step
+    that verified a draft: a record missing steps (a rule refused or disabled in the engine, records read where the
+    rule does not run) would make a calibration or evaluation from it silently wrong, so it is refused."""
+    extra = request["extra_args"]
+    if "flyspec_record" not in extra or not (extra.get("flyspec_rule") or extra.get("flyspec_shadow")):
+        return
+    judged = (output.get("record") or {}).get("steps", 0)
+    if judged != drafted_steps:
+        raise ConfigError(
+            f"vLLM: the flyspec-vllm plugin judged {judged} of the {drafted_steps} verification steps of request "
+            f"{extra['flyspec_record']!r}, so its record is incomplete (see the vLLM log for a refused or disabled "
+            "rule); nothing from it is used"
+        )
+
+
 class VllmSession:
     """A started engine for ``target``, drafting with ``base``'s n-gram settings and draft length."""
 
@@ -113,6 +129,7 @@ class VllmSession:
                 continue  # plain decoding: no drafts
             output = outputs[request["key"]]
             steps = self.steps(request["prompt"], output["token_ids"])
+            check_record(request, output, sum(bool(step.draft) for step in steps))
             drafts += sum(bool(step.draft) for step in steps)
             # minus the draft tokens the plugin withheld from a baseline that named its output (flyspec_reference)
             cut = (output.get("record") or {}).get("cut", 0)

@@ -145,6 +145,7 @@ class VllmWorker:
         self.startup_s = time.perf_counter() - started
         self.vllm_version = str(ready.get("vllm_version", "unknown"))
         self.plugin = str(ready.get("plugin", "unknown"))
+        self.ranks = int(ready.get("ranks", 1))  # worker processes the plugin's records are gathered from
 
     def request(self, payload: dict[str, Any]) -> dict[str, Any]:
         assert self.process.stdin is not None
@@ -153,7 +154,11 @@ class VllmWorker:
             self.process.stdin.flush()
         except BrokenPipeError as error:
             raise RuntimeError(f"{self.method}: the vLLM worker is gone: {self._log_tail()}") from error
-        return self._read_reply()
+        reply = self._read_reply()
+        if "error" in reply:  # the plugin's records could not be gathered (refused: exit 2), or a bad line
+            refused = reply["error"].startswith("GatherError")
+            raise (ConfigError if refused else RuntimeError)(f"{self.method}: {reply['error']}")
+        return reply
 
     def _read_reply(self) -> dict[str, Any]:
         assert self.process.stdout is not None
@@ -195,10 +200,7 @@ class ColocatedPlain:
         self.vllm_version, self.plugin = host.vllm_version, host.plugin
 
     def request(self, payload: dict[str, Any]) -> dict[str, Any]:
-        reply = self.host.request({**payload, "engine": "plain"})
-        if "error" in reply:
-            raise RuntimeError(f"{self.host.method}: {reply['error']}")
-        return reply
+        return self.host.request({**payload, "engine": "plain"})  # an error reply raises there
 
     def close(self) -> None:
         """Closed with its host."""

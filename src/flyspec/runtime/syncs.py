@@ -59,6 +59,7 @@ class SyncCounter(TorchDispatchMode):
     events: list[Sync] = field(default_factory=list)
     marks: list[int] = field(default_factory=list)  # indices into events where a step began (:meth:`mark`)
     _originals: dict[str, Callable[..., Any]] = field(default_factory=dict)
+    _inherited: set[str] = field(default_factory=set)  # methods torch.Tensor inherits (from TensorBase): deleted after
     _depth: int = 0  # inside a wrapped method: what it dispatches is the same sync
 
     def __post_init__(self) -> None:
@@ -106,6 +107,8 @@ class SyncCounter(TorchDispatchMode):
         for name in WRAPPED_METHODS:
             original = getattr(torch.Tensor, name)
             self._originals[name] = original
+            if name not in vars(torch.Tensor):
+                self._inherited.add(name)
             setattr(torch.Tensor, name, self._wrap(name, original))
         super().__enter__()
         return self
@@ -113,8 +116,12 @@ class SyncCounter(TorchDispatchMode):
     def __exit__(self, *exc: object) -> None:
         super().__exit__(*exc)
         for name, original in self._originals.items():
-            setattr(torch.Tensor, name, original)
+            if name in self._inherited:
+                delattr(torch.Tensor, name)  # torch.Tensor as it was: inheriting it again
+            else:
+                setattr(torch.Tensor, name, original)
         self._originals.clear()
+        self._inherited.clear()
 
     def _wrap(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         counter = self

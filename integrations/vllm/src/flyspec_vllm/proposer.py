@@ -30,7 +30,7 @@ from flyspec_vllm.lookup import lookup_rows
 logger = logging.getLogger(__name__)
 SCHEDULE_VARIABLE = "FLYSPEC_VLLM_SCHEDULE"
 VLLM_SCHEDULE_KEY = "num_speculative_tokens_per_batch_size"
-_override: list[BatchSchedule] = []  # flyspec's worker sweeps draft lengths on one engine (:func:`overriding`)
+_override: list[BatchSchedule] = []  # flyspec's worker sweeps draft lengths on one engine (:func:`override`)
 
 
 def operator_schedule(speculative: Any, environ: Any = os.environ) -> BatchSchedule | None:
@@ -40,6 +40,12 @@ def operator_schedule(speculative: Any, environ: Any = os.environ) -> BatchSched
         return BatchSchedule.from_entries(entries)
     path = environ.get(SCHEDULE_VARIABLE, "").strip()
     return BatchSchedule.load(path) if path else None
+
+
+def override(schedule: BatchSchedule | None) -> None:
+    """From now on every proposer in this process follows ``schedule`` (None: the configured one again); flyspec's
+    worker sets it in every worker process through ``gather.Ranks.schedule``."""
+    _override[:] = [] if schedule is None else [schedule]
 
 
 @contextlib.contextmanager

@@ -1,6 +1,6 @@
 """What the plugin recorded of trusted requests (``flyspec_record``): their loose accepts and their shadow rules'
-divergences, kept in the process that verifies until the caller takes them (``flyspec calibrate``/``eval``'s
-worker runs the engine in its own process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
+divergences, kept in the process that verifies (a vLLM worker: one per tensor-parallel rank) until the caller takes
+them (``flyspec calibrate``/``eval``'s worker asks every worker process: ``gather.py``).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ class RequestRecord:
     diverged: dict[int, int] = field(default_factory=dict)
     cut: int = 0  # draft tokens the proposer withheld (reference.py)
     departed: int | None = None  # the output index where the output left its reference (reference.py)
+    judged: set[int] = field(default_factory=set)  # the steps (their output index) the rule or the shadows judged
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -30,6 +31,7 @@ class RequestRecord:
             "diverged": {str(index): start for index, start in sorted(self.diverged.items())},
             "cut": self.cut,
             "departed": self.departed,
+            "steps": len(self.judged),  # the caller checks it against the steps vLLM ran (vllm_session.py)
         }
 
 
@@ -55,6 +57,7 @@ def diverged(key: str) -> set[int]:
 def add_divergences(key: str, indices: list[int], start: int) -> None:
     with _lock:
         record = _record(key)
+        record.judged.add(start)
         for index in indices:
             record.diverged.setdefault(index, start)
 
@@ -76,6 +79,7 @@ def add_judgement(key: str, judgement: Any, start: int, draft: list[int]) -> Non
     request stopped inside the step) is dropped by the caller, who knows the output's length."""
     with _lock:
         record = _record(key)
+        record.judged.add(start)
         for position, evidence, target in zip(
             judgement.loose, judgement.evidence, judgement.target_tokens, strict=True
         ):

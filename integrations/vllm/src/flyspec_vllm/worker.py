@@ -1,8 +1,10 @@
 """A vLLM engine behind a JSON-lines pipe, for flyspec's bench, eval and calibrate (run in the vLLM venv).
 
 ``python -m flyspec_vllm.worker --model DIR --method vllm-ngram+fly --dtype float32`` starts one
-``vllm.LLM``, prints ``{"ready": true, "vllm_version": ..., "plugin": ...}`` (or ``{"error": "..."}`` and
-exits 1 when the engine cannot start), then answers one JSON object per stdin line:
+``vllm.LLM``, prints ``{"ready": true, "vllm_version": ..., "plugin": ..., "ranks": n, "worker_pids": [...]}``
+(or ``{"error": "..."}`` and exits 1 when the engine cannot start, when its workers cannot be asked for the
+plugin's records, or, for ``vllm-flyspec-rules``, when the plugin is not installed in every one of them), then
+answers one JSON object per stdin line (``{"error": "..."}`` when the records cannot be gathered):
 
 ``{"prompts": [[ids], ...], "max_tokens": N}`` → ``{"outputs": [[ids], ...], "seconds": s,
 "drafts": d, "draft_tokens": t, "accepted": a, "loose_accepts": l}``: all prompts of a line are
@@ -18,7 +20,10 @@ with ``"engine": "plain"`` goes to it: a control that shares the speculative eng
 ``{"outputs": [{"key": k, "token_ids": [...], "finish_reason": ..., "record": {...}}, ...], "seconds": s,
 ...counters}``: every request with its own settings (``flyspec_vllm.options``: its lossy rule, no drafts,
 its shadow rules), all submitted at once so that vLLM batches across them; ``record`` is what the plugin
-recorded of the request (``flyspec_vllm.records``: loose accepts, shadow divergences).
+recorded of the request (``flyspec_vllm.records``: loose accepts, shadow divergences). The plugin's records and
+counters come from the worker processes where its rule runs (``flyspec_vllm.gather``: vLLM's worker extension and
+``collective_rpc``; with tensor parallelism, rank 0's, checked equal on every rank), and a call's draft cap goes
+to them the same way.
 
 Methods: ``vllm-plain`` (no speculation), ``vllm-ngram`` (vLLM's own n-gram proposer, lossless),
 ``vllm-ngram+fly`` (flyspec's n-gram drafter, FLy with the trust guards for every request),
@@ -40,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from flyspec.harness.vllm_worker import speculative_config
+from flyspec_vllm.gather import EXTENSION, GatherError, Ranks
 
 # the KV cache's size: 1 GiB holds ~23k tokens of SmolLM2-135M in float32 (45 KiB each), plenty for a batch of 64
 DEFAULT_KV_CACHE_BYTES = 1 << 30
@@ -121,7 +127,8 @@ def _set_plugin_environment(method: str) -> None:
         os.environ.pop("FLYSPEC_VLLM_PROFILE", None)  # a calibration measures settings, a profile would limit them
     elif method != "vllm-plain":
         os.environ["FLYSPEC_VLLM_FLY"] = "off"
-    # one process: the plugin's counters and records live where the rule runs
+    # the engine core in this process starts faster (the caller may set 1); the plugin's records and counters come
+    # from the worker processes either way (gather.py), so tensor parallelism and a separate engine core see them
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
@@ -151,25 +158,25 @@ def start_engine(args: argparse.Namespace) -> Any:
         enable_prefix_caching=True,  # points of a calibration share their prompts (and a continuation its prefix)
         disable_log_stats=False,
         seed=0,
+        worker_extension_cls=EXTENSION,  # the plugin's records and counters, from every worker process (gather.py)
     )
 
 
-def call_schedule(request: dict[str, Any]) -> Any:
-    """The batch-size schedule a request line sets for its call (``num_draft_tokens`` or ``schedule``), or None."""
+def call_schedule(request: dict[str, Any]) -> list[list[int]] | None:
+    """The batch-size schedule a request line sets for its call (``num_draft_tokens`` or ``schedule``), as vLLM's
+    entries, or None."""
     from flyspec.config.schedule import BatchSchedule
 
     if request.get("schedule") is not None:
-        return BatchSchedule.from_entries(request["schedule"])
+        return BatchSchedule.from_entries(request["schedule"]).to_vllm()
     if request.get("num_draft_tokens") is not None:
-        return BatchSchedule(((1, 1, int(request["num_draft_tokens"])),))
+        return BatchSchedule(((1, 1, int(request["num_draft_tokens"])),)).to_vllm()
     return None
 
 
-def answer(llm: Any, request: dict[str, Any]) -> dict[str, Any]:
-    """One request line's reply (see the module docstring)."""
+def answer(llm: Any, ranks: Ranks, request: dict[str, Any]) -> dict[str, Any]:
+    """One request line's reply (see the module docstring); the plugin's records and counters from ``ranks``."""
     from vllm import SamplingParams
-
-    from flyspec_vllm import metrics, proposer, records
 
     if "requests" in request:
         items = request["requests"]
@@ -183,16 +190,18 @@ def answer(llm: Any, request: dict[str, Any]) -> dict[str, Any]:
         prompts = [{"prompt_token_ids": ids} for ids in request["prompts"]]
         params = SamplingParams(temperature=0.0, max_tokens=int(request["max_tokens"]), ignore_eos=False,
                                 extra_args=request.get("extra_args"))  # fmt: skip
-    before, loose_before = spec_counters(llm), metrics.snapshot()["loose_accepts"]
+    before, loose_before = spec_counters(llm), ranks.metrics()["loose_accepts"]
     started = time.perf_counter()
-    with proposer.overriding(call_schedule(request)):
+    with ranks.schedule(call_schedule(request)):
         results = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - started
     after = spec_counters(llm)
+    keys = [key for key in ((item.get("extra_args") or {}).get("flyspec_record") for item in items) if key]
+    taken, counters = ranks.take(keys)
     reply: dict[str, Any] = {
         "seconds": seconds,
         **{name: after[name] - before[name] for name in after},
-        "loose_accepts": metrics.snapshot()["loose_accepts"] - loose_before,
+        "loose_accepts": counters["loose_accepts"] - loose_before,
     }
     if not items:
         reply["outputs"] = [list(result.outputs[0].token_ids) for result in results]
@@ -206,7 +215,7 @@ def answer(llm: Any, request: dict[str, Any]) -> dict[str, Any]:
                 "key": item.get("key"),
                 "token_ids": list(output.token_ids),
                 "finish_reason": output.finish_reason,
-                "record": records.take(key) if key else None,
+                "record": taken[key] if key else None,
             }
         )
     reply["outputs"] = outputs
@@ -225,26 +234,32 @@ def main(argv: list[str] | None = None) -> int:
             # the speculative engine's counters (drafts, accepted tokens) are the ones spec_counters reads
             engines["plain"] = start_engine(argparse.Namespace(**{**vars(args), "method": "vllm-plain"}))
         engines[""] = start_engine(args)
+        # every rank answers, and where the records are the point (calibrate, eval) the plugin is in each of them
+        ranks = {name: Ranks(engine) for name, engine in engines.items()}
+        installed = all(ranks[""].installed)
+        if args.method == RULES_METHOD and not installed:
+            missing = [rank for rank, ok in enumerate(ranks[""].installed) if not ok]
+            raise GatherError(f"the flyspec-vllm plugin did not install in rank(s) {missing} (see vLLM's log for why)")
     except Exception as error:  # noqa: BLE001 - any start-up failure is reported to the caller in one line
         message = " ".join(str(error).split()) or type(error).__name__
         print(json.dumps({"error": f"{type(error).__name__}: {message}"}), flush=True)
         return 1
-    from flyspec_vllm import patch
-
-    plugin = "installed" if patch.STATE is not None and patch.STATE.enabled else "not installed"
-    if args.method == RULES_METHOD and plugin != "installed":
-        print(json.dumps({"error": "the flyspec-vllm plugin did not install (see vLLM's log for why)"}), flush=True)
-        return 1
-    print(json.dumps({"ready": True, "vllm_version": vllm.__version__, "plugin": plugin}), flush=True)
+    plugin = "installed" if installed else "not installed"
+    print(json.dumps({"ready": True, "vllm_version": vllm.__version__, "plugin": plugin, "ranks": ranks[""].size,
+                      "worker_pids": ranks[""].pids}), flush=True)  # fmt: skip
     for line in sys.stdin:
         if line.strip():
             request = json.loads(line)
-            engine = engines.get(request.get("engine", ""))
-            if engine is None:
+            name = request.get("engine", "")
+            if name not in engines:
                 print(json.dumps({"error": f"no engine {request['engine']!r} here: start the worker with "
                                            "--colocated-plain"}), flush=True)  # fmt: skip
                 continue
-            print(json.dumps(answer(engine, request)), flush=True)
+            try:
+                reply = answer(engines[name], ranks[name], request)
+            except GatherError as error:
+                reply = {"error": f"GatherError: {error}"}
+            print(json.dumps(reply), flush=True)
     return 0
 
 
