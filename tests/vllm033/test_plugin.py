@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,8 +16,10 @@ from flyspec_vllm import internals, metrics
 from kernels import Step
 from plugin_harness import exact_greedy, guarded_accepted, guarded_greedy, installed, random_requests
 from runners import Request, fly_config, v1_runner, v1_step, v2_runner, v2_step
+from vllm.triton_utils import tl, triton
 from vllm.v1.sample import rejection_sampler as v1_module
 from vllm.v1.spec_decode.fly import compute_fly_entropy
+from vllm.v1.worker.gpu.spec_decode import rejection_sampler_utils
 
 from flyspec.config import FlyConfig, GuardConfig, MarginConfig, SamplingConfig, SpeculationConfig
 from flyspec.types import Draft, VerifyContext
@@ -24,6 +27,11 @@ from flyspec.verifiers.registry import make_verifier
 from guard_words import BOB, CAT, VOCAB, VOCABULARY
 
 BATCH, BATCHES = 12, 6
+
+
+@triton.jit
+def interpreted_log1p(x):  # noqa: ANN001, ANN201 - libdevice's log1p (a compiled op) for Triton's interpreter
+    return tl.log(1.0 + x)
 
 
 def test_the_plugin_finds_vllm_033s_internals_on_both_runners() -> None:
@@ -89,41 +97,51 @@ def test_native_fly_sampled_requests_on_v1_keep_vllms_deferrals_minus_the_vetoes
                 base = probs.gather(-1, request.step.draft.unsqueeze(-1)).squeeze(-1) >= drawn[-1][start : start + k]
                 accepted, unguarded = guarded_accepted(request, base, window, threshold, probs.log(), None,
                                                        SamplingConfig(1.0))  # fmt: skip
-                assert len(tokens) - 1 == accepted and tokens[:accepted] == request.step.draft[:accepted].tolist(), (
-                    tokens, request.step.draft.tolist(), base.tolist(), accepted, unguarded, index)
+                assert len(tokens) - 1 == accepted and tokens[:accepted] == request.step.draft[:accepted].tolist()
                 vetoed += accepted < unguarded
                 start += k
     counted = metrics.snapshot()
     assert vetoed >= 1 and counted["native_loose"] > counted["native_vetoed"] >= vetoed, (vetoed, counted)
 
 
-def test_native_fly_sampled_requests_on_v2_keep_vllms_deferrals_minus_the_vetoes(monkeypatch) -> None:
-    """V2 at T > 0: its uniforms are Philox draws of (seed, position), drawn again with vLLM's tl_rand32."""
+@pytest.mark.parametrize("drafter", ["n-gram", "draft model"])
+def test_native_fly_sampled_requests_on_v2_keep_vllms_deferrals_minus_the_vetoes(monkeypatch, drafter: str) -> None:
+    """V2 at T > 0: its uniforms are Philox draws of (seed, position), drawn again with vLLM's tl_rand32; a draft
+    model's (or EAGLE's) logits enter the test as ``log p > log u + log q`` (an n-gram's draft: q = 1)."""
     from flyspec_vllm.v2_random import rejection_uniforms
     from runners import v2_batch
 
     generator = torch.Generator().manual_seed(13)
     vetoed = 0
+    if drafter == "draft model":  # its residual draw calls libdevice's log1p, which the interpreter lacks
+        monkeypatch.setattr(rejection_sampler_utils, "tldevice", SimpleNamespace(log1p=interpreted_log1p))
     with installed(monkeypatch):
-        for index in range(BATCHES):
+        for index in range(BATCHES // 2 if drafter == "draft model" else BATCHES):
             window, threshold = 1 + index % 3, float(torch.rand(1, generator=generator)) * 0.5
             requests = random_requests(generator, BATCH, [1.0, 0.7], f"t{index}")
             runner = v2_runner(requests, fly_config(window, threshold))
+            draft_logits = None
+            if drafter == "draft model":  # [max_num_reqs, steps, vocab], before the temperature, as V2 keeps them
+                draft_logits = torch.randn((BATCH + runner.offset, 12, VOCAB), generator=generator)
+                runner.speculator.draft_logits = draft_logits
             batch = v2_batch(requests, runner.offset)
             seeds = runner.sampler.sampling_states.seeds.gpu
             uniforms = rejection_uniforms(seeds, batch.positions, batch.expanded_idx_mapping)
             committed = v2_step(runner, requests)
             start = 0
-            for request, tokens in zip(requests, committed, strict=True):
-                rows = request.step.logits[:-1]
+            for slot, (request, tokens) in enumerate(zip(requests, committed, strict=True)):
+                rows, draft = request.step.logits[:-1], request.step.draft.unsqueeze(-1)
                 k = rows.shape[0]
-                target = rows.log_softmax(-1).gather(-1, request.step.draft.unsqueeze(-1)).squeeze(-1)
-                base = target > uniforms[start : start + k].log()
+                proposal = torch.zeros(k)
+                if draft_logits is not None:
+                    scaled = draft_logits[slot + runner.offset, :k] / request.step.temperature
+                    proposal = scaled.log_softmax(-1).gather(-1, draft).squeeze(-1)
+                target = rows.log_softmax(-1).gather(-1, draft).squeeze(-1)
+                base = target > uniforms[start : start + k].log() + proposal
                 entropy = compute_fly_entropy(rows, 3, from_logits=True)
                 greedy = SamplingConfig()  # V2's kernel reads the processed logits as they are
                 accepted, unguarded = guarded_accepted(request, base, window, threshold, rows, entropy, greedy)
-                assert len(tokens) - 1 == accepted and tokens[:accepted] == request.step.draft[:accepted].tolist(), (
-                    tokens, request.step.draft.tolist(), base.tolist(), accepted, unguarded, index)
+                assert len(tokens) - 1 == accepted and tokens[:accepted] == request.step.draft[:accepted].tolist()
                 vetoed += accepted < unguarded
                 start += k + 1
     counted = metrics.snapshot()

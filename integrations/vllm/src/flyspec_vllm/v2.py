@@ -38,6 +38,7 @@ from flyspec_vllm import failsafe, metrics
 from flyspec_vllm._flyspec import ConfigError, FlyConfig, fly_candidates
 from flyspec_vllm.internals import wrap
 from flyspec_vllm.native import guarded
+from flyspec_vllm.options import REQUEST_KEYS
 from flyspec_vllm.requests import PluginState, forget_finished, make_rule, refused, step_options
 from flyspec_vllm.rule import RequestRule, apply_batch
 
@@ -192,9 +193,11 @@ def loose_accepts(
     runner: Any, state: PluginState, arguments: dict[str, Any], native: bool
 ) -> tuple[list[int], list[int]] | None:
     """The rows to accept loosely and their draft tokens (None: none), per request's rule (module docstring)."""
+    params = runner.__dict__.get(PARAMS, {})
+    if not native and state.switch != "all" and not any(_asks(value) for value in params.values()):
+        return None  # no live request asks for a rule: nothing to read from the device
     requests = [request for request in batch_requests(runner, arguments) if request.draft]
     forget_finished(state, list(runner.req_states.index_to_req_id.values()))
-    params = runner.__dict__.get(PARAMS, {})
     options: dict[str, Any] = {}
     rules: dict[str, RequestRule] = {}
     for request in requests:
@@ -218,6 +221,12 @@ def loose_accepts(
     ruled = [request for request in requests if request.req_id in rules]
     found_rows, found_tokens = (native_loose if native else rule_loose)(ruled, rules, arguments)
     return (found_rows, found_tokens) if found_rows else None
+
+
+def _asks(params: Any) -> bool:
+    """The request's options name a flyspec rule or shadow (``options.REQUEST_KEYS``)."""
+    extra_args = getattr(params, "extra_args", None) or {}
+    return any(key in extra_args for key in REQUEST_KEYS)
 
 
 def committed_tokens(runner: Any, state: PluginState, requests: list[Request]) -> dict[str, list[int]]:
@@ -286,11 +295,13 @@ def native_loose(
         from flyspec_vllm.v2_random import rejection_uniforms
 
         uniforms = rejection_uniforms(arguments["seed"], arguments["pos"], arguments["expanded_idx_mapping"])
+    draft_logits = arguments.get("draft_logits")
+    vocab = target_logits.shape[-1] if draft_logits is None else min(target_logits.shape[-1], draft_logits.shape[-1])
     judged = []
     for request in requests:
-        rows = target_logits[request.rows.start : request.rows.stop].float()  # [k, vocab]
+        rows = target_logits[request.rows.start : request.rows.stop, :vocab].float()  # [k, vocab] as the kernel reads
         draft = torch.tensor(request.draft, dtype=torch.long, device=rows.device)
-        base = native_accepts(request, rows, draft, uniforms, arguments.get("draft_logits"))
+        base = native_accepts(request, rows, draft, uniforms, draft_logits)
         entropy = compute_fly_entropy(rows, config.entropy_top_k, from_logits=True)
         candidates, _ = fly_candidates(base, rows, config, draft, entropy=entropy)
         judged.append((request, rows, draft, base, candidates))
