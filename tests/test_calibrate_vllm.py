@@ -206,8 +206,9 @@ def test_a_profile_says_how_to_deploy_its_point() -> None:
 
 
 def test_a_profile_carries_a_batch_schedule_into_both_deploy_blocks(tmp_path) -> None:
-    """Issue 37: calibrate --schedule puts bench --derive-schedule's schedule into the profile; its deploy blocks set
-    vLLM's num_speculative_tokens_per_batch_size (the plugin's proposer and vLLM's own read the same key)."""
+    """Issue 37: calibrate --schedule puts bench --derive-schedule's schedule into the profile; its deploy blocks carry
+    it where each vLLM keeps it: vLLM's own n-gram proposer reads num_speculative_tokens_per_batch_size, the plugin's
+    proposer FLYSPEC_VLLM_SCHEDULE (vLLM 0.33 drops the key for custom_class: tests/vllm033)."""
     from flyspec.calibration.api import CalibrationConfig
     from flyspec.calibration.deploy import deployment
     from flyspec.calibration.record import profile_record
@@ -222,8 +223,11 @@ def test_a_profile_carries_a_batch_schedule_into_both_deploy_blocks(tmp_path) ->
     native = SpeculationConfig(verifier="fly", fly=FlyConfig(variant="vllm"), guard=GuardConfig.bare())
     record.update(engine={"name": "vllm"}, chosen={"speculation": native.to_dict()})
     block = deployment(record)
-    for where in (block["vllm_plugin"], block["vllm_native"]):
-        assert where["speculative_config"]["num_speculative_tokens_per_batch_size"] == [[1, 2, 8], [3, 64, 0]]
+    native_config = block["vllm_native"]["speculative_config"]
+    assert native_config["num_speculative_tokens_per_batch_size"] == [[1, 2, 8], [3, 64, 0]]
+    plugin = block["vllm_plugin"]
+    assert "num_speculative_tokens_per_batch_size" not in plugin["speculative_config"]
+    assert json.loads(plugin["environment"]["FLYSPEC_VLLM_SCHEDULE"]) == [[1, 2, 8], [3, 64, 0]]
     path.write_text('{"num_speculative_tokens_per_batch_size": [[2, 64, 0]]}')
     with pytest.raises(ConfigError, match="should start at 1"):
         CalibrationConfig(schedule=str(path))

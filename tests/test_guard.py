@@ -32,7 +32,6 @@ from flyspec.verifiers import guard as guard_module
 from flyspec.verifiers.fly import FlyVerifier, topk_entropy
 from flyspec.verifiers.margin import MarginVerifier
 from flyspec.verifiers.tokens import (
-    Vocabulary,
     is_protected,
     looks_like_code,
     name_spans,
@@ -40,32 +39,35 @@ from flyspec.verifiers.tokens import (
     vocabulary_of,
 )
 from flyspec.verifiers.typical import TypicalVerifier
+from guard_words import (  # noqa: F401 - the word vocabulary, imported from here by other tests too
+    ALICE,
+    ASK,
+    BOB,
+    CAT,
+    DOG,
+    DOT,
+    EOS,
+    EQUALS,
+    FENCE,
+    ID,
+    IS,
+    MAT,
+    N24,
+    N42,
+    NEWLINE,
+    ON,
+    SAID,
+    SAT,
+    THE,
+    VOCAB,
+    VOCABULARY,
+    WORDS,
+    WordTokenizer,
+    X,
+    Y,
+)
 
 GREEDY = SamplingConfig()
-WORDS = [
-    "<eos>", " the", " cat", " dog", " 42", " 24", " Alice", " Bob", "```", "\n",
-    " x", " y", " =", " sat", " on", " mat", " said", ".", " Ask", " is",
-]  # fmt: skip
-ID = {word.strip() or word: index for index, word in enumerate(WORDS)}
-EOS, THE, CAT, DOG, N42, N24, ALICE, BOB, FENCE, NEWLINE = range(10)
-X, Y, EQUALS, SAT, ON, MAT, SAID, DOT, ASK, IS = range(10, 20)
-VOCAB = len(WORDS)
-
-
-class WordTokenizer:
-    """A tokenizer over :data:`WORDS` with just what :class:`Vocabulary` uses."""
-
-    def __len__(self) -> int:
-        return VOCAB
-
-    def decode(self, ids: list[int]) -> str:
-        return "".join(WORDS[i] for i in ids)
-
-    def batch_decode(self, batch: list[list[int]]) -> list[str]:
-        return [self.decode(ids) for ids in batch]
-
-
-VOCABULARY = Vocabulary(WordTokenizer(), frozenset({EOS}), VOCAB)  # type: ignore[arg-type]
 # No window, no entropy gate: FLy would keep every mismatch, so the guards are the only filter.
 LOOSE_FLY = FlyConfig(window_size=0, entropy_threshold=0.0)
 

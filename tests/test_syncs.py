@@ -151,6 +151,46 @@ def test_the_plugins_rule_syncs_once_per_batch_and_boundedly_per_missed_request(
     assert counter.total == expected, counter.by_site()
 
 
+class DeferringKernel:
+    """vLLM's greedy FLy pre-pass as it is launched (``kernel[grid](*args)``), writing the draft token over the
+    target's argmax at fixed positions: device work only, like the real kernel."""
+
+    def __init__(self, positions: torch.Tensor) -> None:
+        self.positions = positions
+
+    def __getitem__(self, grid: object):  # noqa: ANN204
+        return self.launch
+
+    def launch(self, cu_num, draft, target_argmax, *args, **kwargs) -> None:  # noqa: ANN001
+        target_argmax[self.positions] = draft[self.positions].to(target_argmax.dtype)
+
+
+@pytest.mark.parametrize("batch", [1, 32])
+def test_the_guards_on_vllms_own_fly_sync_once_per_batch_and_twice_per_loose_request(gpu_path, batch: int) -> None:
+    """Issue 52: the native veto (``native.py``) keeps the logits on the device: no row goes to the host; one sync
+    for the batch, then two per request where vLLM's FLy kept something (the guards', and what they kept)."""
+    from types import SimpleNamespace
+
+    from flyspec_vllm import native
+
+    draft, sizes, logits, _ = plugin_batch(batch)
+    argmax = logits.argmax(-1)
+    draft = torch.where(torch.arange(draft.shape[0]) % 15 == 4, logits.topk(2, dim=-1).indices[:, 1], argmax)
+    loose = (draft != argmax).nonzero().squeeze(-1)[: max(1, batch // 2)]  # vLLM's FLy defers at half the requests
+    sampler = SimpleNamespace(apply_fly_greedy_acceptance_kernel=DeferringKernel(loose),
+                              apply_fly_random_acceptance_kernel=DeferringKernel(loose))  # fmt: skip
+    _, plugin_rules = fly_rules(batch)  # the guards' tables built; with vLLM's FLy each request carries the guards
+    rules = [RequestRule(context=rule.context, guard=GuardConfig()) for rule in plugin_rules]
+    native.install(sampler, lambda: rules)
+    cu_num = torch.tensor(sizes).cumsum(0)
+    decided = argmax.clone()
+    with SyncCounter() as counter:
+        sampler.apply_fly_greedy_acceptance_kernel[(batch,)](cu_num, draft, decided, logits, None, None, 40, 0.1)
+    kinds = counter.by_kind()
+    assert not {"cpu", 'to("cpu")', "numpy"} & set(kinds), counter.by_site()  # no logits row on the host
+    assert counter.total == 1 + 2 * len(loose), counter.by_site()
+
+
 def test_a_batch_without_lossy_requests_costs_the_plugin_no_sync() -> None:
     draft, sizes, logits, _ = plugin_batch(8)
     with SyncCounter() as counter:

@@ -18,7 +18,7 @@ from flyspec_vllm import patch, records, worker  # noqa: E402
 from flyspec_vllm.gather import EXTENSION, GatherError, Ranks, WorkerExtension  # noqa: E402
 from flyspec_vllm.proposer import NgramProposer  # noqa: E402
 
-from flyspec.config import ConfigError  # noqa: E402
+from flyspec.config import ConfigError, GuardConfig  # noqa: E402
 from flyspec.harness.vllm_session import check_record  # noqa: E402
 from test_vllm_plugin import proposer_config  # noqa: E402
 
@@ -105,7 +105,7 @@ def test_the_worker_refuses_to_start_where_a_rank_has_no_plugin(monkeypatch, cap
     assert worker.main(["--model", "m", "--method", "vllm-plain"]) == 0
     ready = json.loads(capsys.readouterr().out)
     assert (ready["plugin"], ready["ranks"]) == ("not installed", 2)
-    monkeypatch.setattr(patch, "STATE", patch.PluginState(switch="request", guard=patch.GuardConfig()))
+    monkeypatch.setattr(patch, "STATE", patch.PluginState(switch="request", guard=GuardConfig()))
     assert Ranks(Engine(WorkerExtension())).installed == [True]  # the real status reads the plugin's state
 
 

@@ -15,6 +15,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integrations" / "vllm" / "src"))
 
 from flyspec_vllm import patch, records  # noqa: E402
+from flyspec_vllm import requests as requests_module  # noqa: E402
 from flyspec_vllm.options import LOSSY_RULES, parse_rule, request_options, rule_request  # noqa: E402
 from flyspec_vllm.proposer import NgramProposer  # noqa: E402
 from flyspec_vllm.reference import Reference  # noqa: E402
@@ -232,7 +233,8 @@ def test_request_options() -> None:
         ({"rejection_sample_method": "fly", "fly_window_size": -1}, "window_size"),
         ({"flyspec_rule": {"verifier": "exact"}}, "not a lossy rule"),
         ({"flyspec_rule": {"drafter": "ngram"}}, "cannot be set per request"),
-        ({"flyspec_rule": "fly"}, "must be an object"),
+        ({"flyspec_rule": 3}, "must be an object"),
+        ({"flyspec_rule": "{'verifier': 'fly'}"}, "not valid JSON"),
         (trusted_rule, "the trust guards are the operator's"),
         ({"flyspec_record": "k"}, "only for trusted requests"),
         ({"flyspec_draft": "no"}, "flyspec_draft must be true or false"),
@@ -355,15 +357,25 @@ def fake_vllm(*, with_rejection_sample: bool) -> dict[str, SimpleNamespace]:
     }
 
 
+def importer(modules: dict[str, SimpleNamespace]):  # noqa: ANN201 - import_module over fake modules
+    def import_module(name: str) -> SimpleNamespace:
+        if name not in modules:
+            raise ImportError(f"No module named {name!r}")
+        return modules[name]
+
+    return import_module
+
+
 def test_plugin_disables_itself_cleanly_when_an_internal_is_missing(caplog, monkeypatch) -> None:
     modules = fake_vllm(with_rejection_sample=False)
     original_sample = modules[patch.RUNNER_MODULE].GPUModelRunner._sample
     monkeypatch.setattr(patch, "STATE", None)
     with caplog.at_level(logging.WARNING, logger="flyspec_vllm"):
-        assert patch.install(modules.__getitem__) is False
-    warnings = [record for record in caplog.records if record.levelno == logging.WARNING]
-    assert len(warnings) == 1 and "rejection_sample is missing" in warnings[0].getMessage()
-    assert "lossless" in warnings[0].getMessage()
+        assert patch.install(importer(modules)) is False
+    warnings = [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
+    assert len(warnings) == 2, warnings  # one line per runner: neither is hooked
+    assert "V1 model runner differs" in warnings[0] and "rejection_sample is missing" in warnings[0]
+    assert "V2 model runner differs" in warnings[1] and "import" in warnings[1]
     assert modules[patch.RUNNER_MODULE].GPUModelRunner._sample is original_sample  # nothing patched
     assert patch.STATE is None
 
@@ -371,8 +383,8 @@ def test_plugin_disables_itself_cleanly_when_an_internal_is_missing(caplog, monk
 def test_plugin_wraps_the_internals_when_they_have_the_expected_shape(monkeypatch) -> None:
     modules = fake_vllm(with_rejection_sample=True)
     monkeypatch.setattr(patch, "STATE", None)
-    assert patch.install(modules.__getitem__) is True
-    assert patch.install(modules.__getitem__) is True  # loaded twice: wrapped once
+    assert patch.install(importer(modules)) is True
+    assert patch.install(importer(modules)) is True  # loaded twice: wrapped once
     wrapped = modules[patch.SAMPLER_MODULE].rejection_sample
     assert getattr(wrapped, "__flyspec_vllm__", False)
     assert not getattr(wrapped.__wrapped__, "__flyspec_vllm__", False)
@@ -386,7 +398,7 @@ def test_operator_switch_off_leaves_vllms_rule_alone(monkeypatch) -> None:
     runner._sample = lambda self, logits, spec_decode_metadata: seen.append(spec_decode_metadata) or "vllm's sample"
     monkeypatch.setenv("FLYSPEC_VLLM_FLY", "off")
     monkeypatch.setattr(patch, "STATE", None)
-    assert patch.install(modules.__getitem__) is False
+    assert patch.install(importer(modules)) is False
     assert not hasattr(modules[patch.SAMPLER_MODULE].rejection_sample, "__flyspec_vllm__")
     assert patch.STATE is None
     # only the shortcut for steps without drafts: metadata with drafts reaches vLLM's _sample unchanged
@@ -553,14 +565,15 @@ def test_on_vllms_own_fly_the_guards_veto_its_loose_accepts_and_add_none(monkeyp
         ReferenceKernel(True).launch(cu_num, draft, unguarded, logits, None, None, VOCAB, 0.1, FLY_WINDOW_SIZE=2)
         guarded = argmax.clone()
         context = VerifyContext([1, 2, 3, 4, 19, 13], 4, VOCABULARY)
-        rules_now[:] = [RequestRule(context=context, guard=GuardConfig()), RequestRule()]  # the 2nd: no guards
+        # the 2nd request's options were refused (or it has no guards): it gets none of vLLM's loose accepts
+        rules_now[:] = [RequestRule(context=context, guard=GuardConfig()), RequestRule(exact=True)]
         sampler.apply_fly_greedy_acceptance_kernel[(2,)](
             cu_num, draft, guarded, logits, None, None, VOCAB, 0.1, FLY_WINDOW_SIZE=2
         )
         native_loose = unguarded != argmax
         guarded_loose = guarded != argmax
         assert bool((guarded_loose & ~native_loose).sum() == 0)  # vetoes only: never a loose accept vLLM did not make
-        assert torch.equal(guarded[8:], unguarded[8:])  # the unguarded request is vLLM's alone
+        assert torch.equal(guarded[8:], argmax[8:])  # the exact request: vLLM's lossless rule
         context = VerifyContext([1, 2, 3, 4, 19, 13], 4, VOCABULARY)
         expected, _ = guard_mask(draft[:8], argmax[:8], native_loose[:8], logits[:8], context)
         first_veto = next((j for j in range(8) if native_loose[j] and not expected[j]), 8)
@@ -577,8 +590,13 @@ def guard_mask(draft, argmax, loose, logits, context):  # noqa: ANN001, ANN201
 
 
 def test_the_plugin_says_which_mode_it_runs_in() -> None:
-    assert "has a built-in FLy" in patch.mode_line(True, "0.33.0") and "veto" in patch.mode_line(True, "0.33.0")
-    assert "has no built-in FLy" in patch.mode_line(False, "0.32.0")
+    for runner in ("V1", "V2"):
+        native = patch.mode_line(runner, True, "request", "0.33.0")
+        assert f"{runner} model runner" in native and "vetoing its loose accepts" in native
+        assert "per-request rules are not applied" in native
+        assert "WITHOUT flyspec's guards" in patch.mode_line(runner, True, "off", "0.33.0")
+    assert "every greedy request" in patch.mode_line("V1", False, "all", "0.32.0")
+    assert "lossless" in patch.mode_line("V1", False, "off", "0.32.0")
 
 
 def test_sampled_requests_on_vllms_own_fly_get_vetoes_only() -> None:
@@ -631,7 +649,7 @@ def test_a_continuation_tells_the_guards_where_its_prompt_ended(monkeypatch) -> 
         requests={"r": SimpleNamespace(sampling_params=params)},
     )
     state = patch.PluginState(switch="request", guard=GuardConfig(), trusted=True)
-    monkeypatch.setattr(patch, "vocabulary_of", lambda runner, state: VOCABULARY)
+    monkeypatch.setattr(requests_module, "vocabulary_of", lambda runner, state: VOCABULARY)
     [built] = patch.batch_rules(runner, state)
     assert built.context.prompt_length == 4 and built.context.prompt_ids == [1, 2, 3, 4] and built.start == 8
     params.extra_args = {"flyspec_rule": rule}  # a request of its own: the engine's prompt length
@@ -639,7 +657,7 @@ def test_a_continuation_tells_the_guards_where_its_prompt_ended(monkeypatch) -> 
     assert built.context.prompt_length == 9 and built.start == 3
     state.trusted = False  # only flyspec's own worker may say so
     params.extra_args = {"flyspec_rule": rule, "flyspec_prompt_length": 4}
-    assert patch.batch_rules(runner, state) == [RequestRule()]
+    assert patch.batch_rules(runner, state) == [RequestRule(req_id="r")]
 
 
 def test_a_requests_options_are_parsed_at_its_first_step_only(monkeypatch) -> None:
@@ -656,9 +674,9 @@ def test_a_requests_options_are_parsed_at_its_first_step_only(monkeypatch) -> No
         requests={"r": SimpleNamespace(sampling_params=params)},
     )
     state = patch.PluginState(switch="request", guard=GuardConfig(), trusted=True)
-    monkeypatch.setattr(patch, "vocabulary_of", lambda runner, state: VOCABULARY)
+    monkeypatch.setattr(requests_module, "vocabulary_of", lambda runner, state: VOCABULARY)
     parsed: list[object] = []
-    monkeypatch.setattr(patch, "request_options", lambda *args: parsed.append(args) or request_options(*args))
+    monkeypatch.setattr(requests_module, "request_options", lambda *args: parsed.append(args) or request_options(*args))
     first = patch.batch_rules(runner, state)
     assert patch.batch_rules(runner, state) == first and len(parsed) == 1
     state.guard = GuardConfig.bare()
@@ -686,7 +704,7 @@ def test_the_token_tables_are_built_when_vllm_loads_the_model_not_in_a_step(monk
     monkeypatch.setattr(patch, "STATE", None)
     prepared = []
     monkeypatch.setattr(patch, "prepare_tables", lambda runner, state: prepared.append(runner))
-    assert patch.install(modules.__getitem__) is True
+    assert patch.install(importer(modules)) is True
     runner = modules[patch.RUNNER_MODULE].GPUModelRunner()
     assert runner.load_model() == "vllm's model" and prepared == [runner]
 

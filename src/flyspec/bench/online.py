@@ -57,7 +57,7 @@ def server_command(
     if method not in LOAD_METHODS:
         raise ConfigError(f"--online measures {', '.join([*LOAD_METHODS, FLYSPEC_SERVE])}, not {method}")
     method = engine_method(method)
-    from flyspec.harness.vllm_worker import speculative_config
+    from flyspec.harness.vllm_worker import schedule_environment, speculative_config
 
     entries = schedule.to_vllm() if schedule is not None and method in FLYSPEC_PROPOSER else None
     speculative = speculative_config(method, k, entries)
@@ -66,7 +66,8 @@ def server_command(
                "--kv-cache-memory-bytes", str(512 << 20), "--seed", "0", "--disable-uvicorn-access-log",
                *(["--enforce-eager"] if eager else []),
                *(["--speculative-config", json.dumps(speculative)] if speculative else [])]  # fmt: skip
-    environment = {"FLYSPEC_VLLM_FLY": "all" if method.startswith("vllm-ngram+fly") else "off"}
+    environment = {"FLYSPEC_VLLM_FLY": "all" if method.startswith("vllm-ngram+fly") else "off",
+                   **schedule_environment(method, entries)}  # fmt: skip
     if method.endswith("+bare"):
         environment["FLYSPEC_VLLM_GUARDS"] = "bare"
     return command, environment

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from flyspec.config import BreakerConfig, SpeculationConfig
-from flyspec.harness.vllm_worker import speculative_config
+from flyspec.harness.vllm_worker import schedule_environment, speculative_config
 
 
 def deployment(record: dict[str, Any]) -> dict[str, Any]:
@@ -23,9 +23,13 @@ def deployment(record: dict[str, Any]) -> dict[str, Any]:
         "measured_on": engine,
         "flyspec": "flyspec serve --profile PROFILE (or --profile PROFILE for generate, bench, eval)",
         "vllm_plugin": {
-            "environment": {"FLYSPEC_VLLM_PROFILE": "PROFILE", "FLYSPEC_VLLM_FLY": "all"},
+            # the schedule travels in the environment: vLLM 0.33 drops num_speculative_tokens_per_batch_size for
+            # custom_class (the plugin's proposer), 0.32 and 0.33 both keep the environment
+            "environment": {"FLYSPEC_VLLM_PROFILE": "PROFILE", "FLYSPEC_VLLM_FLY": "all",
+                            **schedule_environment("vllm-ngram+fly", schedule)},  # fmt: skip
             "speculative_config": plugin_config,
-            "note": "the plugin applies the chosen point with its trust guards to every greedy request",
+            "note": "the plugin applies the chosen point with its trust guards to every greedy request (V1 model "
+            "runner: vLLM runs custom_class proposers there)",
         },
         "vllm_native": None,
     }
@@ -55,7 +59,8 @@ def deployment(record: dict[str, Any]) -> dict[str, Any]:
                 else "vLLM's window checks one more draft token than flyspec's at the same fly_window_size: it keeps "
                 "no more than the calibrated point"
             )
-            + "; vLLM's n-gram proposer drafts from its own lookup, not flyspec's (the drafts may differ)",
+            + "; vLLM's n-gram proposer drafts from its own lookup, not flyspec's (the drafts may differ); with the "
+            "flyspec-vllm plugin installed its trust guards veto on either model runner, without it nothing does",
         }
     return out
 

@@ -26,23 +26,35 @@ DEFAULT_VENV = ".venv-vllm"  # the Makefile's VLLM_VENV
 DEFAULT_KV_CACHE_BYTES = 1 << 30  # flyspec_vllm.worker's default: the same on every machine (issue 35)
 
 
+SCHEDULE_VARIABLE = "FLYSPEC_VLLM_SCHEDULE"  # the plugin proposer's batch schedule (flyspec_vllm.proposer)
+
+
 def speculative_config(
     method: str, num_draft_tokens: int, schedule: list[list[int]] | None = None
 ) -> dict[str, Any] | None:
     """vLLM's ``speculative_config`` for a method of the worker (``flyspec_vllm.worker``) and of ``flyspec bench
-    --online``'s vLLM server; ``schedule``: its ``num_speculative_tokens_per_batch_size`` (``config/schedule.py``)."""
+    --online``'s vLLM server; ``schedule``: its ``num_speculative_tokens_per_batch_size`` (``config/schedule.py``)
+    where vLLM keeps it: for its own n-gram proposer. The plugin's proposer (``custom_class``) gets it through the
+    environment instead (:func:`schedule_environment`): vLLM 0.33 drops the key for ``custom_class``."""
     if method == "vllm-plain":
         return None
     config: dict[str, Any]
     if method == "vllm-ngram":
         config = {"method": "ngram", "num_speculative_tokens": num_draft_tokens, "prompt_lookup_max": 4,
                   "prompt_lookup_min": 1}  # fmt: skip
+        if schedule:
+            config["num_speculative_tokens_per_batch_size"] = [list(entry) for entry in schedule]
     else:
         proposer = "flyspec_vllm.NgramProposer"
         config = {"method": "custom_class", "model": proposer, "num_speculative_tokens": num_draft_tokens}
-    if schedule:
-        config["num_speculative_tokens_per_batch_size"] = [list(entry) for entry in schedule]
     return config
+
+
+def schedule_environment(method: str, schedule: list[list[int]] | None) -> dict[str, str]:
+    """The environment that carries a batch schedule to the plugin's proposer (vLLM 0.32 and 0.33 alike)."""
+    if not schedule or method in ("vllm-plain", "vllm-ngram"):
+        return {}
+    return {SCHEDULE_VARIABLE: json.dumps([list(entry) for entry in schedule])}
 
 
 def venv_python(venv: str | None) -> Path:

@@ -25,7 +25,11 @@ reference of its kernels is in ``tests/vllm_fly_reference.py``): the same judgea
 (``j <= k - W - 1``), but the window asks the ``W`` draft tokens after a mismatch to match (one more than
 the reference code's ``W - 1``), the draft token must have a non-zero probability under the distribution
 the target samples from (greedy: a finite logit), and at T > 0 the entropy is of that distribution
-(temperature-scaled and filtered) rather than of the raw logits. A flyspec setting with window ``W`` keeps
+(temperature-scaled and filtered) rather than of the raw logits. Its entropy is computed as vLLM's V1 sampler
+computes it (softmax, then the log of the top-k probabilities), so that a threshold equal to an entropy value
+decides as vLLM does; vLLM's V2 kernel takes it from the logits instead (``top - logsumexp``), which the vLLM
+plugin passes in (``fly_candidates(entropy=...)``). Checked against vLLM 0.33's unmodified kernels under Triton's
+interpreter (``tests/vllm033``). A flyspec setting with window ``W`` keeps
 everything vLLM's at the same ``fly_window_size`` keeps, and more.
 
 Ablations are values: ``window_size=0`` drops the window (every gated mismatch is kept,
@@ -43,6 +47,7 @@ either, the recovered token is the first sample.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -98,12 +103,29 @@ def fly_loose_mask(
     return deferred_window_mask(base_accept, window_size) & (entropy >= entropy_threshold)
 
 
+Measure = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits [rows, vocab], positions [rows]) -> [rows]
+
+
+def _entropy_measure(config: FlyConfig, sampling: SamplingConfig) -> Measure:
+    """The top-k entropy of logits rows as the rule reads it. The vllm variant computes it as vLLM's V1 rejection
+    sampler does (``compute_fly_entropy``: the softmax, in float32, of the processed logits, then the log of its
+    top-k), so that a threshold equal to an entropy value decides as vLLM decides (``log_softmax`` differs from it
+    in the last bits)."""
+    if config.variant != "vllm":
+        return lambda rows, _: topk_entropy(rows, config.entropy_top_k)
+    if sampling.greedy:
+        return lambda rows, _: topk_entropy_of_probs(torch.softmax(rows.float(), dim=-1), config.entropy_top_k)
+    # vLLM: of the temperature-scaled, filtered distribution
+    return lambda rows, _: topk_entropy_of_probs(logits_to_probs(rows, sampling), config.entropy_top_k)
+
+
 def fly_candidates(
     base_accept: torch.Tensor,  # [k] bool, the strict base rule's acceptance
     target_logits: torch.Tensor,  # [k (+1), vocab]
     config: FlyConfig,
     draft_tokens: torch.Tensor | None = None,  # [k]; needed with config.min_draft_prob and the vllm variant
     sampling: SamplingConfig = GREEDY,  # the vllm variant's entropy and non-zero test are of the sampled distribution
+    entropy: torch.Tensor | None = None,  # [k]: the entropy as the engine computed it (default: computed here)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``([k] bool, [k])``: the mismatches FLy would keep (before the trust guards), and the entropy
     at the mismatches whose deferred window holds (NaN at the other positions).
@@ -114,17 +136,10 @@ def fly_candidates(
     native = config.variant == "vllm"
     window = deferred_window_mask(base_accept, config.window_size, config.window_size if native else None)  # [k]
     # the entropy only where the window holds (NaN elsewhere: not needed, and never >= a threshold)
-    if native and not sampling.greedy:  # vLLM: of the temperature-scaled, filtered distribution
-
-        def measure(rows: torch.Tensor, _: torch.Tensor) -> torch.Tensor:
-            return topk_entropy_of_probs(logits_to_probs(rows, sampling), config.entropy_top_k)
-
+    if entropy is not None:  # the engine's own values (vLLM's V2 kernel takes them from the logits)
+        entropy = torch.where(window, entropy[: window.shape[0]].float(), float("nan"))
     else:
-
-        def measure(rows: torch.Tensor, _: torch.Tensor) -> torch.Tensor:
-            return topk_entropy(rows, config.entropy_top_k)
-
-    entropy = where_needed(window, target_logits, measure, float("nan"))
+        entropy = where_needed(window, target_logits, _entropy_measure(config, sampling), float("nan"))
     candidates = window & (entropy >= config.entropy_threshold)
     if native:  # vLLM keeps only a draft token the target could have sampled (its logit > -inf, p > 0)
         if draft_tokens is None:

@@ -12,7 +12,8 @@ __all__ = ["NgramProposer", "register"]
 
 
 def register() -> None:
-    """vLLM's plugin hook: check the internals FLy needs and wrap them (or warn once and do nothing)."""
+    """vLLM's plugin hook: check each model runner's internals and wrap those that pass (one warning per runner
+    that does not); at engine start the plugin says what it does on the runner vLLM chose, or refuses to start."""
     import logging
 
     from flyspec_vllm.patch import install  # keeps `import flyspec_vllm` light

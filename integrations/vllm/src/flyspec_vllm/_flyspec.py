@@ -9,6 +9,7 @@ from flyspec.profiles import Profile, looser
 from flyspec.runtime.loaded_model import tokenizer_fingerprint
 from flyspec.sampling.acceptance import num_leading_true
 from flyspec.types import Draft, VerifyContext
+from flyspec.verifiers.fly import fly_candidates
 from flyspec.verifiers.guard import guard_loose_mask
 from flyspec.verifiers.guard import prepare as prepare_guards
 from flyspec.verifiers.registry import LOSSY_RULE_FIELDS, make_verifier, rule_mapping, verdict_reach
@@ -31,6 +32,7 @@ __all__ = [
     "SpeculationConfig",
     "VerifyContext",
     "Vocabulary",
+    "fly_candidates",
     "guard_loose_mask",
     "looser",
     "make_verifier",

@@ -24,7 +24,23 @@ class Counters:
     candidates: int = 0  # mismatches FLy would keep before the guards, up to the first strict rejection
     vetoed: int = 0  # request-steps whose first candidate a guard refused
     loose_accepts: int = 0  # draft tokens kept loosely
+    native_loose: int = 0  # vLLM's own FLy: the loose accepts it made, before the guards
+    native_vetoed: int = 0  # vLLM's own FLy: of those, the ones the guards refused (verified strictly instead)
+    verified_steps: int = 0  # steps whose drafts went through the plugin's verification hook
+    faults: int = 0  # steps verified exactly because a plugin hook raised (fail closed)
+    bypassed_steps: int = 0  # steps whose drafts vLLM verified without the plugin's hook (then: exact from there)
 
+
+HELP = {
+    "loose_accepts": "draft tokens FLy kept although the target's argmax differs",
+    "candidates": "mismatches FLy would keep before flyspec's trust guards",
+    "vetoed": "request-steps whose FLy candidate a trust guard refused",
+    "fly_requests": "request-steps verified with FLy",
+    "native_loose": "loose accepts vLLM's own FLy made, before flyspec's trust guards",
+    "native_vetoed": "loose accepts of vLLM's own FLy that flyspec's trust guards refused",
+    "faults": "steps verified exactly (lossless) because a flyspec-vllm hook raised",
+    "bypassed_steps": "steps vLLM verified without flyspec-vllm's hook (loose accepts refused from then on)",
+}
 
 _lock = threading.Lock()
 _counters = Counters()
@@ -37,33 +53,35 @@ def _prometheus_counters() -> dict[str, object]:
             from prometheus_client import Counter  # optional at import time
         except ImportError:
             return _prometheus
-        for name, help_text in (
-            ("loose_accepts", "draft tokens FLy kept although the target's argmax differs"),
-            ("candidates", "mismatches FLy would keep before flyspec's trust guards"),
-            ("vetoed", "request-steps whose FLy candidate a trust guard refused"),
-            ("fly_requests", "request-steps verified with FLy"),
-        ):
+        for name, help_text in HELP.items():
             _prometheus[name] = Counter(f"flyspec_vllm_{name}", help_text)
     return _prometheus
+
+
+def add(**increments: int) -> None:
+    """Add to the named counters (in-process and Prometheus)."""
+    with _lock:
+        for name, value in increments.items():
+            setattr(_counters, name, getattr(_counters, name) + value)
+    prometheus = _prometheus_counters()
+    for name, value in increments.items():
+        if name in prometheus and value:
+            prometheus[name].inc(value)  # type: ignore[attr-defined]
 
 
 def record(outcome: BatchOutcome) -> None:
     if not outcome.fly_requests:
         return
-    increments = {
-        "fly_requests": outcome.fly_requests,
-        "candidates": outcome.candidates,
-        "vetoed": outcome.vetoed,
-        "loose_accepts": len(outcome.loose_positions),
-    }
+    add(
+        fly_requests=outcome.fly_requests,
+        candidates=outcome.candidates,
+        vetoed=outcome.vetoed,
+        loose_accepts=len(outcome.loose_positions),
+    )
     with _lock:
         _counters.steps += 1
-        for name, value in increments.items():
-            setattr(_counters, name, getattr(_counters, name) + value)
         if _counters.steps % LOG_EVERY_STEPS == 0:
             logger.info("flyspec-vllm: %s", asdict(_counters))
-    for name, counter in _prometheus_counters().items():
-        counter.inc(increments[name])  # type: ignore[attr-defined]
 
 
 def snapshot() -> dict[str, int]:

@@ -1,15 +1,18 @@
 """vLLM 0.33+'s own FLy (``speculative_config: rejection_sample_method "fly"``) with flyspec's trust guards and
 circuit breaker on top: vetoes, never extra loose accepts.
 
-vLLM's V1 rejection sampler runs FLy as a pre-pass of two Triton kernels, module globals of
+On the **V1 model runner** vLLM runs FLy as a pre-pass of two Triton kernels, module globals of
 ``vllm.v1.sample.rejection_sampler`` launched as ``kernel[grid](...)``: ``apply_fly_greedy_acceptance_kernel``
 writes the draft token over the target's argmax where it defers a rejection, ``apply_fly_random_acceptance_kernel``
-sets that position's uniform number to 0 (read from 0.33's source; ``tests/vllm_fly_reference.py`` is a torch
-copy of both). :class:`GuardedKernel` stands in for each: it launches the real kernel, finds the positions the
-kernel changed (vLLM's loose accepts), asks flyspec's guards (``guard_loose_mask``, the circuit breaker through
-the request's context) about each request's, and puts the original value back at every position they veto,
-so vLLM's unchanged rejection kernel then rejects there. Everything stays on the device but the per-request
-guard decisions, which read the request's tokens.
+sets that position's uniform number to 0. :class:`GuardedKernel` stands in for each: it launches the real kernel,
+finds the positions the kernel changed (vLLM's loose accepts), asks flyspec's guards (:func:`guarded`) about each
+request's, and puts the original value back at every position they veto, so vLLM's unchanged rejection kernel then
+rejects there. (On the V2 runner FLy is inside the rejection kernel: ``v2.py``.)
+
+Everything stays on the device: one host sync per batch (where vLLM's FLy kept something), then two per request with
+a loose accept (the guards', and what they kept); no row of logits leaves the device (``tests/test_syncs.py``). A
+request whose rule is ``exact`` (its options refused) keeps none of them. A fault while judging undoes every loose
+accept of the launch (``failsafe.py``): the step is verified exactly.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from typing import Any
 
 import torch
 
-from flyspec_vllm._flyspec import Draft, guard_loose_mask, num_leading_true
+from flyspec_vllm import failsafe, metrics
+from flyspec_vllm._flyspec import Draft, guard_loose_mask
 from flyspec_vllm.rule import RequestRule
 
 GREEDY_KERNEL = "apply_fly_greedy_acceptance_kernel"
@@ -33,15 +37,14 @@ class GuardedKernel:
 
     def __init__(self, kernel: Any, name: str, rules: Callable[[], Sequence[RequestRule] | None]) -> None:
         self.kernel, self.name, self.rules = kernel, name, rules
-        self.vetoed = 0  # native loose accepts the guards refused (a counter for the plugin's metrics)
 
     def __getitem__(self, grid: Any) -> Callable[..., Any]:
         return functools.partial(self._launch, grid)
 
     def _launch(self, grid: Any, *args: Any, **kwargs: Any) -> Any:
         rules = self.rules()
-        if not rules or not any(rule.guard is not None for rule in rules):
-            return self.kernel[grid](*args, **kwargs)
+        if not rules:  # no rules published for this step (the plugin's step hook did not run): no FLy, exact
+            return None
         cu_num, draft = args[0], args[1]
         if self.name == GREEDY_KERNEL:
             # cu_num_draft_tokens, draft_token_ids, target_argmax, target_logits, fly_entropy, is_greedy, vocab, ...
@@ -50,17 +53,18 @@ class GuardedKernel:
         else:
             # cu_num_draft_tokens, draft_token_ids, draft_probs, target_probs, uniform_probs, fly_entropy, ...
             draft_probs, target_probs, decided = args[2], args[3], args[4]
-            logits = target_probs.clamp_min(1e-45).log()  # the guards compare probabilities: log-probs do
+            logits = target_probs  # the guards compare probabilities: their log, per request, below
             base_accept = random_accepts(draft, draft_probs, target_probs, decided)
         before = decided.clone()
         result = self.kernel[grid](*args, **kwargs)
         changed = decided != before  # [num_tokens]: the positions vLLM's FLy kept loosely
-        if bool(changed.any()):
-            vetoed = veto_positions(cu_num, draft, base_accept, changed, logits, rules)
-            if vetoed:
-                index = torch.tensor(vetoed, dtype=torch.long, device=decided.device)
-                decided[index] = before[index]
-                self.vetoed += len(vetoed)
+        try:
+            refused = veto_mask(cu_num, draft, base_accept, changed, logits, rules, self.name == RANDOM_KERNEL)
+        except Exception as error:  # noqa: BLE001 - fail closed: the step keeps none of vLLM's loose accepts
+            failsafe.fault(f"the guards on vLLM's FLy ({self.name})", error, [rule.req_id for rule in rules])
+            refused = changed
+        if refused is not None:
+            decided.copy_(torch.where(refused, before, decided))
         return result
 
 
@@ -77,43 +81,66 @@ def random_accepts(
     return (draft > 0) & (target / draft.clamp_min(1e-300) >= uniform.double())
 
 
-def veto_positions(
+def guarded(
+    base_accept: torch.Tensor,  # [k] bool: the native rule accepts, before FLy
+    loose: torch.Tensor,  # [k] bool: what vLLM's FLy keeps
+    draft_tokens: torch.Tensor,  # [k]
+    target_logits: torch.Tensor,  # [k, vocab] (log-probabilities do as well)
+    rule: RequestRule,
+) -> tuple[torch.Tensor, list[bool]]:
+    """One request: which of vLLM's loose accepts its guards keep, on the device and on the host (none where the
+    rule is ``exact`` or has no guards); its circuit breaker counts the kept ones in the committed prefix. Two host
+    syncs (the guards', and what they kept)."""
+    if rule.exact or rule.guard is None:
+        return torch.zeros_like(loose), [False] * loose.shape[0]
+    kept, _ = guard_loose_mask(base_accept, loose, Draft(draft_tokens.long()), target_logits, rule.guard, rule.context)
+    kept_host, base_host = torch.stack([kept, base_accept]).tolist()  # sync: what the guards kept
+    if rule.context is not None and rule.context.breaker is not None:
+        accepted = next((j for j in range(len(kept_host)) if not (base_host[j] or kept_host[j])), len(kept_host))
+        rule.context.breaker.stats.num_loose_accepts += sum(kept_host[:accepted])
+    return kept, [bool(keep) for keep in kept_host]
+
+
+def veto_mask(
     cu_num_draft_tokens: torch.Tensor,  # [batch] cumulative draft counts
     draft_token_ids: torch.Tensor,  # [num_tokens]
     base_accept: torch.Tensor,  # [num_tokens] bool: the native rule accepts, before FLy
     loose: torch.Tensor,  # [num_tokens] bool: what vLLM's FLy kept
-    target_logits: torch.Tensor,  # [num_tokens, vocab] (log-probabilities do as well)
+    target: torch.Tensor,  # [num_tokens, vocab]: logits, or probabilities (``probabilities``)
     rules: Sequence[RequestRule],
-) -> list[int]:
-    """Flat positions of ``loose`` that flyspec's guards (each request's ``guard``, context and breaker) refuse."""
-    ends = cu_num_draft_tokens.tolist()
-    draft_cpu, loose_cpu = draft_token_ids.to("cpu", torch.int64), loose.cpu()
-    base_cpu = base_accept.cpu()
-    vetoed: list[int] = []
+    probabilities: bool = False,
+) -> torch.Tensor | None:
+    """``[num_tokens]`` bool on the device: the loose accepts that flyspec's guards refuse (None: vLLM kept none)."""
+    batch = cu_num_draft_tokens.shape[0]
+    host = torch.cat([cu_num_draft_tokens.long(), loose.long()]).tolist()  # the batch's one sync
+    ends, loose_host = host[:batch], host[batch:]
+    if not any(loose_host):
+        return None
+    kept_parts: list[torch.Tensor] = []
+    native = vetoed = 0
     start = 0
     for end, rule in zip(ends, rules, strict=True):
-        end = int(end)
-        request_loose = loose_cpu[start:end]
-        if rule.guard is not None and bool(request_loose.any()):
-            base, draft = base_cpu[start:end], draft_cpu[start:end]
-            rows = target_logits[start:end].cpu()
-            kept, _ = guard_loose_mask(base, request_loose, Draft(draft), rows, rule.guard, rule.context)
-            accepted = num_leading_true(base | kept)
-            refused = request_loose & ~kept
-            vetoed += [start + int(j) for j in torch.nonzero(refused).flatten().tolist()]
-            if rule.context is not None and rule.context.breaker is not None:
-                rule.context.breaker.stats.num_loose_accepts += int(kept[:accepted].sum())
+        if any(loose_host[start:end]):
+            rows = target[start:end]
+            rows = rows.clamp_min(1e-45).log() if probabilities else rows
+            kept, kept_host = guarded(base_accept[start:end], loose[start:end], draft_token_ids[start:end], rows, rule)
+            kept_parts.append(kept)
+            native += sum(loose_host[start:end])
+            vetoed += sum(1 for j in range(end - start) if loose_host[start + j] and not kept_host[j])
+        else:
+            kept_parts.append(torch.zeros_like(loose[start:end]))
         start = end
-    return vetoed
+    metrics.add(native_loose=native, native_vetoed=vetoed)
+    return loose & ~torch.cat(kept_parts)
 
 
 def install(sampler_module: Any, rules: Callable[[], Sequence[RequestRule] | None]) -> list[GuardedKernel]:
     """Put a :class:`GuardedKernel` in place of each native FLy kernel of ``sampler_module`` (idempotent)."""
-    guarded = []
+    guarded_kernels = []
     for name in KERNELS:
         kernel = getattr(sampler_module, name)
         if not isinstance(kernel, GuardedKernel):
             kernel = GuardedKernel(kernel, name, rules)
             setattr(sampler_module, name, kernel)
-        guarded.append(kernel)
-    return guarded
+        guarded_kernels.append(kernel)
+    return guarded_kernels

@@ -14,11 +14,16 @@ Request fields (``SamplingParams.extra_args``; the OpenAI server fills them from
 ``flyspec_rule``
     any of flyspec's lossy rules with its settings, as a ``--speculative-config`` mapping of the rule's
     fields: ``{"verifier": "margin", "margin": {"logit_ratio": 0.9}}``, ``{"verifier": "fly", "fly":
-    {"entropy_threshold": 0.6, "window_size": 6, "min_draft_prob": 0.1}}``, ``"typical"``. The same
-    code as ``flyspec generate --verifier ...`` decides (``rule.py``). ``"guard"`` is the operator's
-    unless requests are trusted.
+    {"entropy_threshold": 0.6, "window_size": 6, "min_draft_prob": 0.1}}``, or a rule's name, ``"typical"``.
+    Through vLLM's OpenAI server (``vllm_xargs``, whose values are strings, numbers or lists) the mapping is
+    sent as a JSON string. The same code as ``flyspec generate --verifier ...`` decides (``rule.py``).
+    ``"guard"`` is the operator's unless requests are trusted.
 ``flyspec_draft``
-    ``false``: no draft tokens for this request (plain decoding inside a speculative engine).
+    ``false``: no draft tokens for this request (plain decoding inside a speculative engine). Through the
+    OpenAI server JSON ``false`` arrives as ``0``; ``0``/``1`` and ``"true"``/``"false"`` are taken.
+
+A refused option is a 400 from vLLM's OpenAI server naming the field (``vllm_xargs.<field>``): the plugin checks
+every request's options where vLLM validates its sampling parameters (``SamplingParams.verify``, ``patch.py``).
 
 Trusted requests only (``FLYSPEC_VLLM_TRUST_REQUESTS=1``, for flyspec's own calibrate/eval worker):
 ``flyspec_rule`` may set the trust guards; ``flyspec_record`` (a key) records the request's loose
@@ -55,6 +60,7 @@ no tested T > 0 rule for vLLM's kernels yet.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 from collections.abc import Mapping, Sequence
@@ -207,6 +213,48 @@ class RequestOptions:
     reference: tuple[int, ...] | None = None  # the output a shadow request will produce (reference.py)
 
 
+class RequestError(ConfigError):
+    """A request's option refused; ``field`` names it (vLLM's OpenAI server answers 400 naming it: ``patch.py``)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def flag(value: Any, field: str) -> bool:
+    """A boolean as vLLM's OpenAI server delivers it: ``vllm_xargs`` values are typed str / int / float / list, so
+    JSON ``false`` arrives as ``0``; ``"true"`` / ``"false"`` (and ``"1"`` / ``"0"``) are taken too."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int | float) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in ("true", "false", "1", "0"):
+        return value.strip().lower() in ("true", "1")
+    raise RequestError(field, f"{field} must be true or false, not {value!r}")
+
+
+def structured(value: Any, field: str) -> Any:
+    """An object or a list, as itself or as a JSON string (``vllm_xargs`` carries no objects)."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as error:
+        raise RequestError(field, f"{field}: not valid JSON ({error.msg} at character {error.pos})") from None
+
+
+def rule_mapping_of(value: Any, field: str = "flyspec_rule") -> Mapping[str, Any]:
+    """``flyspec_rule`` as a mapping: an object, its JSON string, or a rule's bare name (``"typical"``)."""
+    if isinstance(value, str) and not value.strip().startswith(("{", '"')):
+        value = {"verifier": value.strip()}
+    value = structured(value, field)
+    if isinstance(value, str):
+        value = {"verifier": value}
+    if not isinstance(value, Mapping):
+        raise RequestError(field, f'{field} must be an object such as {{"verifier": "fly"}}, not {value!r}')
+    return value
+
+
 def request_options(
     extra_args: Mapping[str, Any] | None,
     greedy: bool,
@@ -218,37 +266,43 @@ def request_options(
     """What one request asked for, within what the operator allows (``guard``: the operator's guards; ``limit``:
     the operator's profile, whose settings are the defaults and the loosest a request may ask for).
 
-    Raises :class:`ConfigError` with a message for the user on an unknown method, a bad value, a field
-    only trusted requests may set, or settings looser than the profile's.
+    Values come as vLLM delivers them (``SamplingParams.extra_args``; through the OpenAI server, ``vllm_xargs``:
+    objects as JSON strings, booleans as 0 / 1). Raises :class:`RequestError` naming the field, with a message for
+    the user, on an unknown method, a bad value, a field only trusted requests may set, or settings looser than the
+    profile's.
     """
     args = dict(extra_args or {})
-    draft = args.get("flyspec_draft", True)
-    if not isinstance(draft, bool):
-        raise ConfigError(f"flyspec_draft must be true or false, not {draft!r}")
+    draft = flag(args.get("flyspec_draft", True), "flyspec_draft")
     untrusted = [key for key in TRUSTED_KEYS if key in args] if not trusted else []
     if untrusted:
-        raise ConfigError(f"{', '.join(untrusted)}: only for trusted requests (the operator's {TRUST_VARIABLE}=1)")
+        raise RequestError(untrusted[0], f"{', '.join(untrusted)}: only for trusted requests (the operator's "
+                           f"{TRUST_VARIABLE}=1)")  # fmt: skip
     record = args.get("flyspec_record")
     if record is not None and not isinstance(record, str):
-        raise ConfigError(f"flyspec_record must be a string key, not {record!r}")
-    shadow = tuple(
-        tuple(parse_rule(rule, "flyspec_shadow") for rule in family) for family in args.get("flyspec_shadow", ())
-    )
+        raise RequestError("flyspec_record", f"flyspec_record must be a string key, not {record!r}")
+    families = structured(args.get("flyspec_shadow", ()), "flyspec_shadow")
+    try:
+        shadow = tuple(tuple(parse_rule(rule, "flyspec_shadow") for rule in family) for family in families)
+    except (ConfigError, TypeError) as error:
+        raise RequestError("flyspec_shadow", f"flyspec_shadow: {error}") from None
     if shadow and record is None:
-        raise ConfigError("flyspec_shadow needs a flyspec_record key (the shadow is read from the record)")
+        raise RequestError("flyspec_shadow", "flyspec_shadow needs a flyspec_record key (the shadow is read from it)")
     prompt_length = args.get("flyspec_prompt_length")
     if prompt_length is not None and (not isinstance(prompt_length, int) or prompt_length < 1):
-        raise ConfigError(f"flyspec_prompt_length must be a positive number of tokens, not {prompt_length!r}")
+        message = f"flyspec_prompt_length must be a positive number of tokens, not {prompt_length!r}"
+        raise RequestError("flyspec_prompt_length", message)
     reference = args.get("flyspec_reference")
     if reference is not None:
         if not isinstance(reference, list | tuple) or not all(isinstance(t, int) and t >= 0 for t in reference):
-            raise ConfigError("flyspec_reference must be a list of token ids")
+            raise RequestError("flyspec_reference", "flyspec_reference must be a list of token ids")
         if not shadow:
-            raise ConfigError("flyspec_reference cuts drafts to what the shadow rules read: give flyspec_shadow too")
+            raise RequestError("flyspec_reference", "flyspec_reference cuts drafts to what the shadow rules read: "
+                               "give flyspec_shadow too")  # fmt: skip
         reference = tuple(reference)
     rule = _request_rule(args, greedy, switch, limit, guard or GuardConfig(), trusted)
     if shadow and rule is not None:
-        raise ConfigError("flyspec_shadow follows a lossless request's path: leave its own lossy rule out")
+        raise RequestError("flyspec_shadow", "flyspec_shadow follows a lossless request's path: leave its own lossy "
+                           "rule out")  # fmt: skip
     return RequestOptions(rule, draft, record, shadow, prompt_length, reference)
 
 
@@ -257,21 +311,26 @@ def _request_rule(
 ) -> SpeculationConfig | None:
     method = args.get("rejection_sample_method")
     if method is not None and method not in METHODS:
-        raise ConfigError(f"rejection_sample_method={method!r}: choose one of {', '.join(METHODS)}")
+        raise RequestError("rejection_sample_method",
+                           f"rejection_sample_method={method!r}: choose one of {', '.join(METHODS)}")  # fmt: skip
     asked = args.get("flyspec_rule")
     if asked is not None and method == "standard":
-        raise ConfigError("flyspec_rule with rejection_sample_method='standard': ask for one or the other")
+        raise RequestError("flyspec_rule", "flyspec_rule with rejection_sample_method='standard': ask for one or the "
+                           "other")  # fmt: skip
+    mapping = rule_mapping_of(asked) if asked is not None else None
+    if mapping is not None and "guard" in mapping and not trusted:
+        raise RequestError("flyspec_rule", f"the trust guards are the operator's: leave guard out of flyspec_rule "
+                           f"({TRUST_VARIABLE})")  # fmt: skip
+    try:
+        rule = parse_rule(mapping) if mapping is not None else None
+    except ConfigError as error:
+        raise RequestError("flyspec_rule", str(error)) from None
+    _vllm_fly_options(args, FlyConfig())  # checked whether or not a rule applies (T > 0, the switch off)
     wanted = asked is not None or method == "fly" or (switch == "all" and method is None)
     if switch == "off" or not wanted or not greedy:
         return None
-    if asked is not None:
-        mapping = _as_mapping(asked)
-        if "guard" in mapping and not trusted:
-            raise ConfigError(
-                f"the trust guards are the operator's: leave guard out of flyspec_rule ({TRUST_VARIABLE})"
-            )
-        rule = parse_rule(mapping)
-        if "guard" not in mapping:
+    if rule is not None:
+        if "guard" not in (mapping or {}):
             rule = dataclasses.replace(rule, guard=limit.guard if limit is not None else guard)
     else:
         base = limit.fly if limit is not None and limit.fly is not None else None
@@ -279,30 +338,30 @@ def _request_rule(
         rule = dataclasses.replace(rule, fly=_vllm_fly_options(args, rule.fly))
     if limit is not None:
         allowed = limit.rule if limit.rule is not None and limit.rule.verifier == rule.verifier else limit.fly
+        field = "flyspec_rule" if asked is not None else "rejection_sample_method"
         if allowed is None or allowed.verifier != rule.verifier:
-            raise ConfigError(f"the operator's profile {limit.name} has no {rule.verifier} point inside its budget")
+            raise RequestError(field, f"the operator's profile {limit.name} has no {rule.verifier} point inside its "
+                               "budget")  # fmt: skip
         reasons = looser(allowed, rule)
         if reasons:
-            raise ConfigError(f"looser than the operator's profile {limit.name}: {'; '.join(reasons)}")
+            raise RequestError(field, f"looser than the operator's profile {limit.name}: {'; '.join(reasons)}")
     return rule
 
 
-def _as_mapping(value: Any) -> Mapping[str, Any]:
-    if not isinstance(value, Mapping):
-        raise ConfigError(f'flyspec_rule must be an object such as {{"verifier": "fly"}}, not {value!r}')
-    return value
-
-
 def _vllm_fly_options(args: Mapping[str, Any], defaults: FlyConfig) -> FlyConfig:
+    names = {"fly_window_size": "window_size", "fly_entropy_threshold": "entropy_threshold",
+             "fly_entropy_top_k": "entropy_top_k"}  # fmt: skip
+    values: dict[str, Any] = {}
+    for key, name in names.items():
+        if key in args:
+            try:
+                values[name] = (float if name == "entropy_threshold" else int)(args[key])
+            except (TypeError, ValueError):
+                raise RequestError(key, f"{key} must be a number, not {args[key]!r}") from None
     try:
-        return dataclasses.replace(
-            defaults,
-            window_size=int(args.get("fly_window_size", defaults.window_size)),
-            entropy_threshold=float(args.get("fly_entropy_threshold", defaults.entropy_threshold)),
-            entropy_top_k=int(args.get("fly_entropy_top_k", defaults.entropy_top_k)),
-        )
-    except (TypeError, ValueError) as error:
-        raise ConfigError(f"bad FLy request option ({error})") from error
+        return dataclasses.replace(defaults, **values)
+    except ConfigError as error:
+        raise RequestError(next(iter(key for key in names if key in args), "fly_window_size"), str(error)) from None
 
 
 def shadow_request(families: Sequence[Sequence[SpeculationConfig]]) -> list[list[dict[str, Any]]]:

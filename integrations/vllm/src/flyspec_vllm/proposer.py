@@ -8,15 +8,21 @@ asks for none (``extra_args={"flyspec_draft": false}``) gets no drafts: plain de
 calibration's baseline that names its output (``flyspec_reference``) gets its drafts cut to what its shadow
 rules read (``reference.py``).
 
-A batch-size schedule (``flyspec.config.schedule``) caps the drafts by the step's batch size: vLLM's own
-``speculative_config["num_speculative_tokens_per_batch_size"]`` (vLLM 0.32 hands it only to its built-in
-proposers, so this one reads it itself), else the file ``$FLYSPEC_VLLM_SCHEDULE`` names (a schedule.json or
-a profile carrying one). ``k = 0`` in a range: no drafts at those batch sizes, plain decoding.
+A batch-size schedule (``flyspec.config.schedule``) caps the drafts by the step's batch size: ``$FLYSPEC_VLLM_SCHEDULE``
+(its entries inline, ``[[1, 8, 6], [9, 256, 0]]``, or a file: a schedule.json or a profile carrying one; what
+profiles' deploy blocks and ``flyspec bench --online`` set), else vLLM's own
+``speculative_config["num_speculative_tokens_per_batch_size"]`` where vLLM leaves it (0.32 does for this proposer;
+0.33 drops it for ``custom_class`` on the V1 runner, ``VllmConfig._maybe_disable_dynamic_sd_for_v1``). ``k = 0`` in
+a range: no drafts at those batch sizes, plain decoding.
+
+A fault inside :meth:`NgramProposer.propose` (a plugin hook like the others: ``failsafe.py``) costs one step its
+drafts (plain decoding, lossless), one error line and a count; the engine keeps serving.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 from collections.abc import Iterator
@@ -34,12 +40,18 @@ _override: list[BatchSchedule] = []  # flyspec's worker sweeps draft lengths on 
 
 
 def operator_schedule(speculative: Any, environ: Any = os.environ) -> BatchSchedule | None:
-    """The batch-size schedule: ``speculative_config``'s, else ``$FLYSPEC_VLLM_SCHEDULE``'s, else None."""
+    """The batch-size schedule: ``$FLYSPEC_VLLM_SCHEDULE``'s (inline entries or a file), else ``speculative_config``'s
+    (where vLLM kept it), else None."""
+    value = environ.get(SCHEDULE_VARIABLE, "").strip()
+    if value.startswith("["):
+        try:
+            return BatchSchedule.from_entries(json.loads(value))
+        except json.JSONDecodeError as error:
+            raise ConfigError(f"{SCHEDULE_VARIABLE}: not a JSON list of [start, end, k] entries ({error})") from None
+    if value:
+        return BatchSchedule.load(value)
     entries = getattr(speculative, VLLM_SCHEDULE_KEY, None)
-    if entries:
-        return BatchSchedule.from_entries(entries)
-    path = environ.get(SCHEDULE_VARIABLE, "").strip()
-    return BatchSchedule.load(path) if path else None
+    return BatchSchedule.from_entries(entries) if entries else None
 
 
 def override(schedule: BatchSchedule | None) -> None:
@@ -90,6 +102,18 @@ class NgramProposer:
         num_tokens_no_spec: np.ndarray,  # [max_batch] committed tokens per request
         token_ids_cpu: np.ndarray,  # [max_batch, max_model_len]
         slot_mappings: Any = None,  # unused (no KV cache)
+    ) -> list[list[int]]:
+        batch = len(sampled_token_ids)
+        try:
+            return self._propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
+        except Exception as error:  # noqa: BLE001 - fail closed: this step gets no drafts (plain decoding)
+            from flyspec_vllm import failsafe
+
+            failsafe.fault("flyspec's n-gram proposer", error, ())
+            return [[] for _ in range(batch)]
+
+    def _propose(
+        self, sampled_token_ids: list[list[int]], num_tokens_no_spec: np.ndarray, token_ids_cpu: np.ndarray
     ) -> list[list[int]]:
         from flyspec_vllm.patch import draftless as draftless_rows  # set by the _sample wrapper this step
         from flyspec_vllm.patch import references as reference_rows

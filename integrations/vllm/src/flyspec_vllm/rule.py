@@ -52,6 +52,8 @@ class RequestRule:
     record: str | None = None
     shadow: tuple[tuple[SpeculationConfig, ...], ...] = ()
     guard: GuardConfig | None = None  # vLLM's own FLy runs: the guards that may veto its loose accepts (native.py)
+    exact: bool = False  # vLLM's own FLy runs and this request must get none of its loose accepts (native.py)
+    req_id: str = ""  # vLLM's request id (for the error line of a fault)
 
     @property
     def active(self) -> bool:

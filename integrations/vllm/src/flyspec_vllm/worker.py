@@ -105,7 +105,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--schedule",
         help="a batch-size schedule file (flyspec bench --derive-schedule's schedule.json, or a profile with one): "
-        "passed as speculative_config's num_speculative_tokens_per_batch_size",
+        "vLLM's n-gram proposer gets it as num_speculative_tokens_per_batch_size, flyspec's as FLYSPEC_VLLM_SCHEDULE",
     )
     parser.add_argument("--eager", action="store_true", help="enforce_eager (starts ~3x faster, runs ~15%% slower)")
     parser.add_argument(
@@ -144,8 +144,10 @@ def start_engine(args: argparse.Namespace) -> Any:
     schedule = None
     if args.schedule:
         from flyspec.config.schedule import BatchSchedule
+        from flyspec.harness.vllm_worker import schedule_environment
 
         schedule = BatchSchedule.load(args.schedule).to_vllm()
+        os.environ.update(schedule_environment(args.method, schedule))  # the plugin's proposer: not in the config
     return LLM(
         model=model,
         dtype=args.dtype,

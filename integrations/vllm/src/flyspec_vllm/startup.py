@@ -1,0 +1,156 @@
+"""Where vLLM refuses bad input, the plugin refuses what it cannot serve: at engine start and per request.
+
+* **Engine start** (the end of ``VllmConfig.__post_init__``, where vLLM raises a ``ValueError`` naming the setting):
+  :func:`check_engine` reads which model runner vLLM chose (``internals.runner_of``) and logs one line saying what
+  flyspec does there (:func:`mode_line`), or refuses to start (:func:`refusal`, one line naming the fix) where that
+  runner's internals failed their checks and vLLM's own FLy or ``FLYSPEC_VLLM_FLY=all`` would otherwise run without
+  flyspec's guards, or where the operator's flyspec settings are refused.
+* **Each request** (the end of ``SamplingParams.verify``, where vLLM refuses a bad request): :func:`check_request`
+  parses its flyspec options; one refused is vLLM's ``VLLMValidationError`` naming ``vllm_xargs.<field>``, which
+  vLLM's OpenAI server answers with a 400 (and ``LLM.generate`` raises).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from flyspec_vllm._flyspec import GuardConfig
+from flyspec_vllm.internals import TESTED_VLLM_VERSIONS, V1, V2, runner_of, uses_native_fly, wrap
+from flyspec_vllm.options import REQUEST_KEYS, RequestError, request_options
+from flyspec_vllm.requests import GREEDY_TEMPERATURE_EPSILON, PluginState
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Setup:
+    """What ``patch.install`` found, for the engine-start check."""
+
+    version: str
+    switch: str | None = None  # the operator's switch; None: the operator's settings were refused
+    error: str = ""
+    problems: dict[str, list[str]] = field(default_factory=dict)  # per runner: failed checks (empty: hooked)
+
+
+SETUP: Setup | None = None
+_state_of: Callable[[], PluginState | None] = lambda: None  # noqa: E731 - set by install_checks()
+
+
+def install_checks(
+    setup: Setup, state_of: Callable[[], PluginState | None], import_module: Callable[[str], Any]
+) -> None:
+    """Wrap ``VllmConfig.__post_init__`` and ``SamplingParams.verify`` (where this vLLM has them)."""
+    global SETUP, _state_of
+    SETUP, _state_of = setup, state_of
+    for module, owner, method, wrapper in (
+        ("vllm.config", "VllmConfig", "__post_init__", _wrap_post_init),
+        ("vllm.sampling_params", "SamplingParams", "verify", _wrap_verify),
+    ):
+        try:
+            found = getattr(import_module(module), owner)
+        except (ImportError, AttributeError):
+            continue
+        if callable(getattr(found, method, None)):
+            wrap(found, method, wrapper)
+
+
+def _wrap_post_init(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def __post_init__(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        check_engine(self)
+        return result
+
+    return __post_init__
+
+
+def check_engine(vllm_config: Any) -> None:
+    """At engine start: one line saying what flyspec does on the model runner vLLM chose, or a ``ValueError``
+    (vLLM's own way to refuse a configuration) naming the fix."""
+    setup, speculative = SETUP, getattr(vllm_config, "speculative_config", None)
+    if setup is None or speculative is None:
+        return
+    runner, native_fly = runner_of(vllm_config), uses_native_fly(speculative)
+    if setup.error:
+        raise ValueError(f"flyspec-vllm: {setup.error} (fix it, or uninstall flyspec-vllm, to start this engine)")
+    problems = setup.problems.get(runner, [])
+    if problems and setup.switch != "off" and (native_fly or setup.switch == "all"):
+        raise ValueError(refusal(setup, runner, native_fly, problems))
+    unguarded = bool(problems) or (setup.switch == "off" and native_fly)
+    line = mode_line(runner, native_fly, setup.switch or "off", setup.version, hooked=not problems)
+    logger.log(logging.WARNING if unguarded else logging.INFO, "%s", line)
+
+
+def refusal(setup: Setup, runner: str, native_fly: bool, problems: list[str]) -> str:
+    """The one line that refuses an engine whose runner flyspec cannot hook while something needs its guards."""
+    what = (
+        "vLLM's own FLy (rejection_sample_method 'fly') would run without flyspec's guards"
+        if native_fly
+        else "FLYSPEC_VLLM_FLY=all asks for flyspec's FLy on every request, which this runner would not apply"
+    )
+    fix = (
+        "set VLLM_USE_V2_MODEL_RUNNER=0 (the V1 runner, hooked)"
+        if runner == V2 and not setup.problems.get(V1)
+        else "use a vLLM version flyspec-vllm was tested with (" + ", ".join(TESTED_VLLM_VERSIONS) + ")"
+    )
+    return (f"flyspec-vllm: vLLM {setup.version}'s {runner} model runner differs from the tested ones "
+            f"({'; '.join(problems)}): {what}; {fix}, or FLYSPEC_VLLM_FLY=off to serve without flyspec")  # fmt: skip
+
+
+def mode_line(runner: str, native_fly: bool, switch: str, version: str, hooked: bool = True) -> str:
+    """The one start-up line that says what flyspec does on this engine (true on each runner and mode)."""
+    where = f"flyspec-vllm: vLLM {version}, {runner} model runner"
+    if not hooked:  # only reached with switch 'request' and no native FLy: requests that ask get lossless
+        return f"{where}: not hooked (its internals differ): a request that asks for a flyspec rule gets vLLM's rule"
+    if switch == "off":
+        if native_fly:
+            return f"{where}: vLLM's own FLy runs WITHOUT flyspec's guards (FLYSPEC_VLLM_FLY=off)"
+        return f"{where}: flyspec's rules off (FLYSPEC_VLLM_FLY=off): vLLM's lossless rule"
+    if native_fly:
+        how = "its pre-pass kernels guarded" if runner == V1 else (
+            "decided by flyspec's copy of the same rule (variant 'vllm'), then vLLM's rejection kernel with its FLy "
+            "off commits them")  # fmt: skip
+        return (f"{where}: vLLM's own FLy with flyspec's trust guards and circuit breaker vetoing its loose accepts "
+                f"({how}); flyspec's per-request rules are not applied while it runs")  # fmt: skip
+    return (f"{where}: flyspec's per-request rules (FLy, MARS, typical acceptance) with the trust guards for "
+            f"{'every greedy request' if switch == 'all' else 'the greedy requests that ask'}; sampled requests and "
+            "the others get vLLM's lossless rule")  # fmt: skip
+
+
+def _wrap_verify(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def verify(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        check_request(self)
+        return result
+
+    return verify
+
+
+def check_request(params: Any) -> None:
+    """A request's flyspec options, checked where vLLM checks its sampling parameters: one refused is a
+    ``VLLMValidationError`` naming the field, which vLLM's OpenAI server answers with a 400."""
+    extra_args = getattr(params, "extra_args", None)
+    if not extra_args or not any(key in extra_args for key in REQUEST_KEYS):
+        return
+    state = _state_of() or PluginState(switch=SETUP.switch if SETUP is not None and SETUP.switch else "off",
+                                       guard=GuardConfig())  # fmt: skip
+    greedy = params.temperature < GREEDY_TEMPERATURE_EPSILON
+    try:
+        request_options(extra_args, greedy, state.switch, state.profile, state.guard, state.trusted)
+    except RequestError as error:
+        raise validation_error(error) from None
+
+
+def validation_error(error: RequestError) -> Exception:
+    """vLLM's own validation error (a 400 naming ``vllm_xargs.<field>``), or a ValueError where it has none."""
+    message = f"flyspec-vllm: {error}"
+    try:
+        from vllm.exceptions import VLLMValidationError
+    except ImportError:
+        return ValueError(f"{message} (vllm_xargs.{error.field})")
+    return VLLMValidationError(message, parameter=f"vllm_xargs.{error.field}")

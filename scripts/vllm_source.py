@@ -1,0 +1,45 @@
+"""vLLM's Python and Triton source from its pinned wheel, for tests that run vLLM's real code on a CPU.
+
+``python scripts/vllm_source.py WHEEL SHA256 DEST`` checks the wheel against its pinned hash and extracts its
+``.py`` files and its metadata (``vllm-X.dist-info``: vLLM reads its own version from it) into ``DEST``; nothing
+compiled (no CUDA kernels, no ``_C``). ``make vllm033-source`` runs it for vLLM 0.33.0, whose model runners and
+Triton kernels ``tests/vllm033`` runs under Triton's interpreter (``TRITON_INTERPRET=1``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+import zipfile
+from pathlib import Path
+
+
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as stream:
+        for block in iter(lambda: stream.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def source_members(names: list[str]) -> list[str]:
+    """The wheel's Python files and its metadata, nothing compiled."""
+    return [name for name in names if name.endswith(".py") or ".dist-info/" in name]
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 3:
+        print("usage: vllm_source.py WHEEL SHA256 DEST", file=sys.stderr)
+        return 2
+    wheel, expected, dest = Path(argv[0]), argv[1], Path(argv[2])
+    found = sha256(wheel)
+    if found != expected:
+        print(f"{wheel}: sha256 {found}, expected {expected} (delete it to download it again)", file=sys.stderr)
+        return 1
+    with zipfile.ZipFile(wheel) as archive:
+        archive.extractall(dest, source_members(archive.namelist()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
