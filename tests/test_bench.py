@@ -13,6 +13,7 @@ import pytest
 
 from flyspec.bench.data import SPEC_BENCH_CATEGORIES, load_prompts
 from flyspec.bench.loop import bench_methods
+from flyspec.bench.report import overall_table
 from flyspec.bench.summary import OVERALL, summarize
 from flyspec.cli.app import main
 from flyspec.config import ConfigError
@@ -194,6 +195,24 @@ def test_cost_limit_counts_each_sides_prefill_as_timed_in_the_run() -> None:
     assert 1 < limit(5.0) < limit(0.2) < limit(None)
 
 
+def test_time_to_first_token_is_the_median_and_p90_over_every_turn() -> None:
+    """Each turn is a request of its own: a two-turn record gives two times. A method that did not measure
+    every turn (None) reports none rather than a figure over some of them."""
+    base = _record("plain", "c", 0, 10, 1.0, 10) | {"time_to_first_token_s": [0.5, 0.1]}
+    other = _record("plain", "d", 0, 11, 1.0, 10) | {"time_to_first_token_s": [0.2]}
+    peer = _record("llamacpp-plain", "c", 0, 10, 1.0, None) | {"time_to_first_token_s": [None, 0.3]}
+    summary = summarize([base, other, peer], None, num_draft_tokens=15)[OVERALL]
+    assert summary["plain"]["ttft_median_s"] == pytest.approx(0.2)
+    assert summary["plain"]["ttft_p90_s"] == pytest.approx(0.5)
+    assert summary["llamacpp-plain"]["ttft_median_s"] is None and summary["llamacpp-plain"]["ttft_p90_s"] is None
+    ten = [_record("plain", "c", 0, 10 + i, 1.0, 10) | {"time_to_first_token_s": [i / 10]} for i in range(1, 11)]
+    figures = summarize(ten, None, num_draft_tokens=15)[OVERALL]["plain"]
+    assert (figures["ttft_median_s"], figures["ttft_p90_s"]) == pytest.approx((0.55, 0.9))
+    lines = overall_table(summarize([base, other, peer], None, num_draft_tokens=15)[OVERALL])
+    assert "TTFT median / p90 ms" in lines[0]
+    assert "| 200 / 500 |" in lines[2] and "| – / – |" in lines[3]
+
+
 # --- end to end -----------------------------------------------------------------------------------
 
 
@@ -268,6 +287,13 @@ def test_quick_bench_records_are_consistent(bench_run: Path) -> None:
     for record in records:
         if record["lossless"]:
             assert record["identical_to_baseline"], (record["method"], record["prompt_id"])
+    # every turn of flyspec's engine and of transformers' generate has its time to first token, within the turn
+    for record in records:
+        ttft = record["time_to_first_token_s"]
+        assert len(ttft) == record["num_turns"] and all(seconds is not None and seconds > 0 for seconds in ttft)
+        assert sum(ttft) <= record["wall_time_s"]
+    for method in methods:
+        assert 0 < overall[method]["ttft_median_s"] <= overall[method]["ttft_p90_s"]
     assert overall["ngram+exact"]["tau"] > 1.0  # the tiny model repeats itself: some drafts are accepted
     assert overall["plain"]["tau"] == pytest.approx(1.0)
     assert overall["hf-lookup"]["speedup_vs_own_plain"] is not None

@@ -302,6 +302,11 @@ def test_the_vllm_server_gets_the_offline_engines_config_and_the_schedule() -> N
     assert "--speculative-config" not in command
     with pytest.raises(ConfigError, match="--online measures"):
         online.server_command("ngram+fly", Path("py"), "DIR", "t", "float32", 9, 15, None, False)
+    # flyspec serve runs as the bench's own engine would: compiled, with its kernels, when the bench is
+    command, _ = online.server_command(online.FLYSPEC_SERVE, Path("py"), "DIR", "t", "bfloat16", 9, 15, None, False,
+                                       ["--compile", "--kernels", "stock"])  # fmt: skip
+    assert command[command.index("serve") :][-3:] == ["--compile", "--kernels", "stock"]
+    assert command[command.index("--dtype") + 1] == "bfloat16"
 
 
 def test_where_to_move_to_vllm_and_failures_are_counted() -> None:

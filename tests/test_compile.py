@@ -38,7 +38,8 @@ def models(tokenizer, request) -> tuple[LoadedModel, LoadedModel]:
 def test_compile_steps_wraps_the_forward_and_keeps_the_model(models) -> None:
     eager, compiled = models
     assert eager.step_forward is None
-    assert compiled.step_forward is not None
+    assert compiled.step_forward is not None and compiled.prefill_forward is not None
+    assert eager.prefill_forward is None
     assert compiled.model is eager.model  # the weights are shared, not copied
     assert compiled.kernels == eager.kernels
 
@@ -48,7 +49,7 @@ def test_compiled_steps_score_like_eager_ones(models) -> None:
     rows = []
     for loaded in models:
         cached = CachedModel(loaded)
-        cached.forward(PROMPT[:-1], logits_to_keep=1)  # prefill: eager in both
+        cached.forward(PROMPT[:-1], logits_to_keep=1)  # prefill: compiled (a graph of its own) and eager
         first = cached.forward(PROMPT[-1:])  # one token
         second = cached.forward([3, 4, 5, 6, 7])  # a draft's worth, another shape: the same dynamic graph
         cached.crop_to(len(PROMPT) + 1)  # roll back as a verifier would
@@ -85,6 +86,31 @@ def test_compiling_happens_at_load_not_during_generation(models) -> None:
         cached.forward(list(range(size)))
         cached.crop_to(cached.cached_length - rejected)
     assert (sum(counters["stats"].values()), dict(counters["frames"])) == before
+
+
+def test_a_prefill_of_any_length_runs_the_one_prefill_graph_compiled_at_load(models) -> None:
+    """A prefill from an empty cache runs its own compiled graph (dynamic in the prompt's length), compiled by the
+    warm-up: prompts shorter and longer than the decode attention's query limit and the cache's first capacity
+    compile nothing new, score like eager prefills (the last row), and the steps after them reuse their graphs."""
+    from torch._dynamo.utils import counters
+
+    eager, compiled = models
+    before = sum(counters["stats"].values()), dict(counters["frames"])
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for length in (2, 3, kernels.MAX_DECODE_QUERIES + 1, kernels.GrowingLayer.INITIAL_CAPACITY + 44):
+            prompt = [(7 * index) % 250 + 3 for index in range(length)]
+            rows = []
+            for loaded in (compiled, eager):
+                cached = CachedModel(loaded)
+                assert cached._forward_for(length, 1) is (loaded.prefill_forward or loaded.model)
+                rows.append(torch.cat([cached.forward(prompt, logits_to_keep=1), cached.forward([5]),
+                                       cached.forward([5, 6, 7])]))  # fmt: skip
+            torch.testing.assert_close(rows[0], rows[1], atol=1e-4, rtol=1e-4)  # float32: rounding only
+    assert (sum(counters["stats"].values()), dict(counters["frames"])) == before
+    cached = CachedModel(compiled)  # a 1-token prompt (a size torch specialises) and a continued prefill: eager
+    assert cached._forward_for(1, 1) is compiled.model
+    cached.forward([3, 4], logits_to_keep=1)
+    assert cached._forward_for(5, 1) is compiled.model
 
 
 def test_the_in_place_cache_grows_under_compile_without_a_new_graph(models, monkeypatch) -> None:

@@ -210,7 +210,11 @@ def test_kv_cache_invariant_is_checked_every_step(tiny_target: LoadedModel) -> N
 
     decoder.scorer.check_invariant = spy  # type: ignore[method-assign]
     decoder.generate(PROMPTS[0], use_chat=False)
-    assert len(seen) >= 2 and all(cached == committed - 1 for cached, committed in seen)
+    # after the prefill the whole prompt is cached (its last token's logits wait for the first step); after each step
+    # all committed tokens but the last
+    prompt_length = len(tiny_target.encode_prompt(PROMPTS[0], use_chat=False))
+    assert seen[0] == (prompt_length, prompt_length)
+    assert len(seen) >= 3 and all(cached == committed - 1 for cached, committed in seen[1:])
     decoder.scorer.cached_model.crop_to(decoder.scorer.cached_model.cached_length - 1)  # break it on purpose
     with pytest.raises(RuntimeError, match="invariant"):
         original()

@@ -53,10 +53,11 @@ def test_the_next_turn_prefills_only_what_is_new_and_decodes_as_a_fresh_start(ti
         second = decoder.generate(follow_up)
         fresh = decoders(target)[index]
         assert second.token_ids == fresh.generate(follow_up).token_ids, type(decoder).__name__
-        # everything but the last committed token was cached; the rest is prefilled, the last one scored
+        # everything but the last committed token was cached; the rest is prefilled in one forward, the prompt's
+        # last token included (its logits are the first step's)
         reused = len(conversation) - 1
         assert second.stats.num_reused_prompt_tokens == reused
-        assert sizes == [len(follow_up) - 1 - reused]
+        assert sizes == [len(follow_up) - reused]
 
 
 def test_only_a_continuation_of_the_conversation_is_reused(tiny_target) -> None:
@@ -86,7 +87,9 @@ def test_a_step_left_unfinished_is_not_reused(tiny_target) -> None:
     target.start(prompt)
     target.score(prompt[-1], torch.tensor([11, 12, 13]))  # scored, never rolled back
     assert target.start(prompt + [11, 12, 13, 14]) == 0
-    assert target.cached_model.cached_length == len(prompt) + 3
+    assert target.cached_model.cached_length == len(prompt) + 4  # the whole new prompt, prefilled afresh
+    assert target.start(prompt) == 0  # a prefill not followed by its first step is not reused either
+    assert target.cached_model.cached_length == len(prompt)
 
 
 def test_sliding_window_layers_start_afresh(tokenizer) -> None:

@@ -11,6 +11,7 @@ prompts keep few or no loose accepts: the copy and loop guards refuse most copie
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -20,6 +21,7 @@ os.environ.setdefault("FLYSPEC_VLLM_FLY", "request")
 
 import torch  # noqa: E402
 from flyspec_vllm import metrics, patch  # noqa: E402
+from flyspec_vllm.worker import first_token_latency  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from flyspec.config import GuardConfig  # noqa: E402
@@ -80,6 +82,10 @@ def accepted_counts(engine: vllm.LLM) -> tuple[int, int]:
 def runs(model_dir: str, prompts: list[list[int]]) -> dict[str, object]:
     plain_engine = make_engine(model_dir, None)
     plain = [generate(plain_engine, [p], None)[0] for p in prompts]
+    started = time.perf_counter()
+    params = vllm.SamplingParams(temperature=0.0, max_tokens=4)
+    request = plain_engine.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)[0]
+    first_token = (first_token_latency(request), time.perf_counter() - started)
     del plain_engine
     engine = make_engine(
         model_dir,
@@ -104,12 +110,19 @@ def runs(model_dir: str, prompts: list[list[int]]) -> dict[str, object]:
 
     return {
         "plain": plain,
+        "first_token": first_token,
         "strict": strict,
         "guarded": guarded,
         "bare": bare,
         "tau": {"strict": tau(0), "guarded": tau(1), "bare": tau(2)},
         "loose_accepts": {"guarded": loose[1] - loose[0], "bare": loose[2] - loose[1]},
     }
+
+
+def test_the_worker_reads_each_requests_time_to_first_token_from_vllms_metrics(runs: dict) -> None:
+    """``flyspec bench``'s TTFT column for the vLLM peers: vLLM's own measurement, within the call's wall time."""
+    first_token, call = runs["first_token"]
+    assert first_token is not None and 0 < first_token < call
 
 
 def test_fly_off_equals_vllm_plain_greedy(runs: dict) -> None:

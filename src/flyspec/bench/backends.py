@@ -8,12 +8,14 @@ sees the method's own earlier answers (Spec-Bench's MT-bench protocol).
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 from transformers import GenerationConfig
+from transformers.generation.streamers import BaseStreamer
 
 from flyspec.api import build_decoder
 from flyspec.bench.data import BenchPrompt
@@ -35,6 +37,7 @@ class TurnOutput:
     token_ids: list[int]
     text: str
     wall_time_s: float
+    time_to_first_token_s: float | None = None  # from the request to its first token (None: not known)
     num_target_forwards: int | None = None
     num_proposed: int | None = None
     num_accepted: int | None = None
@@ -100,6 +103,7 @@ class FlyspecBackend:
             token_ids=result.token_ids,
             text=result.text,
             wall_time_s=stats.wall_time_s,
+            time_to_first_token_s=stats.time_to_first_token_s,
             num_target_forwards=stats.num_target_forwards,
             num_proposed=stats.num_proposed,
             num_accepted=stats.num_accepted,
@@ -145,19 +149,37 @@ class HFGenerateBackend:
         inputs = torch.tensor([prompt_ids], dtype=torch.long, device=device)
         extra = self.assistant if self.method.name == "hf-assisted" else {}
         torch.manual_seed(seed)
+        first_token = _FirstToken()
         started = device_clock(device)
         with torch.inference_mode():
             # transformers types PreTrainedModel without GenerationMixin; every causal LM it loads has generate
             output = self.target.model.generate(  # type: ignore[operator]
-                inputs, attention_mask=torch.ones_like(inputs), generation_config=config, **extra
+                inputs, attention_mask=torch.ones_like(inputs), generation_config=config, streamer=first_token, **extra
             )
         wall = device_clock(device) - started
         new_tokens = _cut_at_eos(output[0, len(prompt_ids) :].tolist(), self.target.eos_token_ids)
-        return TurnOutput(new_tokens, self.target.decode(new_tokens), wall)
+        ttft = None if first_token.at is None else first_token.at - started
+        return TurnOutput(new_tokens, self.target.decode(new_tokens), wall, time_to_first_token_s=ttft)
 
     def _sampling_options(self) -> dict:
         top_k = self.sampling.top_k or None
         return {"temperature": self.sampling.temperature, "top_p": self.sampling.top_p, "top_k": top_k}
+
+
+class _FirstToken(BaseStreamer):
+    """When ``generate`` handed over its first new token (its first ``put`` is the prompt): the time to first token."""
+
+    def __init__(self) -> None:
+        self.puts = 0
+        self.at: float | None = None
+
+    def put(self, value: torch.Tensor) -> None:
+        self.puts += 1
+        if self.puts == 2:
+            self.at = time.perf_counter()  # on the host after the token's copy there: the device is done with it
+
+    def end(self) -> None:
+        pass
 
 
 def _cut_at_eos(token_ids: list[int], eos_token_ids: frozenset[int]) -> list[int]:

@@ -259,13 +259,14 @@ def _run_online(
     turns = [prompt.turns[0] for prompt in _interleaved(dataset)[: settings.prompts_at(settings.concurrencies[-1])]]
     messages = [[{"role": "user", "content": turn}] for turn in turns]
     logs = Path(tempfile.mkdtemp(prefix="flyspec-online-"))
+    serve_options = [*(["--compile"] if args.compile else []), "--kernels", args.kernels]  # as the offline engine's
 
     def starter(method: str) -> Any:
         def start() -> online.Server:
             port = online.free_port()
             command, environment = online.server_command(method, python, target.path, args.target,
                                                          target.dtype_name, port, settings.num_draft_tokens,
-                                                         schedule, args.vllm_eager)  # fmt: skip
+                                                         schedule, args.vllm_eager, serve_options)  # fmt: skip
             return online.Server(command, environment, port, logs / f"{method}.log")
 
         return start
@@ -279,7 +280,8 @@ def _run_online(
     meta = {**run_metadata(target, getattr(args, "command_line", None)), "cpu_isa": cpu_isa(),
             "eager": args.vllm_eager, "num_draft_tokens": settings.num_draft_tokens,
             "max_new_tokens": settings.max_new_tokens, "min_prompts": settings.min_prompts,
-            "schedule": schedule.to_vllm() if schedule else None, "server_logs": str(logs)}  # fmt: skip
+            "schedule": schedule.to_vllm() if schedule else None, "server_logs": str(logs),
+            "flyspec_serve_options": serve_options}  # fmt: skip
     written = online.write_outputs(out_dir, meta, rows, startup, schedule, args.plots)
     console.print("wrote " + ", ".join(str(path) for path in written))
     return 0

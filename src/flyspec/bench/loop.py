@@ -175,6 +175,8 @@ def make_record(
         "num_new_tokens": num_new_tokens,
         "wall_time_s": wall,
         "tokens_per_s": num_new_tokens / wall if wall > 0 else 0.0,
+        # per turn, as each turn is a request of its own (None where the method does not measure it)
+        "time_to_first_token_s": [turn.time_to_first_token_s for turn in turns],
         "identical_to_baseline": output.token_ids == baseline.token_ids,
         "texts": output.texts,
     }

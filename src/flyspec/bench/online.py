@@ -5,8 +5,8 @@ One server at a time is started, measured at every concurrency and stopped:
 * ``vllm-plain``, ``vllm-ngram``, ``vllm-flyspec-ngram``, ``vllm-ngram+fly``: vLLM's OpenAI server from the vLLM
   venv (``python -m vllm.entrypoints.openai.api_server``) with the offline methods' ``speculative_config``
   (``flyspec_vllm.worker.speculative_config``; ``--schedule``: with the batch schedule) and plugin switches;
-* ``flyspec-serve``: ``flyspec serve`` with its defaults (n-gram drafts, exact verification), which decodes
-  one request at a time and queues the rest.
+* ``flyspec-serve``: ``flyspec serve`` with its defaults (n-gram drafts, exact verification) and the bench's
+  ``--compile`` and ``--kernels``, which decodes one request at a time and queues the rest.
 
 At concurrency ``c``, ``c`` clients each stream chat completions back to back (greedy, ``max_tokens``,
 usage included) until ``c·⌈min_prompts / c⌉`` requests are answered. Figures: total tokens/s (every
@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from flyspec.bench.summary import percentile
 from flyspec.config import ConfigError
 from flyspec.config.schedule import BatchSchedule
 
@@ -45,12 +46,13 @@ def free_port() -> int:
 
 def server_command(
     method: str, python: Path, model_path: str, target: str, dtype: str, port: int, k: int,
-    schedule: BatchSchedule | None, eager: bool,
+    schedule: BatchSchedule | None, eager: bool, serve_options: Sequence[str] = (),
 ) -> tuple[list[str], dict[str, str]]:  # fmt: skip
-    """The command line and extra environment that start ``method``'s server on ``port``."""
+    """The command line and extra environment that start ``method``'s server on ``port``; ``serve_options``: more
+    options for ``flyspec serve`` (the bench's ``--compile``, ``--kernels``)."""
     if method == FLYSPEC_SERVE:
         command = [sys.executable, "-m", "flyspec", "serve", "--model", target, "--dtype", dtype, "--port", str(port),
-                   "--served-model-name", SERVED_NAME, "--log-level", "warning"]  # fmt: skip
+                   "--served-model-name", SERVED_NAME, "--log-level", "warning", *serve_options]  # fmt: skip
         return command, {}
     from flyspec.bench.load import FLYSPEC_PROPOSER, LOAD_METHODS, engine_method
 
@@ -159,11 +161,6 @@ async def run_clients(url: str, prompts: Sequence[list[dict[str, str]]], concurr
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
     return results
-
-
-def percentile(values: Sequence[float], fraction: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(fraction * (len(ordered) - 1)))] if ordered else float("nan")
 
 
 def summarize(method: str, concurrency: int, results: list[dict[str, Any]]) -> dict[str, Any]:

@@ -23,10 +23,10 @@ def _fmt(value: float | None, pattern: str = "{:.2f}") -> str:
 
 def overall_table(overall: dict[str, dict]) -> list[str]:
     lines = [
-        "| method | lossless | tok/s | speedup (min–max) | τ | drafts verified per step | τ-limit | % of τ-limit "
-        "| cost limit | % of cost limit | in-run limit | % of in-run limit | identical | loose accepts "
-        "| target / draft / other ms per step |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| method | lossless | tok/s | TTFT median / p90 ms | speedup (min–max) | τ | drafts verified per step "
+        "| τ-limit | % of τ-limit | cost limit | % of cost limit | in-run limit | % of in-run limit | identical "
+        "| loose accepts | target / draft / other ms per step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for method, figures in overall.items():
         spread = ""
@@ -35,8 +35,10 @@ def overall_table(overall: dict[str, dict]) -> list[str]:
         own = figures.get("speedup_vs_own_plain")
         own_note = f"; {own:.2f}x vs its own plain" if own is not None else ""
         steps = (figures["target_ms_per_step"], figures["draft_ms_per_step"], figures["other_ms_per_step"])
+        ttft = (figures.get("ttft_median_s"), figures.get("ttft_p90_s"))
         lines.append(
             f"| {method} | {'yes' if figures['lossless'] else 'no'} | {figures['tokens_per_s']:.1f} "
+            f"| {' / '.join(_fmt(None if value is None else 1000 * value, '{:.0f}') for value in ttft)} "
             f"| {_fmt(figures['speedup'], '{:.2f}x')}{spread}{own_note} | {_fmt(figures['tau'])} "
             f"| {_fmt(figures.get('drafts_per_step'), '{:.1f}')} "
             f"| {_fmt(figures['tau_limit'], '{:.2f}x')} | {_fmt(figures['fraction_of_limit'], '{:.0%}')} "
@@ -114,7 +116,9 @@ def markdown_report(meta: dict[str, Any], summary: dict[str, Any]) -> str:
         "side's prefill as timed in the run (speedups are over wall time, prefill included); in-run limit = "
         "the speedup if drafting and engine work were free (tokens per second of prefill + target-forward "
         "time, measured inside the run, relative to plain decoding's). Per-step times split the wall time "
-        "into target verification forwards, drafting, and the engine's own work (other = overhead).",
+        "into target verification forwards, drafting, and the engine's own work (other = overhead). "
+        "TTFT: time to first token per turn, median / 90th percentile (flyspec: from the loop's start, prefill "
+        "included; vLLM: its own request metrics; transformers: to generate's first streamed token).",
         "",
         "## Overall",
         "",

@@ -17,6 +17,10 @@ Definitions (all over the same prompts, in the same run):
   second of model compute (prefill + target forwards, timed inside this run) relative to the
   baseline's; unlike the τ-limit it is not skewed by machine load during the separate
   t(1)/t(k+1) measurement, and measured speedup ÷ it is the share lost to drafting and overhead;
+* ``ttft_median_s`` / ``ttft_p90_s``: the time to first token of each turn (a request of its own), median and
+  90th percentile over every turn: flyspec's engine from the loop's start (prefill included) to its first committed
+  token, vLLM's from its own request metrics (arrival to first token), transformers' from ``generate``'s call to
+  its streamer's first new token; None for a method that does not measure it (llama.cpp);
 * ``target_ms_per_step`` / ``draft_ms_per_step`` / ``other_ms_per_step``: time per target forward
   spent in verification forwards, in drafting, and in the engine's own work (verification rule,
   commit, cache rollback, stop checks, detokenisation) — the last is the engine overhead.
@@ -134,6 +138,7 @@ def _figures(
         "acceptance_by_position": _acceptance_by_position(mine),
     }
     figures.update(_per_step_ms(mine, forwards))
+    figures.update(_first_token(mine))
     plain = PEER_PLAIN.get(method)
     if plain in rates:
         own = _speedups(rates, method, plain)
@@ -205,6 +210,20 @@ def _acceptance_by_position(records: list[Record]) -> list[float]:
             for position, value in enumerate(values):
                 counts[position] += value
     return [a / p if p else 0.0 for a, p in zip(accepted, proposed, strict=False)]
+
+
+def percentile(values: list[float], fraction: float) -> float:
+    """The nearest-rank ``fraction`` quantile of ``values`` (NaN when there are none)."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(fraction * (len(ordered) - 1)))] if ordered else float("nan")
+
+
+def _first_token(records: list[Record]) -> dict[str, float | None]:
+    """Median and p90 time to first token over every turn of ``records`` (None unless every turn measured it)."""
+    turns = [seconds for record in records for seconds in record.get("time_to_first_token_s") or [None]]
+    if not turns or any(seconds is None for seconds in turns):
+        return {"ttft_median_s": None, "ttft_p90_s": None}
+    return {"ttft_median_s": statistics.median(turns), "ttft_p90_s": percentile(turns, 0.9)}
 
 
 def _per_step_ms(records: list[Record], forwards: int | None) -> dict[str, float | None]:

@@ -62,7 +62,11 @@ class VllmBackend:
     def generate_batch(self, prompts: list[list[int]], max_new_tokens: int) -> list[TurnOutput]:
         """All ``prompts`` submitted at once; counters and wall time are the batch's, on the first output."""
         reply = self.worker.request({"prompts": prompts, "max_tokens": max_new_tokens})
-        outputs = [TurnOutput(ids, self.target.decode(ids), 0.0) for ids in reply["outputs"]]
+        first_token_s = reply.get("first_token_s") or [None] * len(reply["outputs"])
+        outputs = [
+            TurnOutput(ids, self.target.decode(ids), 0.0, time_to_first_token_s=seconds)
+            for ids, seconds in zip(reply["outputs"], first_token_s, strict=True)
+        ]
         tokens = sum(len(ids) for ids in reply["outputs"])
         first = outputs[0]
         first.wall_time_s = reply["seconds"]

@@ -25,6 +25,7 @@ class DecodeStats:
     proposed_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
     wall_time_s: float = 0.0  # prefill included
+    time_to_first_token_s: float | None = None  # from the loop's start to its first committed token (prefill included)
     prefill_time_s: float = 0.0
     num_reused_prompt_tokens: int = 0  # prompt tokens taken from the decoder's cache, not prefilled (runtime/target.py)
     target_time_s: float = 0.0  # in target verification forwards (after prefill)
@@ -132,6 +133,7 @@ class DecodeStats:
             "guard_vetoes": dict(sorted(self.guard_vetoes.items())),
             "breaker_tripped_at": self.breaker_tripped_at,
             "wall_time_s": self.wall_time_s,
+            "time_to_first_token_s": self.time_to_first_token_s,
             "prefill_time_s": self.prefill_time_s,
             "num_reused_prompt_tokens": self.num_reused_prompt_tokens,
             "target_time_s": self.target_time_s,

@@ -33,6 +33,8 @@ class GenerationStream:
     def __iter__(self) -> Iterator[str]:
         started = time.perf_counter()
         for committed, loose in self._steps:
+            if committed and self._stats.time_to_first_token_s is None:
+                self._stats.time_to_first_token_s = time.perf_counter() - started
             offset = len(self._stopper.generated) - len(committed)
             self._loose.extend(offset + index for index in loose if index < len(committed))
             piece = self._settled_delta()

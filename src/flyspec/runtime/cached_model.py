@@ -9,6 +9,7 @@ rollback shortens a length) on every device; sliding-window layers keep transfor
 from __future__ import annotations
 
 import inspect
+from typing import Any
 
 import torch
 from transformers import DynamicCache
@@ -41,6 +42,7 @@ class CachedModel:
         # (``in_place=False``: transformers' concatenating layers, the reference the tests compare against)
         self.in_place = in_place
         self.step_forward = model.step_forward or model.model  # compiled (compiled_steps.compile_steps) or eager
+        self.prefill_forward = model.prefill_forward  # compiled for a prefill from an empty cache, or None
         self.device = next(self.model.parameters()).device
         # transformers 5.2x renamed the forward's past_key_values to cache (the old name warns); older ones lack it
         parameters = inspect.signature(self.model.forward).parameters
@@ -96,10 +98,23 @@ class CachedModel:
         for layer in self.cache.layers if self.in_place else ():
             if isinstance(layer, GrowingLayer):
                 layer.reserve(inputs.shape[1])  # outside the graph: a compiled step never grows a buffer
-        forward = self.step_forward if logits_to_keep == 0 else self.model  # prefill stays eager
+        forward = self._forward_for(inputs.shape[1], logits_to_keep)
         cache = {self._cache_argument: self.cache}
         output = forward(input_ids=inputs, use_cache=True, logits_to_keep=logits_to_keep, **cache)
         return output.logits[0].float()
+
+    def _forward_for(self, num_tokens: int, logits_to_keep: int) -> Any:
+        """The forward for a call: a step's compiled graph (every logit kept); a prefill's from an empty cache of
+        plain layers (2 tokens or more, the last one's logits: the shapes its one graph was compiled for); eager
+        for anything else that keeps some rows (a prefill after a cache, a draft model's checks)."""
+        if logits_to_keep == 0:
+            return self.step_forward
+        # not into a cache whose layers are made on first use (drafters'), nor one with a sliding-window layer, whose
+        # mask could ask for a new graph at some prompt length
+        fresh = self.cached_length == 0 and not self.full_history and self.rewindable
+        if self.prefill_forward is not None and logits_to_keep == 1 and num_tokens >= 2 and fresh:
+            return self.prefill_forward
+        return self.model
 
     def crop_to(self, length: int) -> None:
         """Drop cached positions beyond ``length`` (always called, so sliding layers shrink too)."""

@@ -30,7 +30,11 @@ def compile_steps(loaded: LoadedModel) -> LoadedModel:
     removes the per-operator Python cost. Without them, ``freezing`` makes the weights constants,
     which lets inductor prepack them for oneDNN on the CPU (BENCHMARKS.md, "A compiled forward").
     It compiles here, before returning (minutes on 2 cores), so that no
-    generation stalls on a compile; prefill stays eager.
+    generation stalls on a compile. A prefill from an empty cache runs a graph of its own
+    (``prefill_forward``, dynamic in the prompt's length: one graph for every prompt of 2 tokens or more),
+    which fuses the norms, rotary embeddings and activations of every prompt position as the steps' graph
+    does for a step's (BENCHMARKS.md, "Time to first token"); a prefill that continues a cache (prefix
+    reuse) stays eager.
     Plain decoding uses the same compiled forward, so speedups stay like for like. The model must
     not change afterwards (weights, modules, hooks): its graphs skip dynamo's guards on its modules
     (:func:`_private_step`). Any causal LM that ``torch.compile`` can trace works; one it
@@ -40,8 +44,14 @@ def compile_steps(loaded: LoadedModel) -> LoadedModel:
     options: dict[str, Any] = {"guard_filter_fn": _skip_guards_on_the_model}
     if not loaded.kernels:
         options["freezing"] = True
-    step = torch.compile(_private_step(), dynamic=True, options=options)
-    compiled = dataclasses.replace(loaded, step_forward=functools.partial(step, loaded.model))
+    # two code objects: the prefill's graph (prompt length dynamic, no cache, the last row's logits) is compiled
+    # and looked up apart from the steps', so neither counts against the other's recompile limit
+    step, prefill = (torch.compile(_private_step(), dynamic=True, options=options) for _ in range(2))
+    compiled = dataclasses.replace(
+        loaded,
+        step_forward=functools.partial(step, loaded.model),
+        prefill_forward=functools.partial(prefill, loaded.model),
+    )
     _warm_up(compiled)
     return compiled
 
@@ -80,8 +90,8 @@ WARM_UP_STEPS = (1, 1, 2, 3, 2, 5)
 
 
 def _warm_up(loaded: LoadedModel) -> None:
-    """Compile now, not in the middle of a generation, every graph generation needs: the steps of
-    :data:`WARM_UP_STEPS` after a prefill, run by ``CachedModel`` as generation runs them (fresh
+    """Compile now, not in the middle of a generation, every graph generation needs: a prefill, then the
+    steps of :data:`WARM_UP_STEPS`, run by ``CachedModel`` as generation runs them (fresh
     inference tensors, the same kind of cache). A graph guards on sizes, strides, storage offsets
     and inference-ness; a step that differs in any of them compiles a new graph (tens of seconds),
     which ``tests/test_compile.py`` checks never happens during a generation."""

@@ -116,8 +116,10 @@ def decode_attention(
     kv_heads, keys = key.shape[1], key.shape[2]
     usable = (
         batch == 1
+        # a cached step (no past: sdpa's causal prefill); asked first, so that a compiled prefill's graph holds for
+        # every prompt length (asked after the query count, it would split that graph at MAX_DECODE_QUERIES)
+        and keys > queries
         and 1 <= queries <= MAX_DECODE_QUERIES
-        and keys > queries  # a cached step (no past: sdpa's causal prefill)
         and heads % kv_heads == 0
         and dropout == 0.0
         and (attention_mask.dtype == torch.bool if attention_mask is not None else queries == 1)
@@ -167,7 +169,7 @@ class GrowingLayer(DynamicLayer):
     positions than are cached: a view is then never the whole buffer, so its contiguity never
     changes either."""
 
-    INITIAL_CAPACITY = 256
+    INITIAL_CAPACITY = 256  # positions a new buffer holds beyond its first write
 
     def __init__(self, **kwargs: Any) -> None:
         self.length = 0
@@ -181,7 +183,13 @@ class GrowingLayer(DynamicLayer):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         self.length = 0
-        self._buffers = self._grown(key_states, value_states, key_states.shape[-2])
+        # room for the first write and INITIAL_CAPACITY more, by a sum, not a max: a compiled prefill makes its
+        # buffers inside its graph, and comparing the prompt's length with a constant there would become a guard (a
+        # new graph for the prompts on the other side of it)
+        capacity = key_states.shape[-2] + self.INITIAL_CAPACITY
+        self._buffers = tuple(  # type: ignore[assignment]
+            states.new_empty((*states.shape[:-2], capacity, states.shape[-1])) for states in (key_states, value_states)
+        )
         self.is_initialized = True
 
     def reserve(self, positions: int) -> None:

@@ -85,15 +85,18 @@ class LoadedModel(PromptCodec):
     """A causal LM, its tokenizer, and the name it was loaded under.
 
     ``step_forward``: the model's forward compiled for the cached steps (``compiled_steps.compile_steps``);
-    None runs them eagerly. ``kernels``: flyspec's CPU kernels are installed (``kernels.py``), so a
-    ``CachedModel`` keeps its cache in place. Compared and hashed by identity (``eq=False``): two
-    loads are two models, and what is derived from one (``verifiers.tokens.vocabulary_of``) is keyed by it.
+    None runs them eagerly. ``prefill_forward``: the same compiled for a prefill from an empty cache (its own
+    graph, one for every prompt length); None prefills eagerly. ``kernels``: flyspec's CPU kernels are
+    installed (``kernels.py``), so a ``CachedModel`` keeps its cache in place. Compared and hashed by
+    identity (``eq=False``): two loads are two models, and what is derived from one
+    (``verifiers.tokens.vocabulary_of``) is keyed by it.
     """
 
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
     name: str
     step_forward: Callable[..., Any] | None = None
+    prefill_forward: Callable[..., Any] | None = None
     kernels: bool = False
     weights_fingerprint: str | None = None  # taken before the kernels pack the weights (see weights_fingerprint)
 

@@ -6,6 +6,13 @@ the last one, ``cached_length == num_committed - 1``. Each step scores
 crops the cache back to the newly committed length (transformers 5 ``DynamicCache.crop`` takes
 a negative count).
 
+The prefill is the one exception: it runs the whole prompt, its last token included, and keeps that
+token's logits (``cached_length == num_committed`` until the first step). The first step then takes
+them instead of running the last token again: a plain step needs no forward at all, and a draft is
+scored by a forward of the draft alone. Otherwise the first token would cost a second pass over every
+weight (a whole decode step) and the prefill an unused row of the output head (BENCHMARKS.md, "Time to
+first token").
+
 A new generation that continues the previous one's conversation (its prompt starts with that
 generation's whole prompt) keeps the cached positions the two share (prefix reuse): a chat's next
 turn, whose prompt repeats the conversation so far, prefills only what is new. A new conversation
@@ -38,6 +45,8 @@ class Target:
         self.cached_model = CachedModel(target)
         self.committed: list[int] = []  # the committed tokens; the cache holds all but the last
         self.prompt_length = 0  # of the generation that committed them
+        # after a prefill, until the first step: the logits [1, vocab] after the last prompt token (cached too)
+        self.prefill_logits: torch.Tensor | None = None
 
     @property
     def device(self) -> torch.device:
@@ -48,9 +57,9 @@ class Target:
         return len(self.committed)
 
     def start(self, prompt_ids: list[int]) -> int:
-        """Prefill everything but the last prompt token (which the first step scores), keeping the
-        cached positions the prompt shares with the previous generation's committed tokens; return
-        how many were kept (0: prefilled afresh)."""
+        """Prefill the prompt, keeping the cached positions it shares with the previous generation's
+        committed tokens and the logits after its last token (the first step's, see the module doc);
+        return how many positions were kept (0: prefilled afresh)."""
         if not prompt_ids:
             raise ConfigError("the prompt encodes to no tokens; give some text")
         reused = self._shared_prefix(prompt_ids)
@@ -58,10 +67,9 @@ class Target:
             self.cached_model.crop_to(reused)
         else:
             self.cached_model.reset()
-        if len(prompt_ids) - 1 > reused:
-            self.cached_model.forward(prompt_ids[reused:-1], logits_to_keep=1)
-        self.committed = list(prompt_ids)
-        self.prompt_length = len(prompt_ids)
+        self.prefill_logits = None
+        logits = self.cached_model.forward(prompt_ids[reused:], logits_to_keep=1)  # [1, vocab]
+        self.committed, self.prompt_length, self.prefill_logits = list(prompt_ids), len(prompt_ids), logits
         self.check_invariant()
         return reused
 
@@ -80,22 +88,33 @@ class Target:
         """Logits ``[k + 1, vocab]`` for ``[last_token] + draft_tokens`` in one forward.
 
         ``draft_tokens`` (``[k]``) must be on the target's device; the input is assembled there,
-        without a round trip through the host.
+        without a round trip through the host. The first step after a prefill takes the prefill's
+        logits for ``last_token`` (already cached) and runs only the draft.
         """
+        first, self.prefill_logits = self.prefill_logits, None
+        if first is not None:
+            if last_token != self.committed[-1]:
+                raise RuntimeError("the first step after a prefill must score the prompt's last token")
+            if not draft_tokens.numel():
+                return first  # [1, vocab]
+            return torch.cat([first, self.cached_model.forward(draft_tokens)])  # [k + 1, vocab]
         last = torch.full((1,), last_token, dtype=torch.long, device=self.device)
         return self.cached_model.forward(torch.cat([last, draft_tokens]))  # [k + 1, vocab]
 
     def rollback(self, committed: list[int]) -> None:
         """Keep the cache of the ``committed`` tokens only (all but the last). The list is kept, not
         copied: it is the generation's, which only grows, and tells the next start what is cached."""
+        self.prefill_logits = None
         self.cached_model.crop_to(len(committed) - 1)
         self.committed = committed
         self.check_invariant()
 
     def check_invariant(self) -> None:
         cached = self.cached_model.cached_length
-        if cached != self.num_committed - 1:
+        expected = self.num_committed - (self.prefill_logits is None)  # the prefill caches the last token too
+        if cached != expected:
+            state = "a prefill: committed" if self.prefill_logits is not None else "committed - 1"
             raise RuntimeError(
                 f"KV cache invariant broken: {cached} cached positions for {self.num_committed} committed tokens "
-                "(expected committed - 1)"
+                f"(expected {state})"
             )

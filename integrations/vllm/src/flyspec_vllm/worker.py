@@ -7,8 +7,10 @@ plugin's records, or, for ``vllm-flyspec-rules``, when the plugin is not install
 answers one JSON object per stdin line (``{"error": "..."}`` when the records cannot be gathered):
 
 ``{"prompts": [[ids], ...], "max_tokens": N}`` → ``{"outputs": [[ids], ...], "seconds": s,
-"drafts": d, "draft_tokens": t, "accepted": a, "loose_accepts": l}``: all prompts of a line are
-submitted at once (one prompt: batch 1), counters are the differences over that call. Optional, for flyspec's
+"drafts": d, "draft_tokens": t, "accepted": a, "loose_accepts": l, "first_token_s": [s, ...]}``: all prompts of
+a line are submitted at once (one prompt: batch 1), counters are the differences over that call; ``first_token_s``
+is each request's time to first token as vLLM's own metrics measured it (``RequestOutput.metrics``, from its
+arrival; None where vLLM keeps no metrics). Optional, for flyspec's
 proposer: ``"num_draft_tokens": k`` (at most k drafts per request in this call) or ``"schedule": [[start, end, k],
 ...]`` (a batch-size schedule for this call, ``flyspec.config.schedule``) — one engine sweeps every draft length;
 ``"extra_args": {...}``: every prompt's ``SamplingParams.extra_args`` (its rule, ``flyspec_vllm.options``).
@@ -77,6 +79,13 @@ def spec_counters(llm: Any) -> dict[str, int]:
         if metric.name in names and hasattr(metric, "value"):
             totals[names[metric.name]] += int(metric.value)
     return totals
+
+
+def first_token_latency(result: Any) -> float | None:
+    """A request's time to first token in vLLM's own metrics (V1 ``RequestStateStats.first_token_latency``, seconds
+    from its arrival to its first token's output), or None where vLLM kept none (stats logging off, another version)."""
+    latency = getattr(getattr(result, "metrics", None), "first_token_latency", None)
+    return float(latency) if isinstance(latency, (int, float)) and latency > 0 else None
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -207,6 +216,7 @@ def answer(llm: Any, ranks: Ranks, request: dict[str, Any]) -> dict[str, Any]:
     }
     if not items:
         reply["outputs"] = [list(result.outputs[0].token_ids) for result in results]
+        reply["first_token_s"] = [first_token_latency(result) for result in results]
         return reply
     outputs = []
     for item, result in zip(items, results, strict=True):
