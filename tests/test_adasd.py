@@ -252,7 +252,7 @@ def test_one_decoder_makes_a_state_per_generation(
     spec = adasd_spec("draft-model", min_samples=1, scale=2.0)
     decode = DecodeConfig(max_new_tokens=MAX_NEW_TOKENS)
     decoder = build_decoder(tiny_target, spec, decode, resources=resources)
-    first, second = (tiny_target.tokenizer(prompt).input_ids for prompt in PROMPTS)
+    second, first = (tiny_target.tokenizer(prompt).input_ids for prompt in PROMPTS)  # the second loosens
     decoder.generate(first)
     after_another = decoder.generate(second)
     groups = generations(first_steps)

@@ -346,7 +346,8 @@ def test_lossless_with_a_draft_model_in_another_vocabulary(models_by_side, direc
         ).generate(prompt, use_chat=False)
         assert result.token_ids == plain_tokens(target, prompt, config), (direction, prompt, verifier)
         report = drafter.report()
-        assert report["steps"] == drafter.num_steps >= result.stats.num_target_forwards - 1
+        # neither the first step (the prefill gives its token) nor one at the length limit drafts
+        assert report["steps"] == drafter.num_steps >= result.stats.num_target_forwards - 2
         assert report["inner"]["draft_forwards"] > 0
         assert checked.num_cached_reused > 0
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 import torch
 from flyspec.generation import Decoder
 
+from conftest import noisy_copy
 from flyspec import DecodeConfig, PlainDecoder, SpeculativeDecoder, make_verifier
 from flyspec.config import SpeculationConfig
-from flyspec.drafters.ngram import NgramDrafter
+from flyspec.drafters.draft_model import DraftModelDrafter
 from flyspec.runtime.cached_model import CachedModel
 from flyspec.runtime.loaded_model import LoadedModel
 from flyspec.runtime.target import Target
@@ -40,17 +41,27 @@ def test_plain_decoding_runs_one_forward_per_token_the_prefill_giving_the_first(
     assert result.stats.num_target_forwards == 6  # the first step counts, though the prefill ran it
 
 
-def test_the_first_draft_is_scored_without_the_last_prompt_token(tiny_target: LoadedModel) -> None:
+def test_the_first_token_comes_from_the_prefill_and_the_first_draft_follows_it(tiny_target: LoadedModel) -> None:
+    """As in vLLM: no draft is scored before the first token, which the prefill's logits decide alone."""
     speculation = SpeculationConfig(num_draft_tokens=4)
-    decoder = SpeculativeDecoder(tiny_target, NgramDrafter(), make_verifier("exact"), CONFIG, speculation)
+    drafter = DraftModelDrafter(noisy_copy(tiny_target, 0.05, seed=1))  # drafts every step
+    decoder = SpeculativeDecoder(tiny_target, drafter, make_verifier("exact"), CONFIG, speculation)
     calls = forwards(decoder)
-    drafts: list[int] = []
+    drafts: list[tuple[int, int]] = []  # (committed tokens when drafting, draft length)
     propose = decoder.drafter.propose
-    decoder.drafter.propose = lambda *args: drafts.append((draft := propose(*args)).num_tokens) or draft  # type: ignore[method-assign]
+
+    def spy(token_ids, *args):
+        draft = propose(token_ids, *args)
+        drafts.append((len(token_ids), draft.num_tokens))
+        return draft
+
+    decoder.drafter.propose = spy  # type: ignore[method-assign]
     result = decoder.generate(PROMPT, use_chat=False)
-    assert calls[0] == (len(result.prompt_token_ids), 1)
-    assert drafts[0] > 0 and calls[1] == (drafts[0], 0)  # the first draft alone: the prompt's last token is cached
-    assert calls[2][0] == 1 + drafts[1]  # later steps: the last committed token and the draft
+    prompt_length = len(result.prompt_token_ids)
+    assert calls[0] == (prompt_length, 1)  # the prefill, then no forward before the first token
+    assert drafts[0][0] == prompt_length + 1  # the first draft sees the first token
+    assert drafts[0][1] > 0 and calls[1] == (1 + drafts[0][1], 0)  # the first token and the draft, one forward
+    assert result.stats.num_target_forwards == len(calls)  # the first step counts, though the prefill ran it
     assert result.token_ids == PlainDecoder(tiny_target, CONFIG).generate(PROMPT, use_chat=False).token_ids
 
 

@@ -19,8 +19,9 @@ import pytest
 from transformers import PreTrainedTokenizerFast
 
 from conftest import make_tiny_model
+from flyspec import PlainDecoder
 from flyspec.cli.app import build_parser
-from flyspec.config import SpeculationConfig
+from flyspec.config import DecodeConfig, SpeculationConfig
 from flyspec.runtime.loaded_model import LoadedModel
 from flyspec.server.app import create_app
 from flyspec.server.command import api_keys_from, log_exposure, security_from_args, settings_from_args
@@ -32,7 +33,6 @@ from server_helpers import (
 
 MODEL = "tiny"
 SECRET = "Narwhal-7719-Basalt"
-VICTIM_CHAT = {"messages": [{"role": "user", "content": f"REDIS_URL=redis://cache:6379\nREDIS_SECRET={SECRET}"}]}
 # the attack of the issue: a lossy verifier with its window and gate off keeps whatever is drafted
 ATTACK = {
     "prompt": "REDIS_URL=redis://cache:6379\nREDIS_SECRET=",
@@ -41,6 +41,20 @@ ATTACK = {
     "speculative": {"verifier": "fly", "window_size": 0, "entropy_threshold": 0},
 }
 VICTIM_KEY, ATTACKER_KEY = "victim-key-0123456789", "attacker-key-0123456789"
+
+
+@pytest.fixture(scope="module")
+def victim_chat(tiny_target: LoadedModel) -> dict[str, Any]:
+    """The victim's message: the secret follows the attack's prompt and the first token the target writes after it
+    (which the prefill decides before anything is drafted), so a cache holding the victim's n-grams would draft
+    the secret from the attack's second step on."""
+    config = DecodeConfig(max_new_tokens=1, ignore_eos=True)
+    first = PlainDecoder(tiny_target, config).generate(ATTACK["prompt"], use_chat=False).token_ids
+    content = f"{ATTACK['prompt']}{tiny_target.decode(first)}{SECRET}"
+    attack = tiny_target.encode_prompt(ATTACK["prompt"], use_chat=False)[-3:] + first
+    victim = tiny_target.encode_prompt(content, use_chat=False)
+    assert any(victim[i : i + 4] == attack for i in range(len(victim))), "the victim's tokens must hold the attack's"
+    return {"messages": [{"role": "user", "content": content}]}
 
 
 @contextmanager
@@ -69,10 +83,10 @@ def assert_error(response: httpx.Response, status: int, code: str) -> dict[str, 
 # -- item 1: one client reads another's prompt through the n-gram cache --------------------------------
 
 
-def test_the_ngram_cache_attack_is_refused_by_default(tiny_target: LoadedModel) -> None:
+def test_the_ngram_cache_attack_is_refused_by_default(tiny_target: LoadedModel, victim_chat: dict) -> None:
     """The issue's attack, against a server started with --drafter ngram-cache and default security."""
     with serving(tiny_target, SpeculationConfig(drafter="ngram-cache", num_draft_tokens=8)) as url:
-        assert post(url, "/v1/chat/completions", {**VICTIM_CHAT, "max_tokens": 8, "temperature": 0}).status_code == 200
+        assert post(url, "/v1/chat/completions", {**victim_chat, "max_tokens": 8, "temperature": 0}).status_code == 200
         error = assert_error(post(url, "/v1/completions", ATTACK), 403, "speculative_not_allowed")
         assert error["param"] == "speculative" and "lossy" in error["message"]
         # lossless settings stay allowed, and their text is the target's own (no secret)
@@ -82,13 +96,15 @@ def test_the_ngram_cache_attack_is_refused_by_default(tiny_target: LoadedModel) 
 
 
 @pytest.mark.parametrize("share", [False, True], ids=["a cache per key", "shared cache (opt-in)"])
-def test_an_attacker_with_another_key_cannot_read_the_victims_secret(tiny_target: LoadedModel, share: bool) -> None:
+def test_an_attacker_with_another_key_cannot_read_the_victims_secret(
+    tiny_target: LoadedModel, victim_chat: dict, share: bool
+) -> None:
     """Even where the operator allows lossy requests: caches are per key, and a lossy verifier never keeps a
     token that only the cache proposed (the library's guard; needed when the operator shares the cache)."""
     defaults = SpeculationConfig(drafter="ngram-cache", num_draft_tokens=8)
     keys = (VICTIM_KEY, ATTACKER_KEY)
     with serving(tiny_target, defaults, api_keys=keys, allow_request_speculative="all", share_ngram_cache=share) as url:
-        victim = post(url, "/v1/chat/completions", {**VICTIM_CHAT, "max_tokens": 8, "temperature": 0}, VICTIM_KEY)
+        victim = post(url, "/v1/chat/completions", {**victim_chat, "max_tokens": 8, "temperature": 0}, VICTIM_KEY)
         assert victim.status_code == 200
         attack = post(url, "/v1/completions", ATTACK, ATTACKER_KEY)
         assert attack.status_code == 200, attack.text
@@ -97,7 +113,7 @@ def test_an_attacker_with_another_key_cannot_read_the_victims_secret(tiny_target
         assert "cache" not in drafter, "a response must not carry the whole cache's statistics"
         assert (drafter["cache_drafts"] > 0) == share, "only a shared cache knows the victim's n-grams"
         # the victim's own cache does know them: tenants are kept apart, not caching switched off
-        again = post(url, "/v1/chat/completions", {**VICTIM_CHAT, "max_tokens": 8, "temperature": 0}, VICTIM_KEY)
+        again = post(url, "/v1/chat/completions", {**victim_chat, "max_tokens": 8, "temperature": 0}, VICTIM_KEY)
         assert again.json()["usage"]["drafter"]["cache_drafts"] > 0
         caches = httpx.get(f"{url}/metrics", headers={"authorization": f"Bearer {VICTIM_KEY}"}, timeout=10).text
         assert f'flyspec_ngram_cache{{quantity="caches"}} {1.0 if share else 2.0}' in caches
@@ -144,7 +160,7 @@ def test_what_a_request_may_change(
         assert_error(response, 403, "speculative_not_allowed")
 
 
-def test_no_kv_cache_prefix_passes_between_requests(tiny_target: LoadedModel, monkeypatch) -> None:
+def test_no_kv_cache_prefix_passes_between_requests(tiny_target: LoadedModel, victim_chat: dict, monkeypatch) -> None:
     """A decoder reuses its own previous generation's cache (prefix reuse, runtime/target.py): how fast a prompt
     starts would tell whether someone sent its head before. The server builds a decoder per request,
     so even the very same conversation, sent again, is prefilled afresh."""
@@ -159,10 +175,10 @@ def test_no_kv_cache_prefix_passes_between_requests(tiny_target: LoadedModel, mo
 
     monkeypatch.setattr(Target, "start", recording)
     with serving(tiny_target) as url:
-        body = {**VICTIM_CHAT, "max_tokens": 8, "temperature": 0}
+        body = {**victim_chat, "max_tokens": 8, "temperature": 0}
         answer = post(url, "/v1/chat/completions", body).json()["choices"][0]["message"]["content"]
         turn = {"role": "assistant", "content": answer}
-        follow_up = {**body, "messages": [*VICTIM_CHAT["messages"], turn, {"role": "user", "content": "Again"}]}
+        follow_up = {**body, "messages": [*victim_chat["messages"], turn, {"role": "user", "content": "Again"}]}
         for request in (body, body, follow_up):
             assert post(url, "/v1/chat/completions", request).status_code == 200
     assert len(reused) == 4 and reused == [0, 0, 0, 0]

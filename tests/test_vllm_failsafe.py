@@ -1,5 +1,5 @@
 """The plugin's fail-closed plumbing without vLLM (on vLLM's real runners: ``tests/vllm033/test_failsafe.py``,
-``tests/vllm_engine/test_vllm_failsafe.py``): faults are counted and logged, a flood of them is not; the V2
+``tests/vllm_engine/test_engine_failsafe.py``): faults are counted and logged, a flood of them is not; the V2
 runner's request hooks keep each request's sampling parameters for exactly as long as vLLM keeps the request."""
 
 from __future__ import annotations

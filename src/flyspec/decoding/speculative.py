@@ -96,17 +96,24 @@ class SpeculativeDecoder(Decoder):
         state = self.verifier.new_state()  # the rule's, for this generation only (adasd's running means)
         vocabulary = vocabulary_of(self.target)
         context = VerifyContext(token_ids, len(generation.prompt_ids), vocabulary, breaker=breaker, rule_state=state)
+        # The first token comes from the prefill's logits alone, as in vLLM: no draft is scored before it (the
+        # prefill already holds the target's answer there), so it is committed as soon as the prefill ends and the
+        # first draft follows it with one more token of context. Lossless rules commit what they would anyway.
+        first: bool = True
         try:
             while not generation.finished:
                 # draft: up to k tokens after the committed ones
-                requested, budget = generation.draft_budget()
+                requested: int | None = None  # the draft-length policy's request (none for the first step)
                 draft, drafting_started = Draft.empty(device), stats.draft_time_s
-                if budget > 0:
-                    with stats.timing("draft", device):
-                        # a no-op unless a draft model sits on another device than the target
-                        draft = self.drafter.propose(token_ids, budget, sampling, generator).to(device)
-                # the draft-length policy may verify fewer (cost-aware: the most tokens per second)
-                draft, requested = generation.to_verify(draft, stats.draft_time_s - drafting_started, requested)
+                if not first:
+                    requested, budget = generation.draft_budget()
+                    if budget > 0:
+                        with stats.timing("draft", device):
+                            # a no-op unless a draft model sits on another device than the target
+                            draft = self.drafter.propose(token_ids, budget, sampling, generator).to(device)
+                    # the draft-length policy may verify fewer (cost-aware: the most tokens per second)
+                    draft, requested = generation.to_verify(draft, stats.draft_time_s - drafting_started, requested)
+                first = False
                 # score: [last committed token] + draft in one target forward
                 with stats.timing("target", device):
                     target_logits = self.scorer.score(token_ids[-1], draft.tokens)  # [k + 1, vocab]

@@ -8,7 +8,8 @@ a negative count).
 
 The prefill is the one exception: it runs the whole prompt, its last token included, and keeps that
 token's logits (``cached_length == num_committed`` until the first step). The first step then takes
-them instead of running the last token again: a plain step needs no forward at all, and a draft is
+them instead of running the last token again: a step without a draft needs no forward at all (the
+decoders' first step: the first token comes from the prefill, as in vLLM), and a draft would be
 scored by a forward of the draft alone. Otherwise the first token would cost a second pass over every
 weight (a whole decode step) and the prefill an unused row of the output head (BENCHMARKS.md, "Time to
 first token").
