@@ -1,7 +1,8 @@
 """The maintained tools of ``benchmarks/`` that have no test of their own elsewhere, run small on the tiny model:
-``kill9.py`` (``kill -9`` of ``flyspec serve`` mid-save of its cache file) and ``server_load.py`` (concurrent streams,
-malformed requests and disconnects). ``soak.py`` is ``tests/test_soak.py``'s. Their full runs (``docs/reliability.md``,
-``docs/guides/serve.md``) are benchmarks, not tests: here each must run end to end and pass its own checks."""
+``kill9.py`` (``kill -9`` of ``flyspec serve`` mid-save of its cache file), ``server_load.py`` (concurrent streams,
+malformed requests and disconnects) and ``first_token.py`` (where the time to the first token goes). ``soak.py`` is
+``tests/test_soak.py``'s. Their full runs (``docs/reliability.md``, ``docs/guides/serve.md``, BENCHMARKS.md) are
+benchmarks, not tests: here each must run end to end and pass its own checks."""
 
 from __future__ import annotations
 
@@ -38,3 +39,22 @@ def test_server_load_loses_nothing_on_a_short_run(tiny_model_dir: Path, tmp_path
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     result = json.loads(report.read_text())
     assert result["passed"] and result["lost_all"] == []
+
+
+def test_first_token_breaks_every_turn_into_its_phases_and_compiles_nothing_after_load(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    rows_file = tmp_path / "rows.jsonl"  # (the tiny model's context window fits these categories' prompts)
+    done = run_tool("first_token.py", "--model", str(tiny_model_dir), "--dtype", "float32", "--compile", "--limit",
+                    "1", "--max-new-tokens", "4", "--categories", "mt_bench,translation,qa",
+                    "--out", str(rows_file))  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    rows = [json.loads(line) for line in rows_file.read_text().splitlines()]
+    assert {row["method"] for row in rows} == {"plain", "ngram+exact"}
+    assert len(rows) == 2 * len({(row["prompt"], row["turn"]) for row in rows}) > 2  # every turn, both methods
+    for row in rows:
+        phases = [row[f"{phase}_cpu_ms"] for phase in ("encode", "setup", "cache", "prefill", "first_step")]
+        assert min(phases[:4]) >= 0 and row["prefill_cpu_ms"] > 0
+        assert row["graphs_compiled"] == row["frames_compiled"] == 0  # the warm-up compiled every graph
+        assert 0 < row["ttft_wall_ms"] <= row["total_wall_ms"]
+    assert "plain: TTFT cpu" in done.stdout and "ngram+exact: TTFT cpu" in done.stdout

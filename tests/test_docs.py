@@ -124,14 +124,38 @@ def test_every_skip_has_a_reason_and_every_example_a_runner(path: Path) -> None:
 _LINK = re.compile(r"(?<!!)\[[^\]]+\]\(([^)\s]+)\)")
 
 
-def test_readme_links_point_at_files_that_exist() -> None:
-    readme = (REPO / "README.md").read_text(encoding="utf-8")
+@pytest.mark.parametrize("name", ["README.md", "BENCHMARKS.md", "EVALUATION.md", "DEPLOYMENT.md", "ARCHITECTURE.md"])
+def test_top_level_links_point_at_files_that_exist(name: str) -> None:
+    text = (REPO / name).read_text(encoding="utf-8")
     missing = [
         target
-        for target in _LINK.findall(readme)
+        for target in _LINK.findall(text)
         if not re.match(r"^[a-z]+:|^#", target) and not (REPO / target.partition("#")[0]).exists()
     ]
     assert missing == []
+
+
+@pytest.mark.parametrize("name", ["BENCHMARKS.md", "EVALUATION.md"])
+def test_the_results_pages_show_current_figures_in_at_most_300_lines(name: str) -> None:
+    """Issue 54: the current figures with machine, flags, dtype and date; older runs linked, not repeated."""
+    text = (REPO / name).read_text(encoding="utf-8")
+    assert len(text.splitlines()) <= 300
+    assert "## Current state" in text and "## Run logs" in text
+
+
+def test_run_logs_are_data_no_dated_folder_holds_a_script() -> None:
+    """Issue 54: a dated folder keeps records, a README and the command; a maintained tool lives beside them
+    (``benchmarks/<name>.py``, tested in tests/test_benchmark_tools.py) and the rest is in git history."""
+    dated = [path for root in ("benchmarks", "evaluation") for path in (REPO / root).glob("20*") if path.is_dir()]
+    assert dated
+    scripts = [
+        str(path.relative_to(REPO))
+        for folder in dated
+        for path in folder.rglob("*")
+        if path.suffix in {".py", ".sh"} and path.is_file()
+    ]
+    assert scripts == []
+    assert all((folder / "README.md").exists() for folder in dated if any(folder.iterdir()))
 
 
 def test_readme_is_short() -> None:

@@ -278,6 +278,8 @@ def _run_online(
     rows, startup = online.run_online(starts, messages, settings.concurrencies, settings.prompts_at,
                                       settings.max_new_tokens, console.print)  # fmt: skip
     meta = {**run_metadata(target, getattr(args, "command_line", None)), "cpu_isa": cpu_isa(),
+            # each server runs the model in its own process: vLLM's on its engine, flyspec serve on its own kernels
+            "device": "each server's own (a process per server)", "kernels": "each server's",
             "eager": args.vllm_eager, "num_draft_tokens": settings.num_draft_tokens,
             "max_new_tokens": settings.max_new_tokens, "min_prompts": settings.min_prompts,
             "schedule": schedule.to_vllm() if schedule else None, "server_logs": str(logs),

@@ -1,4 +1,4 @@
-"""Where the time to the first token goes, per prompt, in flyspec's engine: plain and ngram+exact.
+"""Where the time to the first token goes, per prompt, in flyspec's engine (default: plain and ngram+exact).
 
 For each benchmark turn of `flyspec bench --quick` (Spec-Bench, 2 prompts per category, mt_bench's second
 turns included), the phases from the prompt to the first committed token, timed by wrapping the engine's
@@ -11,13 +11,16 @@ own methods (nothing is re-implemented here):
 * first step: the rest of the time to the first token (the drafter's reset, the first scoring forward where one
   runs, choosing and committing the token);
 * compiles: graphs torch.compile built during the turn (``torch._dynamo`` counters: frames compiled,
-  unique graphs), which must stay 0 after the load-time warm-up.
+  unique graphs), which must stay 0 after the load-time warm-up: the run fails (exit 1) where one was built.
 
 Times are CPU seconds of this thread (``time.thread_time``) and wall seconds: run with one thread
 (OMP_NUM_THREADS=1) on a shared machine, where CPU time is what stays comparable. Proportions and counts are
 the result; absolute figures depend on the machine and its load.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/2026-11-27-prefill/breakdown.py --dtype bfloat16 --compile
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/first_token.py --dtype bfloat16 --compile --out rows.jsonl
+
+Each turn's row is printed as one JSON line (and written to --out), then the medians per method.
+``tests/test_benchmark_tools.py`` runs it small on a tiny model. Records of its runs: benchmarks/2026-11-27-prefill.
 """
 
 from __future__ import annotations
@@ -32,14 +35,14 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from flyspec.baseline import PlainDecoder
-from flyspec.generation import Decoder
 from torch._dynamo.utils import counters
 
 from flyspec.api import build_decoder
 from flyspec.bench.backends import conversation_ids
 from flyspec.bench.data import load_prompts
 from flyspec.config import DecodeConfig, SpeculationConfig
+from flyspec.decoding.generation import Decoder
+from flyspec.decoding.plain import PlainDecoder
 from flyspec.resources import Resources
 from flyspec.runtime.cached_model import CachedModel
 from flyspec.runtime.loaded_model import LoadedModel
@@ -117,15 +120,18 @@ def first_token(decoder: Decoder, prompt_ids: list[int], max_new_tokens: int, cl
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct", help="as flyspec's --model (default: packaged)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--kernels", default="auto")
     parser.add_argument("--methods", default="plain,ngram+exact")
     parser.add_argument("--max-new-tokens", type=int, default=48)
-    parser.add_argument("--limit", type=int, default=2)
+    parser.add_argument("--limit", type=int, default=2, help="prompts per Spec-Bench category (the bench's --quick)")
+    parser.add_argument("--categories", default="", help="comma-separated Spec-Bench categories (default: all)")
+    parser.add_argument("--out", help="also write every turn's row to this JSONL file")
     args = parser.parse_args()
     resources = Resources(args.dtype, compile=args.compile, kernels=args.kernels)
-    target = resources.model("smollm2-135m-instruct")
+    target = resources.model(args.model)
     decoders: dict[str, Decoder] = {}
     for method in args.methods.split(","):
         if method == "plain":
@@ -136,7 +142,8 @@ def main() -> None:
             decoders[method] = build_decoder(target, spec, resources=resources.isolated())
     clock = Clock()
     instrument(clock)
-    prompts = load_prompts(limit=args.limit)
+    categories = tuple(name for name in args.categories.split(",") if name)
+    prompts = load_prompts(categories=categories, limit=args.limit)
     for decoder in decoders.values():  # the bench's warm-up
         first_token(decoder, target.encode_prompt("Hello! Say something short.", None), 8, clock)
     rows = []
@@ -160,7 +167,13 @@ def main() -> None:
                     ),
                     flush=True,
                 )
+    if args.out:
+        with open(args.out, "w") as out:
+            out.writelines(json.dumps(row) + "\n" for row in rows)
     summary(rows, args)
+    compiled = [row for row in rows if row["graphs_compiled"] or row["frames_compiled"]]
+    if compiled:
+        raise SystemExit(f"FAILED: torch.compile built graphs during {len(compiled)} turn(s) after the warm-up")
 
 
 def summary(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
