@@ -23,6 +23,9 @@ from tokenizers import ByteLevelBPETokenizer
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from flyspec.runtime.loaded_model import LoadedModel
+from pinning import pin_xdist_worker
+
+pin_xdist_worker()  # under pytest-xdist, this worker on its own core(s): tests/pinning.py
 
 # What ``--dtype auto`` means differs between machines (bfloat16 where the CPU computes it natively, else float32).
 # Tests whose outcome depends on it take the ``auto_dtype`` fixture and run under both, forced through

