@@ -1,4 +1,4 @@
-"""Each pytest-xdist worker on its own cores, with as many threads as it has cores (imported by the conftests).
+"""Each pytest-xdist worker on its own cores, with as many threads as it has cores (tests/conftest.py calls it).
 
 Two workers that each let torch, OpenMP or vLLM-CPU use every core fight over them: OpenMP threads spin while
 they wait, so a vLLM-CPU engine beside another worker took 5x as long (docs/testing.md). Pinned, the workers share
