@@ -70,6 +70,10 @@ SMOKE_CONFIG = {
     "tie_word_embeddings": False,
 }
 METHODS = {"ngram+exact": "exact", "ngram+fly": "fly"}  # flyspec methods beside plain decoding
+# Every method first runs every prompt untimed: on an H100 (2026-11-27) the first pass over new sequence lengths
+# cost 4-5x a warm one (98 against 21 ms per step for Llama-3.1-8B's shape; benchmarks/2026-11-27-gpu-check-h100),
+# so a 4-token warm-up left the method timed first, and transformers' plain generate, at half their warm speed.
+WARM_UP = "every prompt, in full, untimed"
 
 
 def byte_tokenizer() -> PreTrainedTokenizerFast:
@@ -155,7 +159,8 @@ def run_flyspec(target: LoadedModel, prompts: list[list[int]], max_new_tokens: i
         decoders[method] = build_decoder(target, spec, decode, resources=Resources(models=(target,)))
     results = {}
     for method, decoder in decoders.items():
-        decoder.generate(prompts[0], config=DecodeConfig(max_new_tokens=4, ignore_eos=True))  # warm-up
+        for ids in prompts:  # warm-up: every sequence length the timed pass meets (see WARM_UP)
+            decoder.generate(ids)
         totals = {"tokens": 0, "steps": 0, "proposed": 0, "wall": 0.0, "prefill": 0.0, "target": 0.0, "draft": 0.0}
         for ids in prompts:
             stats = decoder.generate(ids).stats
@@ -188,7 +193,8 @@ def run_transformers(target: LoadedModel, prompts: list[list[int]], max_new_toke
     results = {}
     for method, options in {"hf-plain": {}, "hf-lookup": {"prompt_lookup_num_tokens": k}}.items():
         total_tokens, total_s = 0, 0.0
-        for index, ids in enumerate([prompts[0], *prompts]):  # the first is a warm-up
+        for index, ids in enumerate([*prompts, *prompts]):  # the first pass is a warm-up (see WARM_UP)
+            timed = index >= len(prompts)
             inputs = torch.tensor([ids], dtype=torch.long, device=device)
             synchronize(device)
             started = time.perf_counter()
@@ -196,13 +202,13 @@ def run_transformers(target: LoadedModel, prompts: list[list[int]], max_new_toke
                 inputs,
                 attention_mask=torch.ones_like(inputs),
                 do_sample=False,
-                max_new_tokens=max_new_tokens if index else 4,
-                min_new_tokens=max_new_tokens if index else 4,
+                max_new_tokens=max_new_tokens,
+                min_new_tokens=max_new_tokens,
                 pad_token_id=0,
                 **options,
             )
             synchronize(device)
-            if index:
+            if timed:
                 total_s += time.perf_counter() - started
                 total_tokens += output.shape[1] - len(ids)
         results[method] = {"tokens_per_s": total_tokens / total_s, "num_new_tokens": total_tokens}
@@ -269,6 +275,7 @@ def report(results: dict[str, Any]) -> str:
         f"- Device: {meta['device']}, dtype {meta['dtype']}; command: `{meta['command']}`",
         f"- Prompts: {meta['num_prompts']} Spec-Bench first turns (byte ids, ≤ {meta['max_prompt_tokens']} tokens), "
         f"{meta['max_new_tokens']} new tokens each, k = {meta['k']}; t(n) after {meta['context']} cached tokens",
+        f"- Warm-up before each method's timed pass: {WARM_UP}",
         "- Random weights: acceptance and speedups measured here are meaningless; costs are real.",
         "",
     ]

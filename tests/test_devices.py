@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from conftest import on_devices
+from conftest import on_device, on_devices
 from flyspec.api import build_decoder, generate
 from flyspec.cli.app import build_parser, main
 from flyspec.config import (
@@ -40,7 +40,7 @@ from flyspec.runtime.loaded_model import LoadedModel
 from flyspec.runtime.loading import default_dtype, load_model, resolve_device, resolve_dtype
 from flyspec.runtime.target import Target
 from flyspec.sampling import acceptance
-from flyspec.sampling.sampler import make_generator
+from flyspec.sampling.sampler import make_generator, same_device
 from flyspec.types import Draft
 from flyspec.verifiers.registry import make_verifier
 
@@ -146,6 +146,20 @@ def test_a_generator_on_another_device_is_refused(tiny_target: LoadedModel) -> N
     with pytest.raises(ConfigError, match="make_generator"):
         decoder.stream([1, 2, 3], generator=elsewhere)  # type: ignore[arg-type]
     assert make_generator(0, decoder.device).device == decoder.device
+
+
+@on_devices
+def test_a_generator_made_from_the_device_name_is_accepted(tiny_target: LoadedModel, device: str) -> None:
+    """``make_generator(seed, "cuda")`` reports ``cuda`` with no index; the target is on ``cuda:0``: one device."""
+    decode = DecodeConfig(max_new_tokens=4, sampling=SamplingConfig(temperature=0.8))
+    decoder = build_decoder(on_device(tiny_target, device), SpeculationConfig(drafter="ngram"), decode)
+    assert len(decoder.generate([1, 2, 3], generator=make_generator(0, device)).token_ids) == 4
+
+
+def test_cuda_without_an_index_is_the_current_cuda_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert same_device("cuda", torch.device("cuda", 1)) and same_device(torch.device("cuda:1"), "cuda")
+    assert not same_device("cuda", "cuda:0") and not same_device("cpu", "cuda:1") and same_device("cpu", "cpu")
 
 
 def test_cli_cuda_without_a_gpu_exits_2_with_one_line(

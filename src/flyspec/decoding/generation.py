@@ -21,6 +21,7 @@ from flyspec.decoding.stopping import Stopper
 from flyspec.decoding.streaming import GenerationStream, Step
 from flyspec.runtime.loaded_model import LoadedModel
 from flyspec.runtime.target import Target
+from flyspec.sampling.sampler import same_device
 from flyspec.types import Draft, Verdict
 
 Prompt = str | list[dict[str, str]] | list[int]
@@ -125,7 +126,7 @@ class Decoder:
         the target's device: ``make_generator(seed, decoder.device)``.
         """
         config = config or self.config
-        if generator is not None and generator.device != self.device:
+        if generator is not None and not same_device(generator.device, self.device):
             raise ConfigError(
                 f"the random generator is on {generator.device} but the target on {self.device}; "
                 "make it with flyspec.make_generator(seed, decoder.device)"

@@ -38,7 +38,7 @@ from flyspec.sampling.acceptance import (
     rejection_accept_mask,
     rejection_next_token,
 )
-from flyspec.sampling.sampler import logits_to_probs, uniform
+from flyspec.sampling.sampler import logits_to_probs, same_device, uniform
 from flyspec.types import MODEL, Draft
 
 
@@ -114,7 +114,7 @@ class DraftModelDrafter:
         sampling: SamplingConfig,
         generator: torch.Generator | None,
     ) -> Draft:
-        if not sampling.greedy and generator is not None and generator.device != self.device:
+        if not sampling.greedy and generator is not None and not same_device(generator.device, self.device):
             raise ConfigError(
                 f"draft model {self.draft_model.name!r} is on {self.device} but the random generator on "
                 f"{generator.device}: at temperature > 0 a draft model must be on the target's device"

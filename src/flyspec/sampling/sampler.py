@@ -57,6 +57,18 @@ def uniform(
     return torch.rand(shape, generator=generator, device=device)
 
 
+def same_device(first: torch.device | str, second: torch.device | str) -> bool:
+    """Whether two devices are one: ``cuda`` (no index) is the current CUDA device, as torch places it."""
+
+    def resolved(device: torch.device | str) -> torch.device:
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            return torch.device("cuda", torch.cuda.current_device())
+        return device
+
+    return resolved(first) == resolved(second)
+
+
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
     """A generator on ``device`` seeded with ``seed``, or from the OS's entropy when ``seed`` is None.
 
