@@ -70,10 +70,10 @@ SMOKE_CONFIG = {
     "tie_word_embeddings": False,
 }
 METHODS = {"ngram+exact": "exact", "ngram+fly": "fly"}  # flyspec methods beside plain decoding
-# Every method first runs every prompt untimed: on an H100 (2026-11-27) the first pass over new sequence lengths
-# cost 4-5x a warm one (98 against 21 ms per step for Llama-3.1-8B's shape; benchmarks/2026-11-27-gpu-check-h100),
-# so a 4-token warm-up left the method timed first, and transformers' plain generate, at half their warm speed.
-WARM_UP = "every prompt, in full, untimed"
+# On an H100 (2026-11-27) the first pass over new sequence lengths cost 4-5x a warm one (98 against 21 ms per step
+# for Llama-3.1-8B's shape; benchmarks/2026-11-27-gpu-check-h100), for every later method of the same engine too,
+# so a 4-token warm-up left the first method timed (flyspec's, and transformers' own) at half its warm speed.
+WARM_UP = "every prompt in full, untimed, by each engine's first method (flyspec's, transformers'); 4 tokens by others"
 
 
 def byte_tokenizer() -> PreTrainedTokenizerFast:
@@ -158,9 +158,9 @@ def run_flyspec(target: LoadedModel, prompts: list[list[int]], max_new_tokens: i
         spec = SpeculationConfig(drafter="ngram", verifier=verifier, num_draft_tokens=k)
         decoders[method] = build_decoder(target, spec, decode, resources=Resources(models=(target,)))
     results = {}
-    for method, decoder in decoders.items():
-        for ids in prompts:  # warm-up: every sequence length the timed pass meets (see WARM_UP)
-            decoder.generate(ids)
+    for index, (method, decoder) in enumerate(decoders.items()):
+        for ids in prompts if index == 0 else prompts[:1]:  # warm-up (see WARM_UP)
+            decoder.generate(ids, config=None if index == 0 else DecodeConfig(max_new_tokens=4, ignore_eos=True))
         totals = {"tokens": 0, "steps": 0, "proposed": 0, "wall": 0.0, "prefill": 0.0, "target": 0.0, "draft": 0.0}
         for ids in prompts:
             stats = decoder.generate(ids).stats
@@ -191,10 +191,11 @@ def run_transformers(target: LoadedModel, prompts: list[list[int]], max_new_toke
     """transformers' ``generate``: plain greedy and prompt lookup with ``k`` tokens, on the same prompts."""
     device = target.device
     results = {}
-    for method, options in {"hf-plain": {}, "hf-lookup": {"prompt_lookup_num_tokens": k}}.items():
+    for number, (method, options) in enumerate({"hf-plain": {}, "hf-lookup": {"prompt_lookup_num_tokens": k}}.items()):
         total_tokens, total_s = 0, 0.0
-        for index, ids in enumerate([*prompts, *prompts]):  # the first pass is a warm-up (see WARM_UP)
-            timed = index >= len(prompts)
+        warm_up = prompts if number == 0 else prompts[:1]  # see WARM_UP
+        for index, ids in enumerate([*warm_up, *prompts]):
+            timed = index >= len(warm_up)
             inputs = torch.tensor([ids], dtype=torch.long, device=device)
             synchronize(device)
             started = time.perf_counter()
