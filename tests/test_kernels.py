@@ -6,6 +6,7 @@ Float32 throughout where identity is claimed: the kernels change rounding, not t
 from __future__ import annotations
 
 import copy
+import platform
 import types
 
 import pytest
@@ -13,6 +14,7 @@ import torch
 from transformers.cache_utils import DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+import flyspec.runtime.allocator as allocator
 import flyspec.runtime.kernels as kernels
 import flyspec.runtime.packed_linears as packed_linears
 from conftest import make_tiny_gemma3, make_tiny_model
@@ -251,6 +253,47 @@ def test_kernels_apply_only_where_they_can(tiny_target: LoadedModel) -> None:
     assert any(isinstance(module, torch.nn.Linear) for module in half.modules())
     with pytest.raises(ConfigError, match="unknown kernels 'fast'"):
         kernels.check_kernels("fast")
+
+
+def test_installing_kernels_keeps_freed_memory_once_applied(
+    tiny_target: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[str] = []
+    monkeypatch.setattr(kernels, "keep_freed_memory", lambda: calls.append("kept") or True)
+    assert not kernels.install(copy.deepcopy(tiny_target.model).to(torch.float16), "auto")
+    assert not kernels.install(copy.deepcopy(tiny_target.model), "stock")
+    assert calls == []  # where the kernels do not apply, malloc is left alone
+    assert kernels.install(copy.deepcopy(tiny_target.model), "auto")
+    assert calls == ["kept"]
+
+
+class FakeLibc:
+    """A C library whose ``mallopt`` records its calls (a function, so ctypes' argtypes can be set on it)."""
+
+    def __init__(self, refuse: int | None = None) -> None:
+        self.calls: list[tuple[int, int]] = []
+
+        def mallopt(parameter: int, value: int) -> int:
+            self.calls.append((parameter, value))
+            return 0 if parameter == refuse else 1
+
+        self.mallopt = mallopt
+
+
+def test_the_allocator_settings_reach_malloc_and_a_refusal_is_reported() -> None:
+    libc = FakeLibc()
+    assert allocator._apply(libc)  # type: ignore[arg-type]
+    assert libc.calls == list(allocator.SETTINGS.items())
+    assert dict(libc.calls)[allocator.M_MMAP_THRESHOLD] == 32 << 20  # glibc's largest
+    refusing = FakeLibc(refuse=allocator.M_TOP_PAD)
+    assert not allocator._apply(refusing)  # type: ignore[arg-type]
+    assert len(refusing.calls) == 3  # the others are still set
+    assert not allocator._apply(types.SimpleNamespace())  # type: ignore[arg-type]  # no mallopt at all
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt's parameters are glibc's")
+def test_glibc_takes_the_allocator_settings() -> None:
+    assert allocator.keep_freed_memory() and allocator.keep_freed_memory()  # applied once, then remembered
 
 
 def test_cached_steps_match_stock_through_rollbacks(tiny_target: LoadedModel) -> None:

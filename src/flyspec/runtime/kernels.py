@@ -1,7 +1,7 @@
 """flyspec's CPU kernels for the cached steps of any transformers causal LM (``--kernels auto``).
 
-Three replacements, each for a measured CPU cost (BENCHMARKS.md, "CPU kernels"), each falling back
-to the stock path where it does not apply:
+Three replacements and an allocator setting, each for a measured CPU cost (BENCHMARKS.md, "CPU kernels"),
+each falling back to the stock path where it does not apply:
 
 - **Prepacked linears** (``packed_linears.py``). Every ``nn.Linear`` gets its weight reordered once,
   at load, into oneDNN's blocked layout; the stock ``F.linear`` reads the plain layout at every call
@@ -19,6 +19,10 @@ to the stock path where it does not apply:
   the other two (so the CPU-only note below is not about it), for eager and compiled steps:
   it reserves room before each step, outside the graph, so a compiled step writes into buffers
   whose strides do not change and never compiles a new graph.
+
+- **Activation memory kept** (``allocator.py``): glibc's malloc is told once to keep freed blocks of up to
+  32 MiB in the process instead of unmapping them, so a prefill's megabyte activations do not fault their pages
+  in afresh at every forward.
 
 Only on a CPU, in float32 or bfloat16 (where oneDNN supports it). The math is the same up to
 floating-point rounding; plain decoding runs the same kernels, so speedups stay like for like.
@@ -38,6 +42,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from flyspec.config import ConfigError
 from flyspec.config.names import KERNELS
+from flyspec.runtime.allocator import keep_freed_memory
 from flyspec.runtime.packed_linears import pack_linears
 
 logger = logging.getLogger(__name__)
@@ -84,6 +89,7 @@ def install(model: PreTrainedModel, kernels: str = "auto") -> bool:
         return False
     with torch.inference_mode():
         pack_linears(model)
+    keep_freed_memory()
     if model.config._attn_implementation == "sdpa":  # a model loaded with eager (or flash) attention keeps it
         register_attention()
         model.set_attn_implementation(ATTENTION)
