@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from flyspec.bench.data import SPEC_BENCH_CATEGORIES, load_prompts
-from flyspec.bench.loop import bench_methods
+from flyspec.bench.loop import bench_methods, method_order
 from flyspec.bench.report import overall_table
 from flyspec.bench.summary import OVERALL, summarize
 from flyspec.cli.app import main
@@ -472,3 +472,14 @@ def test_vllm_methods_are_skipped_with_a_reason_without_the_venv(tmp_path: Path,
     assert "\n" not in skipped["vllm-plain"]
     assert {r["method"] for r in results["records"]} == {"plain"}
     assert "skipped vllm-plain: no vLLM venv" in (out / "report.md").read_text()
+
+
+def test_the_method_order_puts_every_method_first_and_after_different_neighbours() -> None:
+    names = ["plain", "ngram+exact", "vllm-plain", "vllm-ngram"]
+    orders = [method_order(names, round_) for round_ in range(2 * len(names))]
+    assert all(sorted(order) == sorted(names) for order in orders)
+    assert {order[0] for order in orders} == set(names)  # each first at some point
+    # consecutive methods, across the rounds' boundaries too, as they ran one after another
+    sequence = [name for order in orders for name in order]
+    before_plain = {earlier for earlier, later in zip(sequence, sequence[1:], strict=False) if later == "plain"}
+    assert len(before_plain) >= 2  # rotation alone: always right after vllm-ngram

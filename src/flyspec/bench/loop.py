@@ -1,7 +1,7 @@
 """The benchmark loop: the methods to run, warm up, then every method on every prompt, interleaved.
 
-Interleaving (prompt by prompt, with the method order rotated each time) makes machine drift
-and thermal effects hit every method alike, instead of favouring whichever ran first.
+Interleaving (prompt by prompt, with the method order rotated each time and reversed every other time) makes
+machine drift and thermal effects hit every method alike, instead of favouring whichever ran first or after whom.
 """
 
 from __future__ import annotations
@@ -143,9 +143,8 @@ def run_bench(
     records: list[Record] = []
     for index, prompt in enumerate(prompts):
         for repeat in range(settings.repeats):
-            shift = (index * settings.repeats + repeat) % len(names)
             outputs = {}
-            for name in names[shift:] + names[:shift]:
+            for name in method_order(names, index * settings.repeats + repeat):
                 output = run_or_drop(name, prompt, settings.max_new_tokens, settings.seed + index)
                 if output is not None:
                     outputs[name] = output
@@ -155,6 +154,18 @@ def run_bench(
                 on_record(record)
         on_prompt_done()
     return records
+
+
+def method_order(names: list[str], round_: int) -> list[str]:
+    """The methods' order in one round: rotated every two rounds, and reversed every other round.
+
+    Rotation alone keeps a cyclic order (each method always runs right after the same one); reversing every other
+    round puts each after different neighbours. It matters where methods run in separate processes (flyspec's
+    engine, vLLM's worker): the first forward after another process ran measured up to twice a warm one's time
+    to the first token on a 2-core VM (BENCHMARKS.md, issue 53)."""
+    shift = (round_ // 2) % len(names)
+    order = names[shift:] + names[:shift]
+    return order[::-1] if round_ % 2 else order
 
 
 def make_record(
