@@ -64,7 +64,8 @@ def add_model_options(parser: argparse.ArgumentParser, *, chat: bool = True) -> 
         choices=KERNELS,
         help="auto (default): on the CPU in float32 or bfloat16, flyspec's kernels for the cached steps "
         "(oneDNN-prepacked linears, siblings such as query/key/value sharing one, a decode attention; "
-        "same math up to rounding); stock: transformers' modules as loaded. The in-place KV cache is used "
+        "same math up to rounding) and glibc's malloc set to keep freed activation memory; "
+        "stock: transformers' modules as loaded. The in-place KV cache is used "
         "either way, on every device. Plain decoding uses the same kernels (BENCHMARKS.md)",
     )
     models.add_argument(

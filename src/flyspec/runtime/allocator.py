@@ -3,11 +3,12 @@
 A prefill allocates activations of megabytes (a 926-token SmolLM2 prefill: an MLP's [926, 3072] output is 5.7 MB)
 and frees them a layer later. glibc's defaults serve such blocks with ``mmap`` and trim the heap's free top, so
 every prefill faults its pages in afresh: about 7,000 minor page faults and a tenth of a 926-token bfloat16
-prefill's time on an AMX Xeon (BENCHMARKS.md, "the time to the first token"). vLLM-CPU avoids the same by
-preloading tcmalloc. Here glibc is told, once per process, to serve blocks up to its 32 MiB maximum from the heap,
-to keep up to 1 GiB of free heap, and to grow it in 64 MiB steps; the memory stays with the process for its next
-forward (its resident size is its peak, as with tcmalloc). Nothing else changes: another allocator preloaded
-(tcmalloc, jemalloc) ignores these settings, and a C library without ``mallopt`` leaves them undone.
+prefill's time on an AMX Xeon (BENCHMARKS.md, "the time to the first token"). vLLM-CPU's platform code preloads
+tcmalloc into its workers, where its wheel bundles one, for the same cost. Here glibc is told, once per process,
+to serve blocks up to its 32 MiB maximum from the heap, to keep up to 1 GiB of free heap, and to grow it in 64 MiB
+steps; the memory stays with the process for its next forward (its resident size is its peak, as with tcmalloc).
+Nothing else changes: another allocator preloaded (tcmalloc, jemalloc) ignores these settings, and a C library
+without ``mallopt`` leaves them undone.
 """
 
 from __future__ import annotations
