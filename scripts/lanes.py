@@ -41,12 +41,18 @@ def shares(cores: list[int], lanes: int) -> list[list[int]] | None:
     return [cores[index * size : (index + 1) * size] for index in range(lanes)]
 
 
+def thread_variables(cores: list[int]) -> dict[str, str]:
+    """The variables that keep OpenMP, MKL and vLLM-CPU's threads to ``cores`` (tests/pinning.py sets them too)."""
+    threads = str(len(cores))
+    return {
+        "OMP_NUM_THREADS": threads,
+        "MKL_NUM_THREADS": threads,
+        "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores)),
+    }
+
+
 def environment(cores: list[int] | None) -> dict[str, str]:
-    env = dict(os.environ)
-    if cores is not None:
-        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(len(cores))
-        env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
-    return env
+    return {**os.environ, **(thread_variables(cores) if cores is not None else {})}
 
 
 def start(lane: Lane, command: str) -> subprocess.Popen[bytes]:

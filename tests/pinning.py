@@ -9,22 +9,27 @@ changes.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
+from pathlib import Path
+
+# scripts/lanes.py splits cores the same way for `make test`'s last stage: one split, one set of variables
+_SPEC = importlib.util.spec_from_file_location("lanes", Path(__file__).resolve().parents[1] / "scripts" / "lanes.py")
+assert _SPEC and _SPEC.loader
+lanes = importlib.util.module_from_spec(_SPEC)
+sys.modules["lanes"] = lanes  # its dataclass looks its module up
+_SPEC.loader.exec_module(lanes)
 
 
 def worker_cores() -> list[int] | None:
     """The cores this xdist worker gets: the machine's, split evenly between the workers (None: not pinned)."""
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
-    if not worker.startswith("gw") or count < 2 or not hasattr(os, "sched_getaffinity"):
+    if not worker.startswith("gw") or not hasattr(os, "sched_getaffinity"):
         return None
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < count:
-        return None
-    index = int(worker.removeprefix("gw"))
-    share = len(cores) // count
-    return cores[index * share : (index + 1) * share]
+    split = lanes.shares(sorted(os.sched_getaffinity(0)), count)
+    return None if split is None else split[int(worker.removeprefix("gw"))]
 
 
 def pin_xdist_worker() -> list[int] | None:
@@ -33,10 +38,7 @@ def pin_xdist_worker() -> list[int] | None:
     if cores is None:
         return None
     os.sched_setaffinity(0, cores)
-    threads = str(len(cores))
-    os.environ["OMP_NUM_THREADS"] = threads
-    os.environ["MKL_NUM_THREADS"] = threads
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
+    os.environ.update(lanes.thread_variables(cores))
     if "torch" in sys.modules:  # it read OMP_NUM_THREADS at import
         sys.modules["torch"].set_num_threads(len(cores))
     return cores

@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "lanes.py"
-spec = importlib.util.spec_from_file_location("lanes", SCRIPT)
-assert spec and spec.loader
-lanes = importlib.util.module_from_spec(spec)
-sys.modules["lanes"] = lanes  # its dataclass looks its module up
-spec.loader.exec_module(lanes)
+from pinning import lanes  # scripts/lanes.py, loaded once
+
+SCRIPT = Path(lanes.__file__)
 
 SHOW = (
     f"{sys.executable} -c \"import os; print('lane', sorted(os.sched_getaffinity(0)), "
