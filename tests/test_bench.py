@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from flyspec.bench.data import SPEC_BENCH_CATEGORIES, load_prompts
-from flyspec.bench.loop import bench_methods, method_order
+from flyspec.bench.loop import bench_methods, method_order, run_order
 from flyspec.bench.report import overall_table
 from flyspec.bench.summary import OVERALL, summarize
 from flyspec.cli.app import main
@@ -483,3 +483,37 @@ def test_the_method_order_puts_every_method_first_and_after_different_neighbours
     sequence = [name for order in orders for name in order]
     before_plain = {earlier for earlier, later in zip(sequence, sequence[1:], strict=False) if later == "plain"}
     assert len(before_plain) >= 2  # rotation alone: always right after vllm-ngram
+
+
+def test_the_blocks_order_runs_each_method_back_to_back_and_every_pair_once() -> None:
+    names = ["plain", "ngram+exact", "vllm-plain"]
+    order = run_order(5, 2, names, "blocks")
+    assert sorted(order) == sorted((i, r, name) for i in range(5) for r in range(2) for name in names)
+    runs = [name for index, (_, _, name) in enumerate(order) if index == 0 or order[index - 1][2] != name]
+    # one block per method and half, the second half in reverse (the last method's two blocks run back to back)
+    assert runs == [*names, *names[-2::-1]]
+    assert {i for i, _, name in order[:6]} == {0, 1, 2} and order[-1] == (4, 1, "plain")
+    interleaved = run_order(5, 2, names, "interleaved")
+    assert [name for _, _, name in interleaved[:3]] == method_order(names, 0)
+    assert sorted(interleaved) == sorted(order)
+    with pytest.raises(ConfigError, match="unknown bench order 'random'"):
+        run_order(5, 1, names, "random")
+
+
+def test_a_bench_in_blocks_records_what_the_interleaved_one_did(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """The same outputs and records (float32, greedy) whatever the order; the report says which order ran."""
+    dataset = write_jsonl(tmp_path / "prompts.jsonl", PROMPTS)
+    out = tmp_path / "out"
+    argv = ["bench", "--quick", "--dataset", str(dataset), "--target", str(tiny_model_dir), "--dtype", "float32",
+            "--methods", "plain,ngram+exact,ngram+fly", "--max-new-tokens", "12", "--no-plots", "--order", "blocks",
+            "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    blocks = json.loads((out / "results.json").read_text())["records"]
+    assert main([*argv[:-4], "--out", str(tmp_path / "interleaved")]) == 0
+    interleaved = json.loads((tmp_path / "interleaved" / "results.json").read_text())["records"]
+    key = lambda record: (record["prompt_id"], record["method"])  # noqa: E731
+    assert len(blocks) == len(interleaved) == len(PROMPTS) * 3
+    for field in ("texts", "identical_to_baseline", "num_new_tokens", "num_proposed", "num_accepted"):
+        assert {key(r): r[field] for r in blocks} == {key(r): r[field] for r in interleaved}, field
+    assert "methods in blocks" in (out / "report.md").read_text()
+    assert "methods interleaved per prompt" in (tmp_path / "interleaved" / "report.md").read_text()

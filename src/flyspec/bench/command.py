@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from flyspec.bench.report import ORDERS
 from flyspec.cli.extras import require_extra
 from flyspec.cli.options import add_model_options, engine_options
 from flyspec.cli.speculation import add_speculation_options
@@ -50,6 +51,15 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     run_group.add_argument("--repeats", type=int, default=1, help="runs per prompt and method; medians reported")
     run_group.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the warm-up generations")
+    run_group.add_argument(
+        "--order",
+        choices=ORDERS,
+        default="interleaved",
+        help="interleaved (default): every method on each prompt before the next, the method order rotated and "
+        "reversed; blocks: each method on the first half of the prompts back to back, then each on the second half "
+        "in reverse method order (each engine in its steady state: on a small machine the first request after "
+        "another engine's process ran is slower)",
+    )
     run_group.add_argument(
         "--max-new-tokens",
         type=int,
@@ -156,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
     meta["vllm_eager"] = args.vllm_eager
 
     records_path = out_dir / "records.jsonl"
-    bench = BenchSettings(max_new_tokens, args.repeats, args.warmup, args.seed)
+    bench = BenchSettings(max_new_tokens, args.repeats, args.warmup, args.seed, args.order)
     with JsonlWriter(records_path, append=False) as sink, LiveView(len(prompts), k) as view:
 
         def on_record(record: dict) -> None:
@@ -364,4 +374,5 @@ def _meta(
         "temperature": args.temperature,
         "repeats": args.repeats,
         "warmup": args.warmup,
+        "order": args.order,
     }

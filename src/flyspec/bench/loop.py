@@ -1,7 +1,12 @@
-"""The benchmark loop: the methods to run, warm up, then every method on every prompt, interleaved.
+"""The benchmark loop: the methods to run, warm up, then every method on every prompt, interleaved or in blocks.
 
-Interleaving (prompt by prompt, with the method order rotated each time and reversed every other time) makes
-machine drift and thermal effects hit every method alike, instead of favouring whichever ran first or after whom.
+Interleaving (prompt by prompt, with the method order rotated each time and reversed every other time, the
+default) makes machine drift and thermal effects hit every method alike, instead of favouring whichever ran first or
+after whom. Blocks (``--order blocks``) run each method on the first half of the prompts back to back, method after
+method, then on the second half in the reverse method order: each engine meets its prompts as a server's steady
+state would, not right after another process ran (on a 2-core VM that switch costs the next request several tens
+of milliseconds, and the methods of one process pay it less often than those of several: BENCHMARKS.md, issue 53),
+while drift still falls on the first half of one method and the second half of another.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from typing import Any
 
 from flyspec.bench.backends import Backend, BackendSettings, FlyspecBackend, HFGenerateBackend, PromptOutput, run_prompt
 from flyspec.bench.data import BenchPrompt
+from flyspec.bench.report import ORDERS
 from flyspec.config import ConfigError
 from flyspec.harness.methods import PEERS, PLAIN, Method, parse_methods
 from flyspec.runtime.loaded_model import LoadedModel
@@ -56,6 +62,7 @@ class BenchSettings:
     repeats: int = 1
     warmup: bool = True
     seed: int = 0
+    order: str = "interleaved"  # or "blocks" (report.ORDERS; the module docstring)
 
 
 @dataclass(frozen=True)
@@ -141,19 +148,54 @@ def run_bench(
         for name in list(names):
             run_or_drop(name, warmup, WARMUP_TOKENS, settings.seed)
     records: list[Record] = []
-    for index, prompt in enumerate(prompts):
-        for repeat in range(settings.repeats):
-            outputs = {}
-            for name in method_order(names, index * settings.repeats + repeat):
-                output = run_or_drop(name, prompt, settings.max_new_tokens, settings.seed + index)
-                if output is not None:
-                    outputs[name] = output
-            for name in [name for name in names if name in outputs]:
-                record = make_record(prompt, backends[name].method, repeat, outputs[name], outputs[PLAIN])
-                records.append(record)
-                on_record(record)
-        on_prompt_done()
+    outputs: dict[tuple[int, int], dict[str, PromptOutput]] = {}
+    emitted: set[tuple[int, int, str]] = set()
+    done: set[int] = set()
+
+    def emit(index: int, repeat: int) -> None:
+        """Records for what ran on (prompt, repeat), once plain's output is there to compare with."""
+        ran = outputs.get((index, repeat), {})
+        if PLAIN not in ran:
+            return
+        for name in [name for name in names if name in ran and (index, repeat, name) not in emitted]:
+            emitted.add((index, repeat, name))
+            record = make_record(prompts[index], backends[name].method, repeat, ran[name], ran[PLAIN])
+            records.append(record)
+            on_record(record)
+
+    def finish_prompts() -> None:
+        for index in range(len(prompts)):
+            whole = all((index, r, name) in emitted for r in range(settings.repeats) for name in names)
+            if index not in done and whole:
+                done.add(index)
+                on_prompt_done()
+
+    for index, repeat, name in run_order(len(prompts), settings.repeats, list(names), settings.order):
+        if name not in names:  # a peer dropped earlier in the run
+            continue
+        output = run_or_drop(name, prompts[index], settings.max_new_tokens, settings.seed + index)
+        if output is not None:
+            outputs.setdefault((index, repeat), {})[name] = output
+        emit(index, repeat)
+        finish_prompts()
     return records
+
+
+def run_order(num_prompts: int, repeats: int, names: list[str], order: str) -> list[tuple[int, int, str]]:
+    """(prompt index, repeat, method) in the order they run: ``interleaved`` (``method_order`` per round) or
+    ``blocks`` (each method on the first half of the prompts, then each on the second half in reverse order)."""
+    if order == "interleaved":
+        return [
+            (index, repeat, name)
+            for index in range(num_prompts)
+            for repeat in range(repeats)
+            for name in method_order(names, index * repeats + repeat)
+        ]
+    if order != "blocks":
+        raise ConfigError(f"unknown bench order {order!r}: choose one of {', '.join(ORDERS)}")
+    half = (num_prompts + 1) // 2
+    first = [(i, r, name) for name in names for i in range(half) for r in range(repeats)]
+    return first + [(i, r, name) for name in names[::-1] for i in range(half, num_prompts) for r in range(repeats)]
 
 
 def method_order(names: list[str], round_: int) -> list[str]:

@@ -10,6 +10,13 @@ from flyspec.bench.summary import OVERALL
 from flyspec.harness.methods import PLAIN
 
 LOSSY_NOTE = "lossy: output may differ from plain decoding"
+# the bench's orders (``--order``, bench/loop.py: run_order) and how the report names them
+ORDER_NOTES = {
+    "interleaved": "methods interleaved per prompt",
+    "blocks": "methods in blocks (each on the first half of the prompts, then each on the second half in reverse "
+    "order)",
+}
+ORDERS = tuple(ORDER_NOTES)
 
 
 def write_json(path: Path, meta: dict[str, Any], summary: dict[str, Any], records: list[dict]) -> None:
@@ -104,7 +111,8 @@ def markdown_report(meta: dict[str, Any], summary: dict[str, Any]) -> str:
         f"{', compiled' if meta.get('compile') else ''}); draft model: {meta['draft_model'] or 'none'}",
         f"- Prompts: {meta['num_prompts']} from {meta['dataset']} ({', '.join(meta['categories'])}); "
         f"max_new_tokens {meta['max_new_tokens']}, k = {k}, temperature {meta['temperature']}, "
-        f"repeats {meta['repeats']}, warm-up {'yes' if meta['warmup'] else 'no'}; methods interleaved per prompt",
+        f"repeats {meta['repeats']}, warm-up {'yes' if meta['warmup'] else 'no'}; "
+        f"{ORDER_NOTES[meta.get('order', 'interleaved')]}",
         f"- Target forward after {meta.get('forward_context', '?')} cached tokens: t(1) = "
         f"{_fmt(times.get('1'), '{:.1f}')} ms, t(k+1 = {k + 1}) = {_fmt(times.get(str(k + 1)), '{:.1f}')} ms",
         f"- Speedup = method tokens/s ÷ {PLAIN} (flyspec plain decoding, the baseline) tokens/s over the same prompts; "
