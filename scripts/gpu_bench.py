@@ -37,6 +37,7 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -70,10 +71,34 @@ SMOKE_CONFIG = {
     "tie_word_embeddings": False,
 }
 METHODS = {"ngram+exact": "exact", "ngram+fly": "fly"}  # flyspec methods beside plain decoding
-# On an H100 (2026-11-27) the first pass over new sequence lengths cost 4-5x a warm one (98 against 21 ms per step
-# for Llama-3.1-8B's shape; benchmarks/2026-11-27-gpu-check-h100), for every later method of the same engine too,
-# so a 4-token warm-up left the first method timed (flyspec's, and transformers' own) at half its warm speed.
-WARM_UP = "every prompt in full, untimed, by each engine's first method (flyspec's, transformers'); 4 tokens by others"
+# On an H100 (2026-11-27) the first pass over the prompts cost 3-4x a warm one (78 against 22 ms per step for
+# Llama-3.1-8B's shape), and the same method on the same prompts took 3-4 full passes to settle (78, 33, 34, 26, then
+# 22 ms: benchmarks/2026-11-27-gpu-check-h100/rerun), after which every other method of the engine ran warm at once.
+# A fixed single warm pass left the third method (ngram+fly) timed before the engine had settled (25.8 against 21.6
+# ms per step for exact with the same ~0 drafts). So each engine's first method repeats full untimed passes until
+# two in a row agree (WARM_TOLERANCE) or WARM_LIMIT_S is spent; the report gives the passes and their times.
+WARM_TOLERANCE = 0.05
+WARM_MAX_PASSES = 8
+WARM_LIMIT_S = 45.0
+WARM_UP = (
+    f"each engine's first method (flyspec's, transformers') repeats every prompt in full, untimed, until two passes "
+    f"in a row agree within {WARM_TOLERANCE:.0%} (at most {WARM_MAX_PASSES} passes or {WARM_LIMIT_S:.0f} s); 4 tokens "
+    "by the others"
+)
+
+
+def warm_up(one_pass: Callable[[], float], limit_s: float = WARM_LIMIT_S) -> list[float]:
+    """Run ``one_pass`` (seconds per token of one untimed pass) until two passes in a row agree.
+
+    Agreement is within ``WARM_TOLERANCE`` of the later one; stops anyway after ``WARM_MAX_PASSES`` passes or once
+    ``limit_s`` is spent (the cost stage has its own time limit). Returns every pass's seconds per token, in order.
+    """
+    started, times = time.monotonic(), [one_pass()]
+    while len(times) < WARM_MAX_PASSES and time.monotonic() - started < limit_s:
+        times.append(one_pass())
+        if abs(times[-1] - times[-2]) <= WARM_TOLERANCE * times[-1]:
+            break
+    return times
 
 
 def byte_tokenizer() -> PreTrainedTokenizerFast:
@@ -150,17 +175,27 @@ def _spec_bench_text() -> str:
     return " ".join(prompt.turns[0] for prompt in load_prompts(None, limit=2))
 
 
-def run_flyspec(target: LoadedModel, prompts: list[list[int]], max_new_tokens: int, k: int) -> dict[str, Any]:
-    """Plain decoding and the n-gram methods on every prompt: tok/s and per-step time split."""
+def run_flyspec(
+    target: LoadedModel, prompts: list[list[int]], max_new_tokens: int, k: int
+) -> tuple[dict[str, Any], list[float]]:
+    """Plain decoding and the n-gram methods on every prompt: tok/s and per-step time split; the warm-up passes."""
     decode = DecodeConfig(max_new_tokens=max_new_tokens, ignore_eos=True)
     decoders: dict[str, Any] = {"plain": PlainDecoder(target, decode)}
     for method, verifier in METHODS.items():
         spec = SpeculationConfig(drafter="ngram", verifier=verifier, num_draft_tokens=k)
         decoders[method] = build_decoder(target, spec, decode, resources=Resources(models=(target,)))
-    results = {}
+    results: dict[str, Any] = {}
+    warm: list[float] = []
+
+    def one_pass(decoder: Any) -> float:
+        stats = [decoder.generate(ids).stats for ids in prompts]
+        return sum(s.wall_time_s for s in stats) / max(sum(s.num_new_tokens for s in stats), 1)
+
     for index, (method, decoder) in enumerate(decoders.items()):
-        for ids in prompts if index == 0 else prompts[:1]:  # warm-up (see WARM_UP)
-            decoder.generate(ids, config=None if index == 0 else DecodeConfig(max_new_tokens=4, ignore_eos=True))
+        if index == 0:  # see WARM_UP
+            warm = [1000 * seconds for seconds in warm_up(lambda: one_pass(decoder))]  # noqa: B023
+        else:
+            decoder.generate(prompts[0], config=DecodeConfig(max_new_tokens=4, ignore_eos=True))
         totals = {"tokens": 0, "steps": 0, "proposed": 0, "wall": 0.0, "prefill": 0.0, "target": 0.0, "draft": 0.0}
         for ids in prompts:
             stats = decoder.generate(ids).stats
@@ -183,37 +218,52 @@ def run_flyspec(target: LoadedModel, prompts: list[list[int]], max_new_tokens: i
             "engine_ms_per_step": 1000 * (decode_s - totals["target"] - totals["draft"]) / steps,
             "num_new_tokens": totals["tokens"],
         }
-    return results
+    return results, warm
+
+
+def generate_pass(
+    target: LoadedModel, prompts: list[list[int]], max_new_tokens: int, **options: Any
+) -> tuple[int, float]:
+    """transformers' ``generate`` on each prompt in turn: new tokens and seconds, together."""
+    device, tokens, seconds = target.device, 0, 0.0
+    for ids in prompts:
+        inputs = torch.tensor([ids], dtype=torch.long, device=device)
+        synchronize(device)
+        started = time.perf_counter()
+        output = target.model.generate(
+            inputs,
+            attention_mask=torch.ones_like(inputs),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            pad_token_id=0,
+            **options,
+        )
+        synchronize(device)
+        seconds += time.perf_counter() - started
+        tokens += output.shape[1] - len(ids)
+    return tokens, seconds
 
 
 @torch.inference_mode()
-def run_transformers(target: LoadedModel, prompts: list[list[int]], max_new_tokens: int, k: int) -> dict[str, Any]:
+def run_transformers(
+    target: LoadedModel, prompts: list[list[int]], max_new_tokens: int, k: int
+) -> tuple[dict[str, Any], list[float]]:
     """transformers' ``generate``: plain greedy and prompt lookup with ``k`` tokens, on the same prompts."""
-    device = target.device
-    results = {}
+    results, warm = {}, []
     for number, (method, options) in enumerate({"hf-plain": {}, "hf-lookup": {"prompt_lookup_num_tokens": k}}.items()):
-        total_tokens, total_s = 0, 0.0
-        warm_up = prompts if number == 0 else prompts[:1]  # see WARM_UP
-        for index, ids in enumerate([*warm_up, *prompts]):
-            timed = index >= len(warm_up)
-            inputs = torch.tensor([ids], dtype=torch.long, device=device)
-            synchronize(device)
-            started = time.perf_counter()
-            output = target.model.generate(
-                inputs,
-                attention_mask=torch.ones_like(inputs),
-                do_sample=False,
-                max_new_tokens=max_new_tokens,
-                min_new_tokens=max_new_tokens,
-                pad_token_id=0,
-                **options,
-            )
-            synchronize(device)
-            if timed:
-                total_s += time.perf_counter() - started
-                total_tokens += output.shape[1] - len(ids)
+        if number == 0:  # see WARM_UP
+
+            def one_pass(options: dict[str, Any] = options) -> float:
+                tokens, seconds = generate_pass(target, prompts, max_new_tokens, **options)
+                return seconds / max(tokens, 1)
+
+            warm = [1000 * seconds for seconds in warm_up(one_pass)]
+        else:
+            generate_pass(target, prompts[:1], 4, **options)
+        total_tokens, total_s = generate_pass(target, prompts, max_new_tokens, **options)
         results[method] = {"tokens_per_s": total_tokens / total_s, "num_new_tokens": total_tokens}
-    return results
+    return results, warm
 
 
 def read_acceptance(path: Path | None) -> dict[str, Any]:
@@ -297,6 +347,12 @@ def report(results: dict[str, Any]) -> str:
             )
         for method, row in model["transformers"].items():
             lines.append(f"| transformers {method} | {row['tokens_per_s']:.1f} | | | | |")
+        for engine, passes in model.get("warm_up_ms_per_token", {}).items():
+            lines += [
+                "",
+                f"Warm-up, {engine}: {len(passes)} untimed passes, ms per token "
+                + ", ".join(f"{t:.1f}" for t in passes),
+            ]
         if model["projected"]:
             source = results["acceptance"]
             lines += [
@@ -382,13 +438,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpu_bench: {name} on {device} ({dtype})", file=sys.stderr, flush=True)
         target = random_target(name, values, device, dtype)
         curve = cost_curve(target, args.context, sizes, args.repeats)
-        measured = run_flyspec(target, prompts, args.max_new_tokens, args.num_draft_tokens)
+        measured, flyspec_warm = run_flyspec(target, prompts, args.max_new_tokens, args.num_draft_tokens)
+        hf_measured, hf_warm = run_transformers(target, prompts, args.max_new_tokens, args.num_draft_tokens)
         results["models"][name] = {
             "source": source,
             "parameters": sum(parameter.numel() for parameter in target.model.parameters()),
             "t_ms": curve,
             "flyspec": measured,
-            "transformers": run_transformers(target, prompts, args.max_new_tokens, args.num_draft_tokens),
+            "transformers": hf_measured,
+            "warm_up_ms_per_token": {"flyspec": flyspec_warm, "transformers": hf_warm},
             "projected": projections(curve, measured, results["acceptance"]),
         }
         # written after every model, so a run cut short keeps what it measured

@@ -101,8 +101,29 @@ def test_smoke_measures_every_part(smoke: tuple[dict, str]) -> None:
         "hf-lookup": expected_tokens,
     }
     assert set(model["projected"]) == {"ngram+exact", "ngram+fly"}
+    for engine in ("flyspec", "transformers"):  # each engine warmed by at least two full passes, each reported
+        passes = model["warm_up_ms_per_token"][engine]
+        assert len(passes) >= 2 and all(t > 0 for t in passes)
+        assert f"Warm-up, {engine}: {len(passes)} untimed passes" in report
     assert results["acceptance"]["source"].endswith("results.json")
     assert "**Projected** speedup (not measured)" in report and "| t(n) ms |" in report
+
+
+def test_the_warm_up_repeats_passes_until_two_agree(monkeypatch: pytest.MonkeyPatch) -> None:
+    sys.path.insert(0, str(REPO / "scripts"))
+    import gpu_bench
+
+    # as on the H100: 78, 33, 34, 26, then 22 ms per step for the same method on the same prompts
+    times = iter([0.078, 0.033, 0.034, 0.026, 0.022, 0.0222, 0.022])
+    assert gpu_bench.warm_up(lambda: next(times)) == [0.078, 0.033, 0.034]  # 33 and 34 agree within 5 %
+    times = iter([0.078, 0.040, 0.030, 0.026, 0.022, 0.0222, 0.022])
+    assert gpu_bench.warm_up(lambda: next(times)) == [0.078, 0.040, 0.030, 0.026, 0.022, 0.0222]
+    never = iter(0.1 / n for n in range(1, 100))  # never settles: stops at the most passes allowed
+    assert len(gpu_bench.warm_up(lambda: next(never))) == gpu_bench.WARM_MAX_PASSES
+    clock = iter(range(0, 1000, 30))  # each pass "takes" 30 s: a pass starts at 0 and 30 s, none at 60 (past 45)
+    monkeypatch.setattr(gpu_bench.time, "monotonic", lambda: next(clock))
+    slow = iter(0.1 / n for n in range(1, 100))
+    assert len(gpu_bench.warm_up(lambda: next(slow), limit_s=45)) == 2
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[path.stem for path in CONFIGS])
