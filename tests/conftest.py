@@ -23,9 +23,20 @@ from tokenizers import ByteLevelBPETokenizer
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from flyspec.runtime.loaded_model import LoadedModel
-from pinning import pin_xdist_worker
+from pinning import heaviest_first, pin_xdist_worker, worker_count
 
 pin_xdist_worker()  # under pytest-xdist, this worker on its own core(s): tests/pinning.py
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist, the ``heavy`` tests at the front of the workers' first shares (tests/pinning.py)."""
+    seconds = {
+        index: float(marker.kwargs.get("seconds", marker.args[0] if marker.args else 0))
+        for index, item in enumerate(items)
+        if (marker := item.get_closest_marker("heavy")) is not None
+    }
+    items[:] = heaviest_first(items, seconds, worker_count())
+
 
 # What ``--dtype auto`` means differs between machines (bfloat16 where the CPU computes it natively, else float32).
 # Tests whose outcome depends on it take the ``auto_dtype`` fixture and run under both, forced through

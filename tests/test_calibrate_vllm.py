@@ -149,6 +149,7 @@ def unexplained_differences(on_vllm: dict, on_flyspec: dict, k: int = 15) -> lis
     return unexplained
 
 
+@pytest.mark.heavy(seconds=115)
 @needs_vllm
 def test_vllm_calibration_agrees_with_flyspecs_and_resumes_after_a_kill(tmp_path) -> None:
     """The same grid on both engines, float32: plain and exact identical on both, every point's outputs equal
@@ -327,6 +328,7 @@ def test_calibrate_derives_the_profiles_schedule_with_the_chosen_rule(tmp_path) 
     assert exact["derived"]["rule"] == "exact" and {row["k"] for row in exact["derived"]["sweep"]} == {0, 2, 4}
 
 
+@pytest.mark.heavy(seconds=27)
 @needs_vllm
 def test_the_schedule_sweep_runs_on_the_calibration_engine_with_a_rule() -> None:
     """The sweep's lines (a rule in extra_args, a draft cap per call) on the real worker of --engine vllm."""

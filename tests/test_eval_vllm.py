@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from test_calibrate_vllm import PYTHON, REPO, needs_vllm
 from test_cli import usage_error
 
@@ -28,6 +30,7 @@ def records(out: Path) -> dict[tuple[str, str, str], dict]:
     return {(r["task"], r["method"], r["item_id"]): r for r in map(json.loads, lines)}
 
 
+@pytest.mark.heavy(seconds=110)
 @needs_vllm
 def test_eval_on_vllm_scores_the_same_outputs_as_flyspecs_engine(tmp_path) -> None:
     methods = ["--methods", "exact,fly,fly+bare,margin", "--draft-length", "fixed"]

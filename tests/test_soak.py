@@ -19,6 +19,8 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import pytest
+
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
@@ -32,6 +34,7 @@ def load_soak() -> ModuleType:
     return module
 
 
+@pytest.mark.heavy(seconds=76)
 def test_a_minute_of_mixed_hostile_traffic_loses_nothing(tiny_model_dir: Path, tmp_path: Path) -> None:
     soak = load_soak()
     out = tmp_path / "soak"

