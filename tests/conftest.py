@@ -23,19 +23,13 @@ from tokenizers import ByteLevelBPETokenizer
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from flyspec.runtime.loaded_model import LoadedModel
-from pinning import heaviest_first, pin_xdist_worker, worker_count
+from pinning import order_heavy_first, pin_xdist_worker
 
 pin_xdist_worker()  # under pytest-xdist, this worker on its own core(s): tests/pinning.py
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist, the ``heavy`` tests at the front of the workers' first shares (tests/pinning.py)."""
-    seconds = {
-        index: float(marker.kwargs.get("seconds", marker.args[0] if marker.args else 0))
-        for index, item in enumerate(items)
-        if (marker := item.get_closest_marker("heavy")) is not None
-    }
-    items[:] = heaviest_first(items, seconds, worker_count())
+    order_heavy_first(items)  # under pytest-xdist, the ``heavy`` tests first in the workers' shares: tests/pinning.py
 
 
 # What ``--dtype auto`` means differs between machines (bfloat16 where the CPU computes it natively, else float32).

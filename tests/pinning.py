@@ -74,6 +74,17 @@ def first_shares(total: int, workers: int) -> list[int]:
     return sizes
 
 
+def order_heavy_first(items: list[Any]) -> None:
+    """In place, under pytest-xdist: the ``heavy`` tests at the front of the workers' first shares (the conftest's
+    ``pytest_collection_modifyitems``)."""
+    seconds = {
+        index: float(marker.kwargs.get("seconds", marker.args[0] if marker.args else 0))
+        for index, item in enumerate(items)
+        if (marker := item.get_closest_marker("heavy")) is not None
+    }
+    items[:] = heaviest_first(items, seconds, worker_count())
+
+
 def heaviest_first(items: Sequence[Any], seconds: dict[int, float], workers: int) -> list[Any]:
     """``items`` reordered so that each worker's first share starts with its part of the heavy ones.
 

@@ -44,7 +44,6 @@ def smoke(check: tuple[dict, str, Path]) -> tuple[dict, str]:
     return json.loads((out / "results.json").read_text()), (out / "report.md").read_text()
 
 
-@pytest.mark.heavy(seconds=45)
 def test_the_smoke_check_runs_every_stage(check: tuple[dict, str, Path]) -> None:
     results, report, _ = check
     stages = results["stages"]

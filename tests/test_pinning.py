@@ -51,7 +51,12 @@ def test_heavy_items_lead_the_shares_longest_first_and_the_rest_keep_their_order
 def test_two_workers_are_pinned_apart_and_start_with_their_heavy_tests(tmp_path: Path) -> None:
     """A real ``pytest -n 2 --dist worksteal`` run: each worker on its own core with one thread, and each starts with
     the heavy test dealt to it."""
-    (tmp_path / "conftest.py").write_text((REPO / "tests" / "conftest.py").read_text())
+    (tmp_path / "conftest.py").write_text(  # what tests/conftest.py does about workers, without its models
+        "from pinning import order_heavy_first, pin_xdist_worker\n"
+        "pin_xdist_worker()\n"
+        "def pytest_collection_modifyitems(config, items):\n"
+        "    order_heavy_first(items)\n"
+    )
     (tmp_path / "test_probe.py").write_text(
         "import json, os, pytest\n"
         "def record(name):\n"  # one line per test, in the order each worker runs them, in the worker's own file
@@ -64,7 +69,7 @@ def test_two_workers_are_pinned_apart_and_start_with_their_heavy_tests(tmp_path:
     )
     out = tmp_path / "out"
     out.mkdir()
-    env = {**os.environ, "PROBE_OUT": str(out), "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), str(REPO / "src")])}
+    env = {**os.environ, "PROBE_OUT": str(out), "PYTHONPATH": str(REPO / "tests")}
     for name in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_CURRENT_TEST"):
         env.pop(name, None)
     done = subprocess.run(
@@ -82,3 +87,23 @@ def test_two_workers_are_pinned_apart_and_start_with_their_heavy_tests(tmp_path:
     gw0, gw1 = (set(next(iter(cores[worker]))) for worker in ("gw0", "gw1"))
     assert not gw0 & gw1  # on disjoint cores, one OpenMP thread per core
     assert {threads for lines in runs.values() for _, _, threads in lines} == {str(len(gw0))}
+
+
+def test_the_suites_conftest_orders_its_collection(monkeypatch: pytest.MonkeyPatch) -> None:
+    """tests/conftest.py's collection hook is the one above: heavy items first in the shares under two workers."""
+    import conftest
+
+    class Item:
+        def __init__(self, name: str, seconds: float | None) -> None:
+            self.name, self.marker = name, pytest.mark.heavy(seconds=seconds).mark if seconds else None
+
+        def get_closest_marker(self, name: str) -> object:
+            return self.marker if name == "heavy" else None
+
+    items = [Item("a", None), Item("b", None), Item("c", 30), Item("d", None), Item("e", 90), Item("f", None)]
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "2")
+    conftest.pytest_collection_modifyitems(None, items)  # type: ignore[arg-type]
+    assert [item.name for item in items] == ["e", "a", "b", "c", "d", "f"]
+    monkeypatch.delenv("PYTEST_XDIST_WORKER_COUNT")
+    conftest.pytest_collection_modifyitems(None, items)  # type: ignore[arg-type]
+    assert [item.name for item in items] == ["e", "a", "b", "c", "d", "f"]  # outside xdist: left as it is

@@ -98,7 +98,6 @@ def longest_repeat_count(token_ids: list[int], n: int = 8) -> int:
     return max(counts.values(), default=0)
 
 
-@pytest.mark.heavy(seconds=32)
 def test_default_fly_does_not_loop_where_the_bare_rule_does(smollm2: LoadedModel) -> None:
     """The `make demo` prompt: the paper's bare FLy rule locks into a repeated line; the guarded default does not."""
     config = DecodeConfig(max_new_tokens=128)
