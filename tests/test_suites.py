@@ -4,7 +4,8 @@ both in the vLLM venv (their own pytest sessions: tests/vllm_engine, tests/vllm0
 Each is one test here, so ``make test`` is one ``pytest -n auto`` run: the scheduler starts these first
 (``heavy``: tests/pinning.py) on a worker's own core, beside the rest of the suite, instead of in a last stage
 where one core waited for the other. A failure shows the end of the sub-run's output. Without the vLLM venv
-(``make vllm-setup``) or vLLM 0.33's source (``make vllm033-source``) the vLLM ones are skipped, saying which.
+(``make vllm-setup``) or vLLM 0.33's source (``make vllm033-source``) the vLLM ones are skipped, saying which,
+except under ``make test`` (``FLYSPEC_REQUIRE_SUITES=1``), where they fail.
 """
 
 from __future__ import annotations
@@ -23,11 +24,16 @@ REPO = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = venv_python(str(REPO / ".venv-vllm"))
 VLLM033_SOURCE = REPO / "build" / "vllm-0.33.0" / ".extracted"
 XDIST = ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_CURRENT_TEST")
-needs_vllm_venv = pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="needs the vLLM venv: make vllm-setup")
+# `make test` sets it: there a missing venv or source fails these tests instead of skipping them
+REQUIRED = os.environ.get("FLYSPEC_REQUIRE_SUITES") == "1"
+needs_vllm_venv = pytest.mark.skipif(
+    not VLLM_PYTHON.exists() and not REQUIRED, reason="needs the vLLM venv: make vllm-setup"
+)
 
 
 def run(command: list[str], **variables: str) -> None:
     """``command`` from the repository's root, on this worker's cores (inherited) and not as an xdist worker."""
+    assert Path(command[0]).exists() or command[0] == sys.executable, f"{command[0]} is missing: make setup vllm-setup"
     env = {name: value for name, value in os.environ.items() if name not in XDIST} | variables
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800, check=False)
     output = (done.stdout + done.stderr).strip()
@@ -44,10 +50,13 @@ def test_vllm_cpu_end_to_end() -> None:
 
 @pytest.mark.heavy(seconds=125)
 @needs_vllm_venv
-@pytest.mark.skipif(not VLLM033_SOURCE.exists(), reason="needs vLLM 0.33's source: make vllm033-source")
+@pytest.mark.skipif(
+    not VLLM033_SOURCE.exists() and not REQUIRED, reason="needs vLLM 0.33's source: make vllm033-source"
+)
 def test_vllm_033s_real_code() -> None:
     """tests/vllm033: vLLM 0.33's samplers, runners and config code with the plugin on them, its Triton kernels
     under the interpreter (``make test-vllm033`` alone)."""
+    assert VLLM033_SOURCE.exists(), f"no vLLM 0.33 source at {VLLM033_SOURCE.parent}: make vllm033-source"
     run([str(VLLM_PYTHON), "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/vllm033"], TRITON_INTERPRET="1")
 
 
@@ -64,3 +73,11 @@ def test_the_docs_site_builds_strict(tmp_path: Path) -> None:
     """``mkdocs build --strict``: a broken link, a missing page or a stale reference fails (``make docs`` alone)."""
     mkdocs = str(Path(sys.executable).with_name("mkdocs"))
     run([mkdocs, "build", "--strict", "--quiet", "--site-dir", str(tmp_path / "site")], NO_MKDOCS_2_WARNING="1")
+
+
+def test_a_suite_whose_venv_is_missing_fails_saying_how_to_make_it(tmp_path: Path) -> None:
+    """What ``make test`` gets (``FLYSPEC_REQUIRE_SUITES=1``: no skip) when the vLLM venv is not there."""
+    with pytest.raises(AssertionError, match="is missing: make setup vllm-setup"):
+        run([str(tmp_path / "bin" / "python"), "-m", "pytest", "tests/vllm_engine"])
+    with pytest.raises(AssertionError, match="exited 3"):
+        run([sys.executable, "-c", "import sys; print('the end of its output'); sys.exit(3)"])
