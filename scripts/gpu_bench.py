@@ -87,15 +87,20 @@ WARM_UP = (
 )
 
 
-def warm_up(one_pass: Callable[[], float], limit_s: float = WARM_LIMIT_S) -> list[float]:
-    """Run ``one_pass`` (seconds per token of one untimed pass) until two passes in a row agree.
+def warm_up(one_pass: Callable[[], tuple[int, float]], limit_s: float = WARM_LIMIT_S) -> list[float]:
+    """Run ``one_pass`` (one untimed pass: new tokens, seconds) until two passes in a row agree per token.
 
     Agreement is within ``WARM_TOLERANCE`` of the later one; stops anyway after ``WARM_MAX_PASSES`` passes or once
-    ``limit_s`` is spent (the cost stage has its own time limit). Returns every pass's seconds per token, in order.
+    ``limit_s`` is spent (the cost stage has its own time limit). Returns every pass's milliseconds per token.
     """
-    started, times = time.monotonic(), [one_pass()]
+
+    def per_token() -> float:
+        tokens, seconds = one_pass()
+        return 1000 * seconds / max(tokens, 1)
+
+    started, times = time.monotonic(), [per_token()]
     while len(times) < WARM_MAX_PASSES and time.monotonic() - started < limit_s:
-        times.append(one_pass())
+        times.append(per_token())
         if abs(times[-1] - times[-2]) <= WARM_TOLERANCE * times[-1]:
             break
     return times
@@ -187,13 +192,13 @@ def run_flyspec(
     results: dict[str, Any] = {}
     warm: list[float] = []
 
-    def one_pass(decoder: Any) -> float:
+    def one_pass(decoder: Any) -> tuple[int, float]:
         stats = [decoder.generate(ids).stats for ids in prompts]
-        return sum(s.wall_time_s for s in stats) / max(sum(s.num_new_tokens for s in stats), 1)
+        return sum(s.num_new_tokens for s in stats), sum(s.wall_time_s for s in stats)
 
     for index, (method, decoder) in enumerate(decoders.items()):
         if index == 0:  # see WARM_UP
-            warm = [1000 * seconds for seconds in warm_up(lambda: one_pass(decoder))]  # noqa: B023
+            warm = warm_up(lambda: one_pass(decoder))  # noqa: B023
         else:
             decoder.generate(prompts[0], config=DecodeConfig(max_new_tokens=4, ignore_eos=True))
         totals = {"tokens": 0, "steps": 0, "proposed": 0, "wall": 0.0, "prefill": 0.0, "target": 0.0, "draft": 0.0}
@@ -253,12 +258,7 @@ def run_transformers(
     results, warm = {}, []
     for number, (method, options) in enumerate({"hf-plain": {}, "hf-lookup": {"prompt_lookup_num_tokens": k}}.items()):
         if number == 0:  # see WARM_UP
-
-            def one_pass(options: dict[str, Any] = options) -> float:
-                tokens, seconds = generate_pass(target, prompts, max_new_tokens, **options)
-                return seconds / max(tokens, 1)
-
-            warm = [1000 * seconds for seconds in warm_up(one_pass)]
+            warm = warm_up(lambda: generate_pass(target, prompts, max_new_tokens))
         else:
             generate_pass(target, prompts[:1], 4, **options)
         total_tokens, total_s = generate_pass(target, prompts, max_new_tokens, **options)

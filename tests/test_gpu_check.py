@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import pytest
@@ -113,17 +114,19 @@ def test_the_warm_up_repeats_passes_until_two_agree(monkeypatch: pytest.MonkeyPa
     sys.path.insert(0, str(REPO / "scripts"))
     import gpu_bench
 
+    def passes(per_token_ms: Iterable[float]) -> Callable[[], tuple[int, float]]:  # one token per pass
+        seconds = iter(per_token_ms)
+        return lambda: (1, next(seconds) / 1000)
+
     # as on the H100: 78, 33, 34, 26, then 22 ms per step for the same method on the same prompts
-    times = iter([0.078, 0.033, 0.034, 0.026, 0.022, 0.0222, 0.022])
-    assert gpu_bench.warm_up(lambda: next(times)) == [0.078, 0.033, 0.034]  # 33 and 34 agree within 5 %
-    times = iter([0.078, 0.040, 0.030, 0.026, 0.022, 0.0222, 0.022])
-    assert gpu_bench.warm_up(lambda: next(times)) == [0.078, 0.040, 0.030, 0.026, 0.022, 0.0222]
-    never = iter(0.1 / n for n in range(1, 100))  # never settles: stops at the most passes allowed
-    assert len(gpu_bench.warm_up(lambda: next(never))) == gpu_bench.WARM_MAX_PASSES
+    assert gpu_bench.warm_up(passes([78, 33, 34, 26, 22, 22.2, 22])) == pytest.approx([78, 33, 34])  # agree in 5 %
+    times = gpu_bench.warm_up(passes([78, 40, 30, 26, 22, 22.2, 22]))
+    assert times == pytest.approx([78, 40, 30, 26, 22, 22.2])
+    never = passes(100 / n for n in range(1, 100))  # never settles: stops at the most passes allowed
+    assert len(gpu_bench.warm_up(never)) == gpu_bench.WARM_MAX_PASSES
     clock = iter(range(0, 1000, 30))  # each pass "takes" 30 s: a pass starts at 0 and 30 s, none at 60 (past 45)
     monkeypatch.setattr(gpu_bench.time, "monotonic", lambda: next(clock))
-    slow = iter(0.1 / n for n in range(1, 100))
-    assert len(gpu_bench.warm_up(lambda: next(slow), limit_s=45)) == 2
+    assert len(gpu_bench.warm_up(passes(100 / n for n in range(1, 100)), limit_s=45)) == 2
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[path.stem for path in CONFIGS])
