@@ -34,7 +34,7 @@ demo: setup
 # with the plugin on them (Triton's interpreter, no GPU); types (mypy); the docs site.
 test: setup vllm-setup vllm033-source
 	$(VENV)/bin/ruff check .
-	FLYSPEC_REQUIRE_SUITES=1 $(PY) -m pytest -q -n auto --dist worksteal  # tests/vllm_engine, tests/vllm033: test_suites.py
+	FLYSPEC_REQUIRE_SUITES=1 $(PY) -m pytest -q -n auto --dist worksteal --durations=15  # tests/vllm_engine, tests/vllm033: test_suites.py
 
 # The documentation site (mkdocs.yml, docs/) into site/; --strict: a broken link or a stale reference fails.
 # The CLI and config references are generated from the code at build time (docs/hooks.py).

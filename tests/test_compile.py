@@ -6,9 +6,11 @@ One tiny model is compiled once for the module (compiling takes tens of seconds 
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
+from torch._inductor.codecache import CppWrapperCodeCache
 
 import flyspec.runtime.kernels as kernels
 from conftest import make_tiny_model
@@ -17,7 +19,7 @@ from flyspec.config import DecodeConfig, DraftLengthConfig, SpeculationConfig
 from flyspec.decoding.plain import PlainDecoder
 from flyspec.resources import Resources
 from flyspec.runtime.cached_model import CachedModel
-from flyspec.runtime.compiled_steps import compile_steps
+from flyspec.runtime.compiled_steps import compile_options, compile_steps
 from flyspec.runtime.loaded_model import LoadedModel
 from test_reference import naive_greedy
 
@@ -32,7 +34,21 @@ def models(tokenizer, request) -> tuple[LoadedModel, LoadedModel]:
     if request.param == "kernels":
         assert kernels.install(eager.model, "auto")
         eager = dataclasses.replace(eager, kernels=True)
-    return eager, compile_steps(eager)
+    loaded: list[object] = []  # the C++ wrappers inductor builds or loads from its cache, one per graph
+    original = CppWrapperCodeCache.load_pybinding_async.__func__
+
+    def spy(cls, *args, **kwargs):
+        loaded.append(args)
+        return original(cls, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(CppWrapperCodeCache, "load_pybinding_async", classmethod(spy))
+        compiled = compile_steps(eager)
+    CPP_WRAPPERS[request.param] = len(loaded)
+    return eager, compiled
+
+
+CPP_WRAPPERS: dict[str, int] = {}  # per engine: the C++ wrappers its compile loaded
 
 
 def test_compile_steps_wraps_the_forward_and_keeps_the_model(models) -> None:
@@ -42,6 +58,20 @@ def test_compile_steps_wraps_the_forward_and_keeps_the_model(models) -> None:
     assert eager.prefill_forward is None
     assert compiled.model is eager.model  # the weights are shared, not copied
     assert compiled.kernels == eager.kernels
+
+
+def test_on_the_cpu_every_graph_runs_from_a_cpp_wrapper(models, request) -> None:
+    # the prefill's graph and the steps' two (one token; several): each called from C++, not Python (issue 53)
+    assert CPP_WRAPPERS[request.node.callspec.params["models"]] >= 3
+    assert compile_options(models[0])["cpp_wrapper"] is True
+
+
+def test_a_gpu_model_keeps_the_python_wrapper() -> None:
+    for kernels_installed in (False, True):
+        options = compile_options(SimpleNamespace(kernels=kernels_installed, device=torch.device("cuda")))
+        assert "cpp_wrapper" not in options and options.get("freezing", False) is not kernels_installed
+    options = compile_options(SimpleNamespace(kernels=False, device=torch.device("cpu")))
+    assert options["cpp_wrapper"] and options["cpp_wrapper_build_separate"] and options["freezing"]
 
 
 def test_compiled_steps_score_like_eager_ones(models) -> None:

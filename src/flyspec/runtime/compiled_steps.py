@@ -41,9 +41,7 @@ def compile_steps(loaded: LoadedModel) -> LoadedModel:
     cannot falls back to eager per graph break (``torch._dynamo`` decides; outputs are the same
     up to floating-point rounding).
     """
-    options: dict[str, Any] = {"guard_filter_fn": _skip_guards_on_the_model}
-    if not loaded.kernels:
-        options["freezing"] = True
+    options = compile_options(loaded)
     # two code objects: the prefill's graph (prompt length dynamic, no cache, the last row's logits) is compiled
     # and looked up apart from the steps', so neither counts against the other's recompile limit
     step, prefill = (torch.compile(_private_step(), dynamic=True, options=options) for _ in range(2))
@@ -54,6 +52,23 @@ def compile_steps(loaded: LoadedModel) -> LoadedModel:
     )
     _warm_up(compiled)
     return compiled
+
+
+def compile_options(loaded: LoadedModel) -> dict[str, Any]:
+    """Inductor's options for ``loaded``'s graphs.
+
+    On the CPU the graphs get a C++ wrapper (``cpp_wrapper``): the code that calls a step's fused kernels and its
+    ~120 linears runs in C++ instead of Python, 7-8 % off a SmolLM2 bf16 step (BENCHMARKS.md, issue 53). Built
+    apart from the kernels (``cpp_wrapper_build_separate``: the wrapper at -O1), which costs no compile time over
+    the Python wrapper where the one-piece build costs ~100 s more per model on 2 cores. On a GPU the graphs keep
+    the Python wrapper (not measured there with the C++ one)."""
+    options: dict[str, Any] = {"guard_filter_fn": _skip_guards_on_the_model}
+    if not loaded.kernels:
+        options["freezing"] = True
+    if loaded.device.type == "cpu":
+        options["cpp_wrapper"] = True
+        options["cpp_wrapper_build_separate"] = True
+    return options
 
 
 # The compiled step's argument holding the model: it names the guards of the step's own frame.
