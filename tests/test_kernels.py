@@ -160,6 +160,46 @@ def test_decode_attention_matches_sdpa(kv_heads: int, queries: int, keys: int, w
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_one_query_reductions_match_sdpa(dtype: torch.dtype, masked: bool) -> None:
+    """The one-query form that compiled bfloat16 steps use (``_one_query_reduced``), run eagerly: sdpa's
+    result, in either dtype of cache, with and without a mask (a window hides the first keys)."""
+    query, key, value = (t.to(dtype) for t in attention_inputs(1, 40, 6, 2))
+    mask = (torch.arange(40) > 40 - 1 - 7)[None, None, None] if masked else None
+    module = Module(3)
+    expected, _ = sdpa_attention_forward(module, query.float(), key.float(), value.float(), mask, scaling=0.3)
+    got = kernels._one_query_reduced(query, key, value, mask, 2, 3, 0.3)
+    assert got.dtype == dtype and got.shape == (1, 1, 6, 16)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.float(), expected, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_compiled_one_query_steps_take_the_reductions_in_bfloat16_only(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Compiled (inductor), a one-query step against a bfloat16 cache runs the reductions, with its query and
+    softmax realized first; float32 keeps the matmul form (its rounding unchanged). Both equal sdpa's result."""
+    taken: list[torch.dtype] = []
+    reduced = kernels._one_query_reduced
+
+    def spy(query, *args):  # called while dynamo traces
+        taken.append(query.dtype)
+        return reduced(query, *args)
+
+    monkeypatch.setattr(kernels, "_one_query_reduced", spy)
+    query, key, value = (t.to(dtype) for t in attention_inputs(1, 40, 6, 2))
+    mask = (torch.arange(40) > 40 - 1 - 7)[None, None, None]
+    module = Module(3)
+    step = torch.compile(lambda q, k, v, m: decode_attention(module, q, k, v, m, scaling=0.3)[0], fullgraph=True)
+    got = step(query, key, value, mask)
+    expected, _ = sdpa_attention_forward(module, query.float(), key.float(), value.float(), mask, scaling=0.3)
+    assert taken == ([torch.bfloat16] if dtype == torch.bfloat16 else [])
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.float(), expected, atol=tolerance, rtol=tolerance)
+
+
 def test_decode_attention_leaves_what_it_does_not_handle_to_sdpa(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[dict] = []
 

@@ -34,6 +34,7 @@ import logging
 from typing import Any
 
 import torch
+import torch._inductor.inductor_prims  # noqa: F401 - registers prims.inductor_force_stride_order (_realized)
 from torch import nn
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
@@ -136,6 +137,8 @@ def decode_attention(
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     groups = heads // kv_heads
     scale = dim**-0.5 if scaling is None else scaling
+    if queries == 1 and query.dtype != torch.float32 and torch.compiler.is_compiling():
+        return _one_query_reduced(query, key, value, attention_mask, kv_heads, groups, scale), None
     # head h reads key/value head h // groups; float32 throughout (measured faster than bfloat16 on a
     # strided cache view, which bfloat16 matmuls copy first)
     stacked = query.reshape(kv_heads, groups * queries, dim).float()
@@ -147,6 +150,39 @@ def decode_attention(
     weights = torch.softmax(scores, dim=-1)
     out = torch.bmm(weights, value[0].float()).to(query.dtype)  # [kv_heads, groups*q, d]
     return out.view(heads, queries, dim).transpose(0, 1).unsqueeze(0), None
+
+
+def _one_query_reduced(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    kv_heads: int,
+    groups: int,
+    scale: float,
+) -> torch.Tensor:
+    """One query against a bfloat16 (or float16) cache, in a compiled step: products and sums, which inductor
+    turns into reductions that read the cache once in its own dtype and add in float32. The matmul form must
+    first copy the whole cache to float32 (or, in bfloat16, oneDNN copies the strided view): 2.0x the time at 700
+    cached positions, most of flyspec's extra cost per step on long prompts (BENCHMARKS.md, issue 53). With
+    more queries the matmuls win (the reductions redo the cache reads per query row), and in float32 there is
+    no copy to save: both keep the matmul form, so float32 rounding is unchanged."""
+    dim = query.shape[-1]
+    stacked = _realized(query.reshape(kv_heads, groups, 1, dim).float())
+    scores = (stacked * key[0].unsqueeze(1).float()).sum(-1) * scale  # [kv_heads, groups, k]
+    if attention_mask is not None:
+        scores = scores.masked_fill(~attention_mask[0, 0, :, -key.shape[2] :], float("-inf"))
+    weights = _realized(torch.softmax(scores, dim=-1))
+    out = (weights.unsqueeze(-1) * value[0].unsqueeze(1).float()).sum(-2).to(query.dtype)  # [kv_heads, groups, d]
+    return out.view(kv_heads * groups, 1, dim).transpose(0, 1).unsqueeze(0)
+
+
+def _realized(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` written to memory by the compiled graph before the reductions that read it: left to inductor,
+    the query's rotary embedding (cosines, sines) and the softmax's exponentials are recomputed inside the
+    reductions, once per cached position (measured slower than the matmul form). Inductor's own operator for
+    it (``inductor_force_stride_order``, which makes its input a buffer of the strides given)."""
+    return torch.ops.prims.inductor_force_stride_order(tensor, tensor.stride())
 
 
 def _buffer_view(index: int, name: str) -> Any:
