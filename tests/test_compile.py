@@ -66,6 +66,22 @@ def test_on_the_cpu_every_graph_runs_from_a_cpp_wrapper(models, request) -> None
     assert compile_options(models[0])["cpp_wrapper"] is True
 
 
+def test_the_compiled_graphs_call_the_packed_linears_c_operator(models, request) -> None:
+    """With flyspec's kernels, every compiled graph (the prefill's and both steps') calls the packed linears through
+    ``flyspec_cpp::packed_linear`` (C++), never the Python-bodied ``flyspec::packed_linear`` (issue 53)."""
+    if request.node.callspec.params["models"] == "stock":
+        pytest.skip("transformers' modules have no packed linears: inductor's freezing packs their weights")
+    _, compiled = models
+    cached = CachedModel(compiled)
+    with torch.profiler.profile() as trace:
+        cached.forward(list(range(3, 12)), logits_to_keep=1)  # the prefill's graph
+        cached.forward([5])  # one token
+        cached.forward([5, 6, 7])  # several
+    calls = {event.name for event in trace.events()}
+    assert "flyspec_cpp::packed_linear" in calls
+    assert "flyspec::packed_linear" not in calls
+
+
 def test_a_gpu_model_keeps_the_python_wrapper() -> None:
     for kernels_installed in (False, True):
         options = compile_options(SimpleNamespace(kernels=kernels_installed, device=torch.device("cuda")))

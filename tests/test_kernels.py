@@ -200,6 +200,37 @@ def test_compiled_one_query_steps_take_the_reductions_in_bfloat16_only(
     torch.testing.assert_close(got.float(), expected, atol=tolerance, rtol=tolerance)
 
 
+def test_the_c_operator_equals_the_python_one_and_drops_a_collected_weight() -> None:
+    linear = torch.nn.Linear(24, 40)
+    packed = PackedLinear(linear.weight, linear.bias)
+    rows = torch.randn(5, 24)
+    assert packed_linears.cpp_operator()
+    packed.use_cpp()
+    handle = packed.handle
+    expected = torch.ops.flyspec.packed_linear(rows, handle, 40, packed.bias)
+    assert torch.equal(torch.ops.flyspec_cpp.packed_linear(rows, handle, 40, packed.bias), expected)
+    torch.testing.assert_close(expected, linear(rows), atol=1e-5, rtol=1e-5)
+    del packed
+    with pytest.raises(RuntimeError, match="no packed weight under handle"):
+        torch.ops.flyspec_cpp.packed_linear(rows, handle, 40, None)
+
+
+def test_without_a_c_operator_the_python_one_stays(monkeypatch: pytest.MonkeyPatch, caplog) -> None:
+    def no_compiler() -> None:
+        raise RuntimeError("no C++ compiler")
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4))
+    packed_linears._pack_rest(model)
+    monkeypatch.setattr(packed_linears, "_build_cpp_operator", no_compiler)
+    packed_linears.cpp_operator.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger=packed_linears.__name__):
+            assert not packed_linears.use_cpp_operator(model)
+        assert "no C++ compiler" in caplog.text and model[0].cpp is False
+    finally:
+        packed_linears.cpp_operator.cache_clear()  # the next caller builds (or loads) it again
+
+
 def test_decode_attention_leaves_what_it_does_not_handle_to_sdpa(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[dict] = []
 

@@ -221,6 +221,12 @@ def test_request_deadline(tiny_target: LoadedModel) -> None:
         assert server.metric("flyspec_queue_depth") == 0
 
 
+def test_idle_connections_outlive_the_pools_of_common_clients() -> None:
+    """A client's pool reuses an idle connection until its own expiry; a server that closes it sooner or at the same
+    time races the client's next request, which is then lost (a reset, no answer): the soak test caught one."""
+    assert ServerLimits().keep_alive_timeout_s > httpx.Limits().keepalive_expiry
+
+
 def test_body_and_keep_alive_timeouts(tiny_target: LoadedModel) -> None:
     with serving(tiny_target, body_timeout_s=0.5, keep_alive_timeout_s=0.5) as server:
         stalled = raw_request(server.port, STALLED_HEAD, timeout_s=5)

@@ -19,6 +19,7 @@ from transformers import PreTrainedModel
 
 from flyspec.runtime.cached_model import CachedModel
 from flyspec.runtime.loaded_model import LoadedModel
+from flyspec.runtime.packed_linears import use_cpp_operator
 
 
 def compile_steps(loaded: LoadedModel) -> LoadedModel:
@@ -42,6 +43,8 @@ def compile_steps(loaded: LoadedModel) -> LoadedModel:
     up to floating-point rounding).
     """
     options = compile_options(loaded)
+    if loaded.kernels and loaded.device.type == "cpu":
+        use_cpp_operator(loaded.model)  # the packed linears reached from the C++ wrapper without Python
     # two code objects: the prefill's graph (prompt length dynamic, no cache, the last row's logits) is compiled
     # and looked up apart from the steps', so neither counts against the other's recompile limit
     step, prefill = (torch.compile(_private_step(), dynamic=True, options=options) for _ in range(2))

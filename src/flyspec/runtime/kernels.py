@@ -10,7 +10,8 @@ each falling back to the stock path where it does not apply:
   opaque operator ``flyspec::packed_linear``, so ``--compile`` fuses everything around them.
 - **Decode attention.** A few queries against a long cache run as two batched matmuls per key/value
   head, with the query heads of a group stacked as rows, instead of torch's CPU flash-attention
-  kernel, whose cost for one query grows with the cache far faster than the work does. Registered
+  kernel, whose cost for one query grows with the cache far faster than the work does; compiled, one query
+  against a bfloat16 cache runs as reductions that read the cache once in its own dtype. Registered
   with transformers' ``AttentionInterface`` as ``flyspec`` (masks as for ``sdpa``); prefill,
   dropout, soft-capping, attention sinks and anything else unusual go to ``sdpa`` unchanged.
 - **An in-place KV cache** (:class:`GrowingLayer`): a buffer that doubles when full, so a step

@@ -1,7 +1,9 @@
 """Prepacked linears for flyspec's CPU kernels (``kernels.py``, ``--kernels auto``).
 
 - :class:`PackedLinear`: an ``nn.Linear`` whose weight oneDNN reordered once into its blocked
-  layout; under ``torch.compile`` the opaque operator ``flyspec::packed_linear``.
+  layout; under ``torch.compile`` the opaque operator ``flyspec::packed_linear``, or, once
+  :func:`use_cpp_operator` ran (``--compile`` on the CPU), ``flyspec_cpp::packed_linear``: the same
+  call from C++ (``packed_linear.cpp``), so the compiled graphs' C++ wrapper reaches oneDNN without Python.
 - :class:`SharedLinears`: sibling linears that one probe forward fed the same tensor (attention's
   query/key/value, an MLP's gate/up) share one packed weight, their outputs stacked: one oneDNN
   call instead of several. Found by running the model, not from its source, and kept only where
@@ -10,10 +12,12 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import weakref
 from collections import Counter
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -47,6 +51,49 @@ _LIBRARY.impl("packed_linear", _packed_linear, "CPU")
 torch.library.register_fake("flyspec::packed_linear", _packed_linear_shape, lib=_LIBRARY)
 
 
+@functools.cache
+def cpp_operator() -> bool:
+    """Build and load ``flyspec_cpp::packed_linear`` (``packed_linear.cpp``) once per process; False, with a
+    warning, where it cannot be built (no C++ compiler, a torch without inductor's builder): the graphs then call
+    the Python operator, ~14 µs a linear slower (BENCHMARKS.md, issue 53). The build (~10 s on 2 cores) is kept in
+    inductor's cache, as the compiled graphs are."""
+    try:
+        _build_cpp_operator()
+    except Exception as error:  # noqa: BLE001 - any failure to build leaves the Python operator in place
+        logger.warning("flyspec kernels: the linears' C++ operator was not built (%s); the Python one runs", error)
+        return False
+    return True
+
+
+_CPP_FAKE: list[bool] = []  # the C++ operator's shape function is registered (once per process)
+
+
+def _build_cpp_operator() -> None:
+    from torch._inductor.codecache import CppCodeCache
+
+    class _Builder(CppCodeCache):  # a cache of its own: the library is loaded with ctypes, not as a wrapper
+        cache: dict = {}
+        cpp_compile_command_flags = {"include_pytorch": True, "shared": True}
+
+    _Builder.load(Path(__file__).with_name("packed_linear.cpp").read_text())
+    if not _CPP_FAKE:
+        torch.library.register_fake("flyspec_cpp::packed_linear", _packed_linear_shape)
+        _CPP_FAKE.append(True)
+
+
+def use_cpp_operator(model: nn.Module) -> bool:
+    """Make the packed linears of ``model`` call ``flyspec_cpp::packed_linear`` under ``torch.compile``
+    (before compiling: a graph keeps the operator it was traced with). False where it is not available."""
+    if not cpp_operator():
+        return False
+    for module in model.modules():
+        if isinstance(module, PackedLinear):
+            module.use_cpp()
+        elif isinstance(module, SharedLinear):
+            module.group.linear.use_cpp()
+    return True
+
+
 class PackedLinear(nn.Module):
     """``nn.Linear`` with its weight in oneDNN's blocked layout (reordered once, here).
 
@@ -61,11 +108,21 @@ class PackedLinear(nn.Module):
         self.bias = None if bias is None else bias.detach()
         self.handle = next(_HANDLES)
         _PACKED[self.handle] = self.packed
+        self.cpp = False  # compiled graphs call flyspec_cpp::packed_linear (use_cpp)
+
+    def use_cpp(self) -> None:
+        """Hand the packed weight to the C++ operator (:func:`cpp_operator` must have built it); it drops the
+        weight when this module is collected."""
+        if not self.cpp:
+            torch.ops.flyspec_cpp.remember(self.handle, self.packed)
+            weakref.finalize(self, torch.ops.flyspec_cpp.forget, self.handle)
+            self.cpp = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if torch.compiler.is_compiling():
-            out = torch.ops.flyspec.packed_linear(rows, self.handle, self.out_features, self.bias)
+            operator = torch.ops.flyspec_cpp.packed_linear if self.cpp else torch.ops.flyspec.packed_linear
+            out = operator(rows, self.handle, self.out_features, self.bias)
         else:  # eager: the oneDNN call itself, without the custom operator's dispatch
             out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
         return out.reshape(*x.shape[:-1], self.out_features)

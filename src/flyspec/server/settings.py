@@ -113,7 +113,10 @@ class ServerLimits:
     retry_after_s: int = 1  # smallest Retry-After sent with a 429
     request_timeout_s: float = 300.0  # arrival to last token, queueing included; then 504 or a stream error event
     body_timeout_s: float = 30.0  # from the request's headers to the end of its body; then 408
-    keep_alive_timeout_s: float = 5.0  # an idle keep-alive connection is closed after this (uvicorn)
+    # an idle keep-alive connection is closed after this (uvicorn). Longer than the pools of common clients keep an
+    # idle connection (httpx and the OpenAI SDK: 5 s): at equal times a client may send a request on a connection
+    # just as the server closes it, and that request is lost (the soak saw it: a ReadError, no answer)
+    keep_alive_timeout_s: float = 20.0
     send_timeout_s: float = 30.0  # a client that takes none of its response for this long is dropped
     shutdown_timeout_s: float = 30.0  # after SIGTERM, running generations get this long before they are ended
 
