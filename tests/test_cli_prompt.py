@@ -161,6 +161,27 @@ def test_piped_prompt_through_the_console_entry(capsys: pytest.CaptureFixture[st
     assert (piped["text"], piped["num_prompt_tokens"]) == (expected["text"], expected["num_prompt_tokens"])
 
 
+def test_serve_loads_in_a_thread_that_ends_and_its_errors_still_reach_the_user(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The main thread runs no torch code before serving (two threads owning OpenMP teams made every step of the
+    engine thread twice as slow); an error while loading is still the CLI's one line, exit 2."""
+    import threading
+
+    import flyspec.runtime.loading
+    from flyspec.config import ConfigError
+
+    seen: list[threading.Thread] = []
+
+    def load(*args: object, **kwargs: object) -> None:
+        seen.append(threading.current_thread())
+        raise ConfigError("stopped while loading")
+
+    monkeypatch.setattr(flyspec.runtime.loading, "load_model", load)
+    assert "stopped while loading" in _error(capsys, ["serve", "--target", "never-loaded"])
+    assert len(seen) == 1 and seen[0] is not threading.main_thread() and not seen[0].is_alive()
+
+
 def test_serve_checks_the_draft_length_before_loading(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, no_loading: None
 ) -> None:

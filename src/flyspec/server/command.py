@@ -10,7 +10,10 @@ import argparse
 import ipaddress
 import logging
 import os
+import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
 
 from flyspec.cli.extras import require_extra
 from flyspec.cli.options import add_model_options, engine_options
@@ -25,6 +28,13 @@ from flyspec.server.settings import (
     describe,
     is_lossless,
 )
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from flyspec.runtime.loaded_model import LoadedModel
+
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -224,25 +234,30 @@ def run(args: argparse.Namespace) -> int:
     checked_verifier(defaults)  # option errors that need no model come before loading one
     logging.getLogger("flyspec").setLevel(getattr(logging, args.log_level.upper()))
     engine = engine_options(args, [defaults])
-    target = load_model(args.target, threads=args.threads, **engine)
-    draft = None
-    if args.draft_model:
-        draft = load_model(args.draft_model, **{**engine, "device": target.device})
-    # bad defaults fail now, not per request (and stack models and layer-skip calibration load once)
-    app = create_app(
-        target,
-        defaults,
-        limits,
-        security,
-        draft_model=draft,
-        served_model_name=args.served_model_name,
-        ngram_cache_file=args.ngram_cache_file,
-        ngram_cache_save_interval_s=args.ngram_cache_save_interval,
-        ngram_cache_file_max_entries=args.ngram_cache_file_max_entries,
-        ngram_cache_secret_file=args.ngram_cache_secret_file,
-    )
+
+    def load() -> tuple[LoadedModel, FastAPI]:
+        target = load_model(args.target, threads=args.threads, **engine)
+        draft = None
+        if args.draft_model:
+            draft = load_model(args.draft_model, **{**engine, "device": target.device})
+        app = create_app(
+            target,
+            defaults,
+            limits,
+            security,
+            draft_model=draft,
+            served_model_name=args.served_model_name,
+            ngram_cache_file=args.ngram_cache_file,
+            ngram_cache_save_interval_s=args.ngram_cache_save_interval,
+            ngram_cache_file_max_entries=args.ngram_cache_file_max_entries,
+            ngram_cache_secret_file=args.ngram_cache_secret_file,
+        )
+        # bad defaults fail now, not per request (and stack models and layer-skip calibration load once)
+        build_decoder(target, app.state.planner.defaults, resources=app.state.planner.caches.resources)
+        return target, app
+
+    target, app = in_a_passing_thread(load)
     planner = app.state.planner
-    build_decoder(target, planner.defaults, resources=planner.caches.resources)
     described = ", ".join(f"{name}={value}" for name, value in describe(planner.defaults).items())
     if planner.profile is not None:
         logger.info("calibration profile: %s", planner.profile.describe())
@@ -259,6 +274,31 @@ def run(args: argparse.Namespace) -> int:
     config = server_config(app, host=args.host, port=args.port, log_level=args.log_level)
     GracefulServer(config, app.state.lifecycle).run()
     return 0
+
+
+def in_a_passing_thread(work: Callable[[], T]) -> T:
+    """``work()`` run in a thread that ends before this returns (its exception raised here).
+
+    The server generates on its engine thread. Had the main thread run torch's parallel code too (loading, the
+    compile's warm-up), two threads would each own an OpenMP team; GNU OpenMP then counts more threads than cores
+    and all but stops spinning between parallel regions, and every step of the engine thread took twice as long
+    (a compiled SmolLM2 bf16 step 20 → 40 ms on 2 cores: benchmarks/2026-11-28-one-query-attention). A thread that
+    has ended leaves no team."""
+    results: list[T] = []
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            results.append(work())
+        except BaseException as error:  # noqa: BLE001 - raised again in the calling thread
+            errors.append(error)
+
+    thread = threading.Thread(target=run, name="flyspec-load", daemon=True)
+    thread.start()
+    thread.join()
+    if errors:
+        raise errors[0]
+    return results[0]
 
 
 def log_exposure(host: str, defaults: SpeculationConfig, security: ServerSecurity) -> None:
