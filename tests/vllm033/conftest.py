@@ -37,3 +37,7 @@ else:
 
     if vllm.__version__ != VERSION:
         raise pytest.UsageError(f"imported vLLM {vllm.__version__} from {vllm.__file__}, expected {VERSION}")
+
+    from interpreter_shortcut import patch_lang_once_per_launch
+
+    patch_lang_once_per_launch()

@@ -9,7 +9,7 @@ import vllm
 
 NUM_DRAFT_TOKENS = 15
 WINDOW = 6
-MAX_TOKENS = 128
+MAX_TOKENS = 80
 QUESTIONS = [
     "Write a Python function that checks whether a number is prime, then explain it.",
     "Write a poem about the sea.",
