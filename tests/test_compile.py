@@ -6,6 +6,7 @@ One tiny model is compiled once for the module (compiling takes tens of seconds 
 from __future__ import annotations
 
 import dataclasses
+import types
 from types import SimpleNamespace
 
 import pytest
@@ -80,6 +81,26 @@ def test_the_compiled_graphs_call_the_packed_linears_c_operator(models, request)
     calls = {event.name for event in trace.events()}
     assert "flyspec_cpp::packed_linear" in calls
     assert "flyspec::packed_linear" not in calls
+
+
+def test_the_models_floats_are_constants_of_its_graphs_not_inputs(models) -> None:
+    """Every norm's epsilon and attention's scaling is baked into the compiled graphs: the code dynamo runs before each
+    graph reads none of the model's float attributes (each one read was a float64 tensor made at every call; issue 53,
+    benchmarks/2026-11-28-constant-floats)."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    _, compiled = models
+    modules = compiled.model.modules()
+    floats = {name for module in modules for name, value in vars(module).items() if type(value) is float}
+    assert {"variance_epsilon", "attention_scaling"} <= floats
+    for forward in (compiled.step_forward, compiled.prefill_forward):
+        entries = _debug_get_cache_entry_list(forward.func._torchdynamo_orig_callable.__code__)
+        assert entries  # the warm-up compiled it
+        for entry in entries:
+            names = set(entry.code.co_names).union(
+                *(const.co_names for const in entry.code.co_consts if isinstance(const, types.CodeType))
+            )
+            assert not names & floats, f"read at every call: {sorted(names & floats)}"
 
 
 def test_a_gpu_model_keeps_the_python_wrapper() -> None:
