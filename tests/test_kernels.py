@@ -241,7 +241,7 @@ def test_decode_attention_leaves_what_it_does_not_handle_to_sdpa(monkeypatch: py
     monkeypatch.setattr(kernels, "sdpa_attention_forward", spy)
     module = Module(2)
     query, key, value = attention_inputs(4, 4, 4, 2)
-    decode_attention(module, query, key, value, None)  # a prefill: no cached keys
+    decode_attention(module, query, key, value, torch.ones(1, 1, 4, 4, dtype=torch.bool))  # a prefill with a mask
     query, key, value = attention_inputs(2, 9, 4, 2)
     decode_attention(module, query, key, value, None)  # several queries and no mask
     query, key, value = attention_inputs(1, 9, 4, 2)
@@ -251,6 +251,65 @@ def test_decode_attention_leaves_what_it_does_not_handle_to_sdpa(monkeypatch: py
     assert len(calls) == 5
     decode_attention(module, query, key, value, None, softcap=None, output_attentions=False, use_cache=True)
     assert len(calls) == 5  # unset extras do not matter
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("length", "heads", "kv_heads", "dim"), [(2, 4, 4, 16), (33, 6, 2, 32), (97, 9, 3, 64),
+                                                                  (300, 8, 1, 128)])  # fmt: skip
+def test_prefill_attention_matches_sdpa(
+    dtype: torch.dtype, length: int, heads: int, kv_heads: int, dim: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prompt's causal attention from an empty cache (``flyspec_cpp::causal_attention``): sdpa's result computed in
+    float64 from the same inputs, over block edges (32 queries, 64 keys a block), grouped-query heads, head sizes
+    16 to 128; the query strided as a model hands it over. sdpa is not called."""
+    assert kernels.causal_attention_operator()
+    torch.manual_seed(length)
+    query = (torch.randn(1, length, heads, dim) * 2).to(dtype).transpose(1, 2)
+    key, value = ((torch.randn(1, kv_heads, length, dim) * scale).to(dtype) for scale in (2, 1))
+    module = Module(heads // kv_heads)
+    expected, _ = sdpa_attention_forward(module, query.double(), key.double(), value.double(), None, scaling=0.3)
+    sdpa, _ = sdpa_attention_forward(module, query, key, value, None, scaling=0.3)
+    monkeypatch.setattr(kernels, "sdpa_attention_forward", None)  # a call to it would fail
+    got, weights = decode_attention(module, query, key, value, None, scaling=0.3)
+    assert weights is None and got.dtype == dtype and got.shape == (1, length, heads, dim)
+    # no further from the float64 result than sdpa in the same dtype (its rounding, plus a margin)
+    error, sdpa_error = ((result.double() - expected).abs().max().item() for result in (got, sdpa))
+    assert error <= 2 * sdpa_error + (1e-6 if dtype == torch.float32 else 4e-3), (error, sdpa_error)
+
+
+def test_a_prefill_runs_sdpa_where_the_operator_was_not_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+
+    def spy(module, query, key, value, mask, dropout=0.0, scaling=None, **kwargs):
+        calls.append(query.shape[2])
+        return torch.zeros(1), None
+
+    monkeypatch.setattr(kernels, "sdpa_attention_forward", spy)
+    query, key, value = attention_inputs(6, 6, 4, 2)
+    monkeypatch.setattr(kernels, "_CAUSAL_ATTENTION", [False])
+    decode_attention(Module(2), query, key, value, None)
+    bidirectional = Module(2)
+    bidirectional.is_causal = False
+    monkeypatch.setattr(kernels, "_CAUSAL_ATTENTION", [True])
+    decode_attention(bidirectional, query, key, value, None)  # not causal
+    decode_attention(Module(2), query[..., :8], key[..., :8], value[..., :8], None)  # head size not a multiple of 16
+    assert calls == [6, 6, 6]
+
+
+def test_models_prefill_with_the_operator_and_match_stock(tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A whole model's prefill from an empty cache takes the operator in every layer (full attention), and its
+    logits and the steps after it match the stock model's (float32)."""
+    target = make_tiny_model(tokenizer, seed=5, layers=2, hidden=64)
+    taken: list[bool] = []
+    check = kernels._is_causal_prefill
+    monkeypatch.setattr(kernels, "_is_causal_prefill", lambda *args: taken.append(check(*args)) or taken[-1])
+    ids = target.encode_prompt(PROMPT, use_chat=False)
+    rows = []
+    for model in (CachedModel(target, in_place=False), CachedModel(with_kernels(target))):
+        logits = [model.forward(ids, logits_to_keep=1), model.forward([5, 6, 7])]
+        rows.append(torch.cat([part.reshape(-1, part.shape[-1]) for part in logits]))
+    assert taken[:2] == [True, True]  # the prefill's two layers; the step after it has a cache
+    torch.testing.assert_close(rows[1], rows[0], atol=1e-4, rtol=1e-4)
 
 
 def test_growing_layer_matches_dynamic_layer(monkeypatch: pytest.MonkeyPatch) -> None:

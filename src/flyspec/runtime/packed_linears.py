@@ -17,11 +17,12 @@ import itertools
 import logging
 import weakref
 from collections import Counter
-from pathlib import Path
 
 import torch
 from torch import nn
 from transformers import PreTrainedModel
+
+from flyspec.runtime import cpp_operators
 
 logger = logging.getLogger(__name__)
 
@@ -69,13 +70,7 @@ _CPP_FAKE: list[bool] = []  # the C++ operator's shape function is registered (o
 
 
 def _build_cpp_operator() -> None:
-    from torch._inductor.codecache import CppCodeCache
-
-    class _Builder(CppCodeCache):  # a cache of its own: the library is loaded with ctypes, not as a wrapper
-        cache: dict = {}
-        cpp_compile_command_flags = {"include_pytorch": True, "shared": True}
-
-    _Builder.load(Path(__file__).with_name("packed_linear.cpp").read_text())
+    cpp_operators.build("packed_linear.cpp")
     if not _CPP_FAKE:
         torch.library.register_fake("flyspec_cpp::packed_linear", _packed_linear_shape)
         _CPP_FAKE.append(True)
