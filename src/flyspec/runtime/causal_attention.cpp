@@ -32,6 +32,16 @@ constexpr int kRows = 2;
 #endif
 constexpr int kVectors = 4;
 
+// op over a vector's lanes, in order
+template <typename Op>
+inline float lanes_reduced(const Vec& x, Op op) {
+  float lanes[Vec::size()];
+  x.store(lanes);
+  float result = lanes[0];
+  for (int64_t lane = 1; lane < Vec::size(); ++lane) result = op(result, lanes[lane]);
+  return result;
+}
+
 // scores[r][j .. j + NV vectors) = sum_e q[r][e] * kt[e][j ..] for R rows from r
 template <int R, int NV>
 inline void scores_tile(const float* q, int64_t d, const float* kt, int64_t kt_stride, float* scores, int64_t wide) {
@@ -161,9 +171,7 @@ at::Tensor causal_attention(const at::Tensor& query, const at::Tensor& key, cons
               int64_t j = 0;
               Vec most(top);
               for (; j + V <= seen; j += V) most = at::vec::maximum(most, Vec::loadu(row + j));
-              float lanes[V];
-              most.store(lanes);
-              for (int64_t lane = 0; lane < V; ++lane) top = std::max(top, lanes[lane]);
+              top = lanes_reduced(most, [](float a, float b) { return std::max(a, b); });
               for (; j < seen; ++j) top = std::max(top, row[j]);
             }
             const float previous = m[r];
@@ -176,10 +184,7 @@ at::Tensor causal_attention(const at::Tensor& query, const at::Tensor& key, cons
               e.store(row + j);
               sum = sum + e;
             }
-            float lanes[V];
-            sum.store(lanes);
-            float total = 0.f;
-            for (int64_t lane = 0; lane < V; ++lane) total += lanes[lane];
+            float total = lanes_reduced(sum, [](float a, float b) { return a + b; });
             for (; j < seen; ++j) {
               row[j] = std::exp(row[j] - top);
               total += row[j];

@@ -151,7 +151,7 @@ def decode_attention(
     arguments such as soft-capping or sinks) is ``sdpa``'s."""
     batch, heads, queries, dim = query.shape
     kv_heads, keys = key.shape[1], key.shape[2]
-    if _is_causal_prefill(module, query, key, value, attention_mask, dropout, kwargs):
+    if keys == queries and _is_causal_prefill(module, query, key, value, attention_mask, dropout, kwargs):
         scale = dim**-0.5 if scaling is None else scaling
         return torch.ops.flyspec_cpp.causal_attention(query, key, value, scale), None
     usable = (
