@@ -160,44 +160,81 @@ def test_decode_attention_matches_sdpa(kv_heads: int, queries: int, keys: int, w
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
+def cache_views(kv_heads: int, keys: int, dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values as GrowingLayer hands them over: views of the first ``keys`` positions of longer buffers."""
+    key, value = ((torch.randn(1, kv_heads, keys + 37, dim) * scale).to(dtype)[:, :, :keys] for scale in (2, 1))
+    return key, value
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("queries", "keys", "heads", "kv_heads", "dim"), [(1, 2, 4, 4, 16), (1, 129, 9, 3, 64),
+    (1, 700, 8, 1, 128), (3, 64, 6, 2, 32), (16, 300, 9, 3, 64), (64, 200, 4, 2, 16)])  # fmt: skip
 @pytest.mark.parametrize("masked", [False, True])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_one_query_reductions_match_sdpa(dtype: torch.dtype, masked: bool) -> None:
-    """The one-query form that compiled bfloat16 steps use (``_one_query_reduced``), run eagerly: sdpa's
-    result, in either dtype of cache, with and without a mask (a window hides the first keys)."""
-    query, key, value = (t.to(dtype) for t in attention_inputs(1, 40, 6, 2))
-    mask = (torch.arange(40) > 40 - 1 - 7)[None, None, None] if masked else None
+def test_cached_attention_matches_sdpa(
+    dtype: torch.dtype, queries: int, keys: int, heads: int, kv_heads: int, dim: int, masked: bool,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """A cached step's attention (``flyspec_cpp::cached_attention``): sdpa's result in float64 from the same inputs,
+    one query or a draft's, over the operator's block (64 keys) and item (128 keys, 12 rows) edges, grouped-query
+    heads, head sizes 16 to 128; causal (the mask transformers hands over, or none for one query) or with a window
+    that hides the first keys. sdpa is not called."""
+    assert kernels.attention_operators()
+    torch.manual_seed(queries * 1000 + keys)
+    query = (torch.randn(1, queries, heads, dim) * 2).to(dtype).transpose(1, 2)
+    key, value = cache_views(kv_heads, keys, dim, dtype)
+    rows, columns = torch.arange(keys - queries, keys)[:, None], torch.arange(keys)[None, :]
+    allowed = (columns <= rows) & (columns > rows - 50 if masked else True)
+    mask = allowed[None, None] if masked or queries > 1 else None
+    module = Module(heads // kv_heads)
+    expected, _ = sdpa_attention_forward(module, query.double(), key.double(), value.double(), mask, scaling=0.3)
+    sdpa, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.3)
+    monkeypatch.setattr(kernels, "sdpa_attention_forward", None)  # a call to it would fail
+    got, weights = decode_attention(module, query, key, value, mask, scaling=0.3)
+    assert weights is None and got.dtype == dtype and got.shape == (1, queries, heads, dim)
+    # float32 rounding: within a few times sdpa's own (logits reach ~50 here; the sums run in another order)
+    error, sdpa_error = ((result.double() - expected).abs().max().item() for result in (got, sdpa))
+    assert error <= 4 * sdpa_error + (1e-6 if dtype == torch.float32 else 4e-3), (error, sdpa_error)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_drafts_rows_come_out_as_one_query_steps_would(dtype: torch.dtype) -> None:
+    """Verification computes each draft position bit for bit as the one-query step at that position would: the
+    same blocks and items whatever the number of queries and of keys past a row's own."""
+    assert kernels.attention_operators()
+    torch.manual_seed(7)
+    queries, keys, module = 16, 300, Module(3)
+    query = torch.randn(1, queries, 9, 64).to(dtype).transpose(1, 2)
+    key, value = cache_views(3, keys, 64, dtype)
+    mask = (torch.arange(keys)[None, :] <= torch.arange(keys - queries, keys)[:, None])[None, None]
+    together, _ = decode_attention(module, query, key, value, mask)
+    for i in range(queries):
+        seen = keys - queries + i + 1
+        alone, _ = decode_attention(module, query[:, :, i : i + 1], key[:, :, :seen], value[:, :, :seen], None)
+        assert torch.equal(alone[0, 0], together[0, i]), i
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_steps_call_the_cached_operator(dtype: torch.dtype) -> None:
+    """Under torch.compile (inductor) a step's attention is the operator on the cache views, as eagerly."""
+    assert kernels.attention_operators()
     module = Module(3)
-    expected, _ = sdpa_attention_forward(module, query.float(), key.float(), value.float(), mask, scaling=0.3)
-    got = kernels._one_query_reduced(query, key, value, mask, 2, 3, 0.3)
-    assert got.dtype == dtype and got.shape == (1, 1, 6, 16)
-    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
-    torch.testing.assert_close(got.float(), expected, atol=tolerance, rtol=tolerance)
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_compiled_one_query_steps_take_the_reductions_in_bfloat16_only(
-    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Compiled (inductor), a one-query step against a bfloat16 cache runs the reductions, with its query and
-    softmax realized first; float32 keeps the matmul form (its rounding unchanged). Both equal sdpa's result."""
-    taken: list[torch.dtype] = []
-    reduced = kernels._one_query_reduced
-
-    def spy(query, *args):  # called while dynamo traces
-        taken.append(query.dtype)
-        return reduced(query, *args)
-
-    monkeypatch.setattr(kernels, "_one_query_reduced", spy)
-    query, key, value = (t.to(dtype) for t in attention_inputs(1, 40, 6, 2))
-    mask = (torch.arange(40) > 40 - 1 - 7)[None, None, None]
-    module = Module(3)
+    query = torch.randn(1, 4, 6, 16).to(dtype).transpose(1, 2)
+    key, value = cache_views(2, 150, 16, dtype)
+    mask = (torch.arange(150)[None, :] <= torch.arange(146, 150)[:, None])[None, None]
     step = torch.compile(lambda q, k, v, m: decode_attention(module, q, k, v, m, scaling=0.3)[0], fullgraph=True)
-    got = step(query, key, value, mask)
-    expected, _ = sdpa_attention_forward(module, query.float(), key.float(), value.float(), mask, scaling=0.3)
-    assert taken == ([torch.bfloat16] if dtype == torch.bfloat16 else [])
-    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
-    torch.testing.assert_close(got.float(), expected, atol=tolerance, rtol=tolerance)
+    eager, _ = decode_attention(module, query, key, value, mask, scaling=0.3)
+    assert torch.equal(step(query, key, value, mask), eager)
+
+
+def test_a_cached_step_runs_the_matmuls_where_the_operator_was_not_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kernels, "_ATTENTION_OPERATORS", [False])
+    monkeypatch.setattr(torch.ops.flyspec_cpp, "cached_attention", None, raising=False)  # a call would fail
+    query, key, value = attention_inputs(3, 20, 4, 2)
+    mask = (torch.arange(20)[None, :] <= torch.arange(17, 20)[:, None])[None, None]
+    module = Module(2)
+    expected, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.3)
+    got, _ = decode_attention(module, query, key, value, mask, scaling=0.3)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_the_c_operator_equals_the_python_one_and_drops_a_collected_weight() -> None:
@@ -262,7 +299,7 @@ def test_prefill_attention_matches_sdpa(
     """A prompt's causal attention from an empty cache (``flyspec_cpp::causal_attention``): sdpa's result computed in
     float64 from the same inputs, over block edges (32 queries, 64 keys a block), grouped-query heads, head sizes
     16 to 128; the query strided as a model hands it over. sdpa is not called."""
-    assert kernels.causal_attention_operator()
+    assert kernels.attention_operators()
     torch.manual_seed(length)
     query = (torch.randn(1, length, heads, dim) * 2).to(dtype).transpose(1, 2)
     key, value = ((torch.randn(1, kv_heads, length, dim) * scale).to(dtype) for scale in (2, 1))
@@ -286,11 +323,11 @@ def test_a_prefill_runs_sdpa_where_the_operator_was_not_built(monkeypatch: pytes
 
     monkeypatch.setattr(kernels, "sdpa_attention_forward", spy)
     query, key, value = attention_inputs(6, 6, 4, 2)
-    monkeypatch.setattr(kernels, "_CAUSAL_ATTENTION", [False])
+    monkeypatch.setattr(kernels, "_ATTENTION_OPERATORS", [False])
     decode_attention(Module(2), query, key, value, None)
     bidirectional = Module(2)
     bidirectional.is_causal = False
-    monkeypatch.setattr(kernels, "_CAUSAL_ATTENTION", [True])
+    monkeypatch.setattr(kernels, "_ATTENTION_OPERATORS", [True])
     decode_attention(bidirectional, query, key, value, None)  # not causal
     decode_attention(Module(2), query[..., :8], key[..., :8], value[..., :8], None)  # head size not a multiple of 16
     assert calls == [6, 6, 6]

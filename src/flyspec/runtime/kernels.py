@@ -8,13 +8,16 @@ each falling back to the stock path where it does not apply:
   and reaches about half the memory bandwidth. Sibling linears fed the same tensor (query/key/value,
   gate/up) share one packed weight: one call instead of several. Under ``torch.compile`` they are the
   opaque operator ``flyspec::packed_linear``, so ``--compile`` fuses everything around them.
-- **Decode attention.** A few queries against a long cache run as two batched matmuls per key/value
-  head, with the query heads of a group stacked as rows, instead of torch's CPU flash-attention
-  kernel, whose cost for one query grows with the cache far faster than the work does; compiled, one query
-  against a bfloat16 cache runs as reductions that read the cache once in its own dtype. Registered
-  with transformers' ``AttentionInterface`` as ``flyspec`` (masks as for ``sdpa``); dropout,
-  soft-capping, attention sinks and anything else unusual go to ``sdpa`` unchanged.
-- **Prefill attention** (``causal_attention.cpp``, the C++ operator ``flyspec_cpp::causal_attention``): a
+- **Cached-step attention** (``causal_attention.cpp``, the C++ operator ``flyspec_cpp::cached_attention``): a
+  step's few queries (one, or a draft's verification) against the cache, read once in its own dtype in blocks of
+  64 keys, float32 arithmetic, the query heads of a group stacked as rows, split over (key/value head, 128 keys)
+  across the threads and combined (flash decoding). Each query row comes out bit for bit as a one-query step would
+  compute it, however many queries share the call. Torch's CPU flash-attention kernel costs far more than the work
+  for one query against a long cache; two batched matmuls (the form kept where the operator is not built) read a
+  bfloat16 cache through float32 copies and leave a thread idle. Registered with transformers'
+  ``AttentionInterface`` as ``flyspec`` (masks as for ``sdpa``); dropout, soft-capping, attention sinks and anything
+  else unusual go to ``sdpa`` unchanged.
+- **Prefill attention** (the same file, ``flyspec_cpp::causal_attention``): a
   prompt's causal self-attention from an empty cache in one pass over the keys in blocks (flash attention,
   float32 arithmetic, grouped-query heads stacked as rows, no block above the diagonal computed), ~2x as fast
   as torch's CPU kernel and inductor's lowering of sdpa on a 769-token SmolLM2 prompt. Where the mask is
@@ -22,7 +25,7 @@ each falling back to the stock path where it does not apply:
 - **An in-place KV cache** (:class:`GrowingLayer`): a buffer that doubles when full, so a step
   writes its keys and values in place instead of copying the whole cache by concatenation, and a
   rollback is a length change. ``cached_model.CachedModel`` uses it on every device, with or without
-  the other two (so the CPU-only note below is not about it), for eager and compiled steps:
+  the others (so the CPU-only note below is not about it), for eager and compiled steps:
   it reserves room before each step, outside the graph, so a compiled step writes into buffers
   whose strides do not change and never compiles a new graph.
 
@@ -40,7 +43,6 @@ import logging
 from typing import Any
 
 import torch
-import torch._inductor.inductor_prims  # noqa: F401 - registers prims.inductor_force_stride_order (_realized)
 from torch import nn
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
@@ -98,7 +100,7 @@ def install(model: PreTrainedModel, kernels: str = "auto") -> bool:
     with torch.inference_mode():
         pack_linears(model)
     keep_freed_memory()
-    causal_attention_operator()
+    attention_operators()
     if model.config._attn_implementation == "sdpa":  # a model loaded with eager (or flash) attention keeps it
         register_attention()
         model.set_attn_implementation(ATTENTION)
@@ -111,25 +113,33 @@ def register_attention() -> None:
     AttentionMaskInterface.register(ATTENTION, sdpa_mask)
 
 
-# Whether flyspec_cpp::causal_attention is built and loaded in this process (causal_attention_operator).
-_CAUSAL_ATTENTION: list[bool] = []
+# Whether flyspec_cpp::causal_attention and cached_attention are built and loaded in this process
+# (attention_operators).
+_ATTENTION_OPERATORS: list[bool] = []
 
 
-def causal_attention_operator() -> bool:
-    """Build and load ``flyspec_cpp::causal_attention`` once per process; False, with a warning, where it cannot
-    be built (no C++ compiler): prefills then run ``sdpa``."""
-    if not _CAUSAL_ATTENTION:
+def attention_operators() -> bool:
+    """Build and load ``flyspec_cpp::causal_attention`` and ``cached_attention`` once per process; False, with a
+    warning, where they cannot be built (no C++ compiler): prefills then run ``sdpa``, cached steps the matmul form."""
+    if not _ATTENTION_OPERATORS:
         try:
             cpp_operators.build("causal_attention.cpp")
             torch.library.register_fake("flyspec_cpp::causal_attention", _causal_attention_shape)
-            _CAUSAL_ATTENTION.append(True)
-        except Exception as error:  # noqa: BLE001 - any failure to build leaves sdpa in place
-            logger.warning("flyspec kernels: the prefill attention was not built (%s); sdpa runs", error)
-            _CAUSAL_ATTENTION.append(False)
-    return _CAUSAL_ATTENTION[0]
+            torch.library.register_fake("flyspec_cpp::cached_attention", _cached_attention_shape)
+            _ATTENTION_OPERATORS.append(True)
+        except Exception as error:  # noqa: BLE001 - any failure to build leaves sdpa and the matmuls in place
+            logger.warning("flyspec kernels: the attention operators were not built (%s); sdpa runs", error)
+            _ATTENTION_OPERATORS.append(False)
+    return _ATTENTION_OPERATORS[0]
 
 
 def _causal_attention_shape(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
+    return query.new_empty((query.shape[0], query.shape[2], query.shape[1], query.shape[3]))
+
+
+def _cached_attention_shape(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
     return query.new_empty((query.shape[0], query.shape[2], query.shape[1], query.shape[3]))
 
 
@@ -147,8 +157,9 @@ def decode_attention(
 
     Scores are computed per key/value head with its query heads stacked as rows, so grouped-query
     attention needs no repeated keys; the arithmetic is float32. Returns [1, q, heads, d] like
-    transformers' other attention functions. Anything else (prefill, a batch, dropout, extra
-    arguments such as soft-capping or sinks) is ``sdpa``'s."""
+    transformers' other attention functions. A prefill from an empty cache with a plain causal mask goes to
+    ``flyspec_cpp::causal_attention``; anything else (a batch, dropout, extra arguments such as soft-capping or
+    sinks, more than ``MAX_DECODE_QUERIES`` queries after a cache) is ``sdpa``'s."""
     batch, heads, queries, dim = query.shape
     kv_heads, keys = key.shape[1], key.shape[2]
     if keys == queries and _is_causal_prefill(module, query, key, value, attention_mask, dropout, kwargs):
@@ -170,10 +181,11 @@ def decode_attention(
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     groups = heads // kv_heads
     scale = dim**-0.5 if scaling is None else scaling
-    if queries == 1 and query.dtype != torch.float32 and torch.compiler.is_compiling():
-        return _one_query_reduced(query, key, value, attention_mask, kv_heads, groups, scale), None
-    # head h reads key/value head h // groups; float32 throughout (measured faster than bfloat16 on a
-    # strided cache view, which bfloat16 matmuls copy first)
+    if _cached_operator_applies(query, key, value):
+        mask = None if attention_mask is None else attention_mask[0, 0, :, -keys:]
+        return torch.ops.flyspec_cpp.cached_attention(query, key, value, mask, scale), None
+    # where the operator was not built: head h reads key/value head h // groups; float32 throughout (measured faster
+    # than bfloat16 on a strided cache view, which bfloat16 matmuls copy first)
     stacked = query.reshape(kv_heads, groups * queries, dim).float()
     scores = torch.bmm(stacked, key[0].transpose(1, 2).float()).mul_(scale)  # [kv_heads, groups*q, k]
     if attention_mask is not None:
@@ -183,6 +195,20 @@ def decode_attention(
     weights = torch.softmax(scores, dim=-1)
     out = torch.bmm(weights, value[0].float()).to(query.dtype)  # [kv_heads, groups*q, d]
     return out.view(heads, queries, dim).transpose(0, 1).unsqueeze(0), None
+
+
+def _cached_operator_applies(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether ``flyspec_cpp::cached_attention`` takes a cached step's call (already one :func:`decode_attention`
+    handles): built, on the CPU, float32 or bfloat16 throughout, head size a multiple of 16, rows contiguous."""
+    return (
+        bool(_ATTENTION_OPERATORS and _ATTENTION_OPERATORS[0])
+        and query.device.type == "cpu"
+        and query.dtype in (torch.float32, torch.bfloat16)
+        and key.dtype == value.dtype == query.dtype
+        and query.shape[-1] % 16 == 0
+        and key.stride(-1) == 1
+        and value.stride(-1) == 1
+    )
 
 
 def _is_causal_prefill(
@@ -203,7 +229,7 @@ def _is_causal_prefill(
     kv_heads, keys = key.shape[1], key.shape[2]
     is_causal = kwargs.get("is_causal")
     return (
-        bool(_CAUSAL_ATTENTION and _CAUSAL_ATTENTION[0])
+        bool(_ATTENTION_OPERATORS and _ATTENTION_OPERATORS[0])
         and attention_mask is None
         and batch == 1
         and queries > 1
@@ -218,39 +244,6 @@ def _is_causal_prefill(
         and tuple(value.shape) == tuple(key.shape)
         and {name for name, given in kwargs.items() if given is not None and given is not False} <= _KNOWN_KWARGS
     )
-
-
-def _one_query_reduced(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    kv_heads: int,
-    groups: int,
-    scale: float,
-) -> torch.Tensor:
-    """One query against a bfloat16 (or float16) cache, in a compiled step: products and sums, which inductor
-    turns into reductions that read the cache once in its own dtype and add in float32. The matmul form must
-    first copy the whole cache to float32 (or, in bfloat16, oneDNN copies the strided view): 2.0x the time at 700
-    cached positions, most of flyspec's extra cost per step on long prompts (BENCHMARKS.md, issue 53). With
-    more queries the matmuls win (the reductions redo the cache reads per query row), and in float32 there is
-    no copy to save: both keep the matmul form, so float32 rounding is unchanged."""
-    dim = query.shape[-1]
-    stacked = _realized(query.reshape(kv_heads, groups, 1, dim).float())
-    scores = (stacked * key[0].unsqueeze(1).float()).sum(-1) * scale  # [kv_heads, groups, k]
-    if attention_mask is not None:
-        scores = scores.masked_fill(~attention_mask[0, 0, :, -key.shape[2] :], float("-inf"))
-    weights = _realized(torch.softmax(scores, dim=-1))
-    out = (weights.unsqueeze(-1) * value[0].unsqueeze(1).float()).sum(-2).to(query.dtype)  # [kv_heads, groups, d]
-    return out.view(kv_heads * groups, 1, dim).transpose(0, 1).unsqueeze(0)
-
-
-def _realized(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` written to memory by the compiled graph before the reductions that read it: left to inductor,
-    the query's rotary embedding (cosines, sines) and the softmax's exponentials are recomputed inside the
-    reductions, once per cached position (measured slower than the matmul form). Inductor's own operator for
-    it (``inductor_force_stride_order``, which makes its input a buffer of the strides given)."""
-    return torch.ops.prims.inductor_force_stride_order(tensor, tensor.stride())
 
 
 def _buffer_view(index: int, name: str) -> Any:
