@@ -160,6 +160,23 @@ def test_decode_attention_matches_sdpa(kv_heads: int, queries: int, keys: int, w
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
+def assert_near_sdpa(
+    module: Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+    times: float, monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """decode_attention's result, sdpa not called, within ``times`` sdpa's own error (same dtype) of sdpa's result in
+    float64 from the same inputs, plus a margin."""
+    expected, _ = sdpa_attention_forward(module, query.double(), key.double(), value.double(), mask, scaling=0.3)
+    sdpa, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.3)
+    with monkeypatch.context() as patch:
+        patch.setattr(kernels, "sdpa_attention_forward", None)  # a call to it would fail
+        got, weights = decode_attention(module, query, key, value, mask, scaling=0.3)
+    assert weights is None and got.dtype == query.dtype and got.shape == query.transpose(1, 2).shape
+    error, sdpa_error = ((result.double() - expected).abs().max().item() for result in (got, sdpa))
+    margin = 1e-6 if query.dtype == torch.float32 else 4e-3
+    assert error <= times * sdpa_error + margin, (error, sdpa_error)
+
+
 def cache_views(kv_heads: int, keys: int, dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values as GrowingLayer hands them over: views of the first ``keys`` positions of longer buffers."""
     key, value = ((torch.randn(1, kv_heads, keys + 37, dim) * scale).to(dtype)[:, :, :keys] for scale in (2, 1))
@@ -185,15 +202,8 @@ def test_cached_attention_matches_sdpa(
     rows, columns = torch.arange(keys - queries, keys)[:, None], torch.arange(keys)[None, :]
     allowed = (columns <= rows) & (columns > rows - 50 if masked else True)
     mask = allowed[None, None] if masked or queries > 1 else None
-    module = Module(heads // kv_heads)
-    expected, _ = sdpa_attention_forward(module, query.double(), key.double(), value.double(), mask, scaling=0.3)
-    sdpa, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.3)
-    monkeypatch.setattr(kernels, "sdpa_attention_forward", None)  # a call to it would fail
-    got, weights = decode_attention(module, query, key, value, mask, scaling=0.3)
-    assert weights is None and got.dtype == dtype and got.shape == (1, queries, heads, dim)
     # float32 rounding: within a few times sdpa's own (logits reach ~50 here; the sums run in another order)
-    error, sdpa_error = ((result.double() - expected).abs().max().item() for result in (got, sdpa))
-    assert error <= 4 * sdpa_error + (1e-6 if dtype == torch.float32 else 4e-3), (error, sdpa_error)
+    assert_near_sdpa(Module(heads // kv_heads), query, key, value, mask, 4, monkeypatch)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -303,15 +313,8 @@ def test_prefill_attention_matches_sdpa(
     torch.manual_seed(length)
     query = (torch.randn(1, length, heads, dim) * 2).to(dtype).transpose(1, 2)
     key, value = ((torch.randn(1, kv_heads, length, dim) * scale).to(dtype) for scale in (2, 1))
-    module = Module(heads // kv_heads)
-    expected, _ = sdpa_attention_forward(module, query.double(), key.double(), value.double(), None, scaling=0.3)
-    sdpa, _ = sdpa_attention_forward(module, query, key, value, None, scaling=0.3)
-    monkeypatch.setattr(kernels, "sdpa_attention_forward", None)  # a call to it would fail
-    got, weights = decode_attention(module, query, key, value, None, scaling=0.3)
-    assert weights is None and got.dtype == dtype and got.shape == (1, length, heads, dim)
     # no further from the float64 result than sdpa in the same dtype (its rounding, plus a margin)
-    error, sdpa_error = ((result.double() - expected).abs().max().item() for result in (got, sdpa))
-    assert error <= 2 * sdpa_error + (1e-6 if dtype == torch.float32 else 4e-3), (error, sdpa_error)
+    assert_near_sdpa(Module(heads // kv_heads), query, key, value, None, 2, monkeypatch)
 
 
 def test_a_prefill_runs_sdpa_where_the_operator_was_not_built(monkeypatch: pytest.MonkeyPatch) -> None:
