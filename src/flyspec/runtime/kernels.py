@@ -10,11 +10,11 @@ each falling back to the stock path where it does not apply:
   opaque operator ``flyspec::packed_linear``, so ``--compile`` fuses everything around them.
 - **Cached-step attention** (``causal_attention.cpp``, the C++ operator ``flyspec_cpp::cached_attention``): a
   step's few queries (one, or a draft's verification) against the cache, read once in its own dtype in blocks of
-  64 keys, float32 arithmetic, the query heads of a group stacked as rows, split over (key/value head, 128 keys)
-  across the threads and combined (flash decoding). Each query row comes out bit for bit as a one-query step would
-  compute it, however many queries share the call. Torch's CPU flash-attention kernel costs far more than the work
-  for one query against a long cache; two batched matmuls (the form kept where the operator is not built) read a
-  bfloat16 cache through float32 copies and leave a thread idle. Registered with transformers'
+  64 keys, float32 arithmetic, the query heads of a group stacked as rows, split over (key/value head, 128 keys,
+  12 rows) across the threads and combined (flash decoding). Each query row comes out bit for bit as a one-query
+  step would compute it, however many queries share the call. Torch's CPU flash-attention kernel costs far more
+  than the work for one query against a long cache; two batched matmuls (the form kept where the operator does not
+  apply) read a bfloat16 cache through float32 copies and leave a thread idle. Registered with transformers'
   ``AttentionInterface`` as ``flyspec`` (masks as for ``sdpa``); dropout, soft-capping, attention sinks and anything
   else unusual go to ``sdpa`` unchanged.
 - **Prefill attention** (the same file, ``flyspec_cpp::causal_attention``): a
@@ -140,7 +140,7 @@ def _causal_attention_shape(query: torch.Tensor, key: torch.Tensor, value: torch
 def _cached_attention_shape(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scale: float
 ) -> torch.Tensor:
-    return query.new_empty((query.shape[0], query.shape[2], query.shape[1], query.shape[3]))
+    return _causal_attention_shape(query, key, value, scale)
 
 
 def decode_attention(
@@ -184,8 +184,9 @@ def decode_attention(
     if _cached_operator_applies(query, key, value):
         mask = None if attention_mask is None else attention_mask[0, 0, :, -keys:]
         return torch.ops.flyspec_cpp.cached_attention(query, key, value, mask, scale), None
-    # where the operator was not built: head h reads key/value head h // groups; float32 throughout (measured faster
-    # than bfloat16 on a strided cache view, which bfloat16 matmuls copy first)
+    # where the operator does not take it (not built, float16, another head size, strided rows): head h reads
+    # key/value head h // groups; float32 throughout (measured faster than bfloat16 on a strided cache view, which
+    # bfloat16 matmuls copy first)
     stacked = query.reshape(kv_heads, groups * queries, dim).float()
     scores = torch.bmm(stacked, key[0].transpose(1, 2).float()).mul_(scale)  # [kv_heads, groups*q, k]
     if attention_mask is not None:
@@ -200,14 +201,18 @@ def decode_attention(
 def _cached_operator_applies(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
     """Whether ``flyspec_cpp::cached_attention`` takes a cached step's call (already one :func:`decode_attention`
     handles): built, on the CPU, float32 or bfloat16 throughout, head size a multiple of 16, rows contiguous."""
+    return _operators_take(query, key, value) and key.stride(-1) == 1 and value.stride(-1) == 1
+
+
+def _operators_take(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """What both C++ operators ask: built, on the CPU, float32 or bfloat16 throughout, head size a multiple of 16
+    (AVX-512's float32 lanes)."""
     return (
         bool(_ATTENTION_OPERATORS and _ATTENTION_OPERATORS[0])
         and query.device.type == "cpu"
         and query.dtype in (torch.float32, torch.bfloat16)
         and key.dtype == value.dtype == query.dtype
         and query.shape[-1] % 16 == 0
-        and key.stride(-1) == 1
-        and value.stride(-1) == 1
     )
 
 
@@ -223,24 +228,19 @@ def _is_causal_prefill(
     """Whether a call is one that ``sdpa`` runs as ``is_causal=True`` without a mask and
     ``flyspec_cpp::causal_attention`` computes the same: one sequence, as many keys as queries (an empty cache), no
     mask (transformers' ``sdpa_mask`` leaves it out for a plain causal prefill, compiled or not, and builds one for
-    padding or a window that bites), a causal module, on the CPU, head size a multiple of 16 (AVX-512's float32
-    lanes)."""
-    batch, heads, queries, dim = query.shape
+    padding or a window that bites), a causal module, and what both operators ask (:func:`_operators_take`)."""
+    batch, heads, queries, _ = query.shape
     kv_heads, keys = key.shape[1], key.shape[2]
     is_causal = kwargs.get("is_causal")
     return (
-        bool(_ATTENTION_OPERATORS and _ATTENTION_OPERATORS[0])
+        _operators_take(query, key, value)
         and attention_mask is None
         and batch == 1
         and queries > 1
         and keys == queries
-        and query.device.type == "cpu"
-        and query.dtype in (torch.float32, torch.bfloat16)
-        and key.dtype == value.dtype == query.dtype
         and dropout == 0.0
         and (is_causal if is_causal is not None else getattr(module, "is_causal", True))
         and heads % kv_heads == 0
-        and dim % 16 == 0
         and tuple(value.shape) == tuple(key.shape)
         and {name for name, given in kwargs.items() if given is not None and given is not False} <= _KNOWN_KWARGS
     )
