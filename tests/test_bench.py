@@ -254,6 +254,12 @@ def test_quick_bench_writes_all_outputs(bench_run: Path) -> None:
     report = (bench_run / "report.md").read_text()
     assert "| ngram+fly | no |" in report and "| ngram+exact | yes |" in report
     assert "## Speedup by category" in report and "alpha" in report and "beta" in report
+    # the memory floor of a one-token step, measured at the run's start, beside t(1)
+    meta = json.loads((bench_run / "results.json").read_text())["meta"]
+    floor, t1 = meta["memory_floor"], meta["forward_times_ms"]["1"]
+    assert floor["floor_ms"] == pytest.approx(floor["weight_mb"] / floor["read_gb_s"])
+    assert f"{floor['weight_mb']:.0f} MB of weights ÷ {floor['read_gb_s']:.1f} GB/s" in report
+    assert f"= {floor['floor_ms']:.1f} ms; t(1) is {t1 / floor['floor_ms']:.2f}x it" in report
 
 
 def test_quick_bench_records_are_consistent(bench_run: Path) -> None:

@@ -132,6 +132,7 @@ def run(args: argparse.Namespace) -> int:
     from flyspec.harness.methods import speculations
     from flyspec.resources import Resources
     from flyspec.runtime.loading import set_threads
+    from flyspec.runtime.memory_floor import memory_floor
 
     limit = args.limit if args.limit is not None else (QUICK_LIMIT if args.quick else None)
     max_new_tokens = args.max_new_tokens or (QUICK_MAX_NEW_TOKENS if args.quick else DEFAULT_MAX_NEW_TOKENS)
@@ -158,8 +159,10 @@ def run(args: argparse.Namespace) -> int:
     context = conversation_ids(target, prompts[0].turns[:1], [], args.use_chat)
     context = (context * (1 + 200 // len(context)))[:200]  # a typical mid-generation context length
     times = forward_times(target, context, tuple(range(1, k + 2)), repeats=3 if args.quick else 7)
+    floor = memory_floor(target.model, target.device, target.weight_bytes)  # what t(1) cannot go below here
     meta = _meta(args, target, prompts, max_new_tokens, k, limit)
     meta.update(forward_context=len(context), forward_times_ms={str(size): 1000 * t for size, t in times.items()})
+    meta["memory_floor"] = floor.as_dict()
     meta["skipped_peers"] = skipped
     startup = {name: getattr(backend, "startup_s", None) for name, backend in backends.items()}
     meta["vllm_startup_s"] = {name: seconds for name, seconds in startup.items() if seconds is not None}

@@ -99,6 +99,18 @@ def vllm_section(meta: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _floor_line(floor: dict[str, float] | None, t1_ms: float | None) -> list[str]:
+    """The report's line on the memory floor of a one-token step (``runtime/memory_floor.py``); none in older runs."""
+    if not floor:
+        return []
+    ratio = f"; t(1) is {t1_ms / floor['floor_ms']:.2f}x it" if t1_ms else ""
+    return [
+        f"- Memory floor of a one-token step: {floor['weight_mb']:.0f} MB of weights ÷ {floor['read_gb_s']:.1f} GB/s "
+        f"read (measured at this run's start) = {floor['floor_ms']:.1f} ms{ratio}: no engine's batch-1 step in this "
+        "dtype goes below it"
+    ]
+
+
 def markdown_report(meta: dict[str, Any], summary: dict[str, Any]) -> str:
     times = meta.get("forward_times_ms") or {}
     k = meta["num_draft_tokens"]
@@ -115,6 +127,7 @@ def markdown_report(meta: dict[str, Any], summary: dict[str, Any]) -> str:
         f"{ORDER_NOTES[meta.get('order', 'interleaved')]}",
         f"- Target forward after {meta.get('forward_context', '?')} cached tokens: t(1) = "
         f"{_fmt(times.get('1'), '{:.1f}')} ms, t(k+1 = {k + 1}) = {_fmt(times.get(str(k + 1)), '{:.1f}')} ms",
+        *_floor_line(meta.get("memory_floor"), times.get("1")),
         f"- Speedup = method tokens/s ÷ {PLAIN} (flyspec plain decoding, the baseline) tokens/s over the same prompts; "
         f"lossy methods ({LOSSY_NOTE}) are marked lossless = no; their quality is measured by `flyspec eval`.",
         "- Drafts verified per step: the draft tokens scored per target forward (k under a fixed draft length, "

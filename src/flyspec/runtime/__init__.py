@@ -8,6 +8,7 @@
 - ``kernels.py``        flyspec's CPU kernels (``--kernels auto``): decode attention, in-place KV cache
 - ``packed_linears.py`` oneDNN-prepacked linears for the kernels
 - ``step_cost.py``      the target's measured forward cost t(n), cached on disk
+- ``memory_floor.py``   the memory floor of a one-token step: its weights' bytes ÷ the device's read bandwidth
 - ``clock.py``          clock reads that wait for the device first (GPU kernels run asynchronously)
 
 Nothing here imports the rest of flyspec except the torch-free declarations every layer shares

@@ -99,6 +99,7 @@ class LoadedModel(PromptCodec):
     prefill_forward: Callable[..., Any] | None = None
     kernels: bool = False
     weights_fingerprint: str | None = None  # taken before the kernels pack the weights (see weights_fingerprint)
+    weight_bytes: int | None = None  # read by a one-token step (memory_floor.step_weight_bytes), counted before packing
 
     @functools.cached_property
     def fingerprints(self) -> dict[str, str]:

@@ -33,6 +33,7 @@ from flyspec.runtime.compiled_steps import compile_steps
 from flyspec.runtime.kernels import check_kernels
 from flyspec.runtime.kernels import install as install_kernels
 from flyspec.runtime.loaded_model import LoadedModel, ServedModel, checkpoint_fingerprint, weights_fingerprint
+from flyspec.runtime.memory_floor import step_weight_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -169,9 +170,15 @@ def load_model(
         ) from error
     model.eval()
     fingerprint = weights_fingerprint(model)  # before packing: packed weights leave the state dict
+    weight_bytes = step_weight_bytes(model)  # before packing too: packed weights are no parameters
     installed = install_kernels(model, kernels)
     loaded = LoadedModel(
-        model=model, tokenizer=tokenizer, name=name_or_path, kernels=installed, weights_fingerprint=fingerprint
+        model=model,
+        tokenizer=tokenizer,
+        name=name_or_path,
+        kernels=installed,
+        weights_fingerprint=fingerprint,
+        weight_bytes=weight_bytes,
     )
     return compile_steps(loaded) if compile else loaded
 
