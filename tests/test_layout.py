@@ -183,8 +183,12 @@ def test_a_room_that_climbs_is_caught(tmp_path: Path) -> None:
         if room(target) != room(module)
         and (floor_of(room(target)) > floor_of(room(module)) or floor_of(room(target)) == floor_of(room(module)))
     )
-    assert climbs == ["flyspec.runtime.target → flyspec.decoding", "flyspec.runtime.target → flyspec.decoding.stats",
-                      "flyspec.verifiers.fly → flyspec.drafters", "flyspec.verifiers.fly → flyspec.drafters.ngram"]
+    assert climbs == [
+        "flyspec.runtime.target → flyspec.decoding",
+        "flyspec.runtime.target → flyspec.decoding.stats",
+        "flyspec.verifiers.fly → flyspec.drafters",
+        "flyspec.verifiers.fly → flyspec.drafters.ngram",
+    ]
 
 
 def defined_names(path: Path) -> set[str]:

@@ -25,8 +25,11 @@ def deployment(record: dict[str, Any]) -> dict[str, Any]:
         "vllm_plugin": {
             # the schedule travels in the environment: vLLM 0.33 drops num_speculative_tokens_per_batch_size for
             # custom_class (the plugin's proposer), 0.32 and 0.33 both keep the environment
-            "environment": {"FLYSPEC_VLLM_PROFILE": "PROFILE", "FLYSPEC_VLLM_FLY": "all",
-                            **schedule_environment("vllm-ngram+fly", schedule)},  # fmt: skip
+            "environment": {
+                "FLYSPEC_VLLM_PROFILE": "PROFILE",
+                "FLYSPEC_VLLM_FLY": "all",
+                **schedule_environment("vllm-ngram+fly", schedule),
+            },
             "speculative_config": plugin_config,
             "note": "the plugin applies the chosen point with its trust guards to every greedy request (V1 model "
             "runner: vLLM runs custom_class proposers there)",
