@@ -23,6 +23,7 @@ from flyspec.config import ConfigError, SpeculationConfig
 from flyspec.runtime.cached_model import CachedModel
 from flyspec.runtime.kernels import GrowingLayer, decode_attention
 from flyspec.runtime.loaded_model import LoadedModel
+from flyspec.runtime.loading import cpu_isa
 from flyspec.runtime.packed_linears import PackedLinear, SharedLinear, SharedLinears
 
 PROMPT = "Once upon a time there was a small model that The capital of"
@@ -250,16 +251,87 @@ def test_a_cached_step_runs_the_matmuls_where_the_operator_was_not_built(monkeyp
 def test_the_c_operator_equals_the_python_one_and_drops_a_collected_weight() -> None:
     linear = torch.nn.Linear(24, 40)
     packed = PackedLinear(linear.weight, linear.bias)
-    rows = torch.randn(5, 24)
+    rows = torch.randn(70, 24)  # more rows than a cached step's: oneDNN's call, as the Python operator makes it
     assert packed_linears.cpp_operator()
     packed.use_cpp()
     handle = packed.handle
     expected = torch.ops.flyspec.packed_linear(rows, handle, 40, packed.bias)
     assert torch.equal(torch.ops.flyspec_cpp.packed_linear(rows, handle, 40, packed.bias), expected)
     torch.testing.assert_close(expected, linear(rows), atol=1e-5, rtol=1e-5)
+    step = torch.ops.flyspec_cpp.packed_linear(rows[:5], handle, 40, packed.bias)  # a step's rows: maybe streamed
+    torch.testing.assert_close(step, expected[:5], atol=1e-5, rtol=1e-5)
     del packed
     with pytest.raises(RuntimeError, match="no packed weight under handle"):
         torch.ops.flyspec_cpp.packed_linear(rows, handle, 40, None)
+
+
+# weights [out, in]: whole blocks of 64 outputs, a padded block and padded inputs, one block, a head's width
+STREAMED_SHAPES = [(960, 576), (100, 70), (32, 32), (4096, 64)]
+STEP_ROWS = {torch.float32: 64, torch.bfloat16: 4}  # packed_linear.cpp: the rows it reads itself
+
+
+def _packed_for_steps(out_features: int, in_features: int, dtype: torch.dtype, bias: bool) -> PackedLinear:
+    torch.manual_seed(out_features + in_features)
+    weight = torch.randn(out_features, in_features).to(dtype)
+    packed = PackedLinear(weight, torch.randn(out_features).to(dtype) if bias else None)
+    assert packed_linears.cpp_operator()
+    packed.use_cpp()
+    return packed
+
+
+def _reference(packed: PackedLinear, rows: torch.Tensor) -> torch.Tensor:
+    weight = packed.packed.to_dense().double()
+    return rows.double() @ weight.t() + (packed.bias.double() if packed.bias is not None else 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", STREAMED_SHAPES, ids=lambda shape: "x".join(map(str, shape)))
+def test_a_steps_rows_are_read_from_the_packed_weight_as_accurately_as_onednn(
+    shape: tuple[int, int], dtype: torch.dtype
+) -> None:
+    """Where the C++ operator reads a step's rows out of oneDNN's packed weight itself, it is as close to float64 as
+    oneDNN's own call (the same float32 accumulation); on a CPU whose oneDNN packs another way, oneDNN's call stays."""
+    packed = _packed_for_steps(*shape, dtype, bias=shape[0] == 100)
+    streamed = torch.ops.flyspec_cpp.streamed(packed.handle)
+    if dtype == torch.float32 and cpu_isa() in {"AVX512", "AVX512-BF16", "AMX"}:
+        assert streamed  # the layout packed_linear.cpp reads is what oneDNN gives float32 weights on AVX-512
+    for count in (1, 3, STEP_ROWS[dtype], 64, 65):
+        rows = torch.randn(count, shape[1]).to(dtype)
+        got = torch.ops.flyspec_cpp.packed_linear(rows, packed.handle, shape[0], packed.bias)
+        onednn = torch.ops.mkldnn._linear_pointwise(rows, packed.packed, packed.bias, "none", [], "")
+        reference = _reference(packed, rows)
+        error, onednn_error = ((result.double() - reference).abs().max().item() for result in (got, onednn))
+        assert got.dtype == dtype and got.shape == (count, shape[0])
+        assert error <= 4 * onednn_error + 1e-6, (count, error, onednn_error)
+        if count > STEP_ROWS[dtype] or not streamed:
+            assert torch.equal(got, onednn)  # a prompt's rows (or a layout it does not read): oneDNN's call
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_steps_rows_each_come_out_as_a_one_row_step_would(dtype: torch.dtype) -> None:
+    """Each output is summed over its inputs in one order whatever the number of rows: a draft's verification gives
+    each position the bits a one-token step gives it (float32 up to 64 rows, bf16 up to 4)."""
+    packed = _packed_for_steps(960, 576, dtype, bias=True)
+    if not torch.ops.flyspec_cpp.streamed(packed.handle):
+        pytest.skip("this CPU's oneDNN packs weights in a layout packed_linear.cpp does not read")
+    rows = torch.randn(STEP_ROWS[dtype], 576).to(dtype)
+    together = torch.ops.flyspec_cpp.packed_linear(rows, packed.handle, 960, packed.bias)
+    for index in range(rows.shape[0]):
+        alone = torch.ops.flyspec_cpp.packed_linear(rows[index : index + 1], packed.handle, 960, packed.bias)
+        assert torch.equal(together[index], alone[0]), index
+
+
+def test_a_layout_the_operator_does_not_read_keeps_onednns_call() -> None:
+    """The check at ``remember`` compares the packed weight with its unpacked copy value by value: a copy that
+    differs (as another layout would read) leaves that weight to oneDNN, with the same results."""
+    packed = _packed_for_steps(960, 576, torch.float32, bias=False)
+    dense = packed.packed.to_dense()
+    dense[5, 7] += 1.0
+    torch.ops.flyspec_cpp.remember(packed.handle, packed.packed, dense)
+    assert not torch.ops.flyspec_cpp.streamed(packed.handle)
+    rows = torch.randn(2, 576)
+    onednn = torch.ops.mkldnn._linear_pointwise(rows, packed.packed, None, "none", [], "")
+    assert torch.equal(torch.ops.flyspec_cpp.packed_linear(rows, packed.handle, 960, None), onednn)
 
 
 def test_without_a_c_operator_the_python_one_stays(monkeypatch: pytest.MonkeyPatch, caplog) -> None:

@@ -108,16 +108,17 @@ class PackedLinear(nn.Module):
     def use_cpp(self) -> None:
         """Hand the packed weight to the C++ operator (:func:`cpp_operator` must have built it); it drops the
         weight when this module is collected."""
-        if not self.cpp:
-            torch.ops.flyspec_cpp.remember(self.handle, self.packed)
+        if not self.cpp:  # the unpacked copy lets it check the packed layout, value by value (packed_linear.cpp)
+            torch.ops.flyspec_cpp.remember(self.handle, self.packed, self.packed.to_dense())
             weakref.finalize(self, torch.ops.flyspec_cpp.forget, self.handle)
             self.cpp = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if torch.compiler.is_compiling():
-            operator = torch.ops.flyspec_cpp.packed_linear if self.cpp else torch.ops.flyspec.packed_linear
-            out = operator(rows, self.handle, self.out_features, self.bias)
+        if self.cpp:  # compiled or eager, the same operator: a step's rows come out the same either way
+            out = torch.ops.flyspec_cpp.packed_linear(rows, self.handle, self.out_features, self.bias)
+        elif torch.compiler.is_compiling():
+            out = torch.ops.flyspec.packed_linear(rows, self.handle, self.out_features, self.bias)
         else:  # eager: the oneDNN call itself, without the custom operator's dispatch
             out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
         return out.reshape(*x.shape[:-1], self.out_features)
