@@ -3,10 +3,10 @@
 // The packed weights stay owned by their PackedLinear modules (runtime/packed_linears.py); `remember` keeps a
 // reference here under the module's handle and `forget` (the module's finalizer) drops it. Many rows (a prompt) go to
 // oneDNN's linear (mkldnn::_linear_pointwise) through the dispatcher: no Python on the way. A cached step's few rows
-// (up to kStepRows; kBfloat16StepRows in bf16) are read here straight out of oneDNN's packed weight (`streamed`), where `remember` found its
-// layout to be the one below: oneDNN's own call costs ~10 us of bookkeeping (through ideep), times 121 linears a
-// SmolLM2 step, on weights that take 15-60 us to stream (BENCHMARKS.md, issue 53). Built on first use by inductor's
-// C++ builder, as `--compile` builds its own kernels.
+// (up to kStepRows; kBfloat16StepRows in bf16) are read here straight out of oneDNN's packed weight (`streamed`),
+// where `remember` found its layout to be the one below: oneDNN's own call costs ~10 us of bookkeeping (through
+// ideep), times 121 linears a SmolLM2 step, on weights that take 15-60 us to stream (BENCHMARKS.md, issue 53). Built
+// on first use by inductor's C++ builder, as `--compile` builds its own kernels.
 //
 // The layout oneDNN gives a weight [N, K] packed for a few rows (measured on AVX-512 CPUs, checked value by value for
 // each weight at `remember`): blocks of 64 outputs, each block K rows of its 64 outputs' weights (float32), or K/2
@@ -109,7 +109,8 @@ bool streamed(int64_t handle) {
 // R rows (x: float32 [R, ld]) times C vector columns of one block (its rows of weights from `block`), into
 // acc[r][c]; a float32 block's row k is 64 outputs' weights, a bfloat16 block's row k/2 their (k, k+1) pairs
 template <int R, int C>
-inline void block_rows(const float* block, int64_t inputs, const float* x, int64_t ld, Vec (&acc)[kRowChunk][kColumns]) {
+inline void block_rows(const float* block, int64_t inputs, const float* x, int64_t ld,
+                       Vec (&acc)[kRowChunk][kColumns]) {
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = Vec(0.f);
   for (int64_t k = 0; k < inputs; ++k) {

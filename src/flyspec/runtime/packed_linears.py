@@ -3,7 +3,9 @@
 - :class:`PackedLinear`: an ``nn.Linear`` whose weight oneDNN reordered once into its blocked
   layout; under ``torch.compile`` the opaque operator ``flyspec::packed_linear``, or, once
   :func:`use_cpp_operator` ran (``--compile`` on the CPU), ``flyspec_cpp::packed_linear``: the same
-  call from C++ (``packed_linear.cpp``), so the compiled graphs' C++ wrapper reaches oneDNN without Python.
+  call from C++ (``packed_linear.cpp``), so the compiled graphs' C++ wrapper reaches oneDNN without Python, and
+  a cached step's few rows are read out of the packed weight by the operator itself (no oneDNN bookkeeping) where
+  its layout is the one the operator reads; eager forwards then call the same operator.
 - :class:`SharedLinears`: sibling linears that one probe forward fed the same tensor (attention's
   query/key/value, an MLP's gate/up) share one packed weight, their outputs stacked: one oneDNN
   call instead of several. Found by running the model, not from its source, and kept only where
