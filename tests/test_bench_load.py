@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
 from pathlib import Path
@@ -349,3 +350,24 @@ def test_flyspec_serve_measured_under_concurrent_streaming_clients(tiny_model_di
     written = online.write_outputs(tmp_path, meta, rows, startup, None, plots=True)
     assert [path.name for path in written] == ["online.json", "online.md", "online.png"]
     assert "| flyspec-serve | 1 |" in (tmp_path / "online.md").read_text()
+
+
+def test_the_online_client_reads_an_events_json_whole_whatever_characters_it_holds() -> None:
+    """Another server (vLLM's) may send U+2028 or U+0085 unescaped inside an event's JSON: the online bench's client
+    ends lines only where the SSE format does (LF, CR LF), also across the chunks a stream arrives in."""
+    from flyspec.bench.online import sse_lines
+
+    text = "a\u2028b\x85c\u2029d 中"
+    stream = f"data: {json.dumps({'t': text}, ensure_ascii=False)}\r\n\r\ndata: [DONE]\n\n"
+
+    class Chunked:  # the stream in 5-character chunks, as a network may hand it over
+        async def aiter_text(self):  # noqa: ANN202 - an async generator
+            for start in range(0, len(stream), 5):
+                yield stream[start : start + 5]
+
+    async def read() -> list[str]:
+        return [line async for line in sse_lines(Chunked())]
+
+    lines = asyncio.run(read())
+    assert lines == [f"data: {json.dumps({'t': text}, ensure_ascii=False)}", "", "data: [DONE]", ""]
+    assert json.loads(lines[0].removeprefix("data: ")) == {"t": text}

@@ -423,3 +423,19 @@ def test_ngram_cache_is_kept_across_requests_of_a_tenant_and_adaptive_length_is_
     assert server.metric("flyspec_ngram_cache", 'quantity="entries"') > 0
     assert server.metric("flyspec_ngram_cache", 'quantity="caches"') == 1  # no API keys: one tenant
     assert server.metric("flyspec_draft_tokens_total", 'drafter="ngram-cache",outcome="accepted"') > 0
+
+
+def test_a_streamed_events_json_stays_on_one_line_for_httpxs_line_splitter() -> None:
+    """Generated text may hold characters that JSON leaves raw but ``str.splitlines`` breaks a line at (U+0085,
+    U+2028, U+2029): httpx's ``iter_lines``, which OpenAI-style clients read streams with, used to cut such an event's
+    JSON in two (a soak's lost stream). Each event is one line, and its JSON reads back the text it carried."""
+    from httpx._decoders import LineDecoder
+
+    from flyspec.server.responses import sse
+
+    text = "a\x85b\u2028c\u2029d\x1ce\x0bf\rg 中 é"
+    raw = f"data: {json.dumps({'text': text}, ensure_ascii=False)}\n\n"
+    assert len([line for line in LineDecoder().decode(raw) if line]) > 1  # the control: unescaped, it splits
+    lines = [line for line in LineDecoder().decode(sse({"text": text})) if line]
+    assert len(lines) == 1 and json.loads(lines[0].removeprefix("data: ")) == {"text": text}
+    assert "中 é" in lines[0]  # other characters stay as they are (not \u-escaped)

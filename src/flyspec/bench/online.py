@@ -24,7 +24,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -117,6 +117,19 @@ class Server:
                 self.process.wait()
 
 
+async def sse_lines(response: Any) -> AsyncIterator[str]:
+    """A server-sent event stream's lines, ended where the SSE format ends them (LF, CR LF) and nowhere else: httpx's
+    ``aiter_lines`` also splits at characters JSON leaves raw in a string (U+2028, U+0085, ...), which a generated
+    text may hold and another server (vLLM's) may send unescaped."""
+    pending = ""
+    async for text in response.aiter_text():
+        *lines, pending = (pending + text).split("\n")
+        for line in lines:
+            yield line.removesuffix("\r")
+    if pending:
+        yield pending.removesuffix("\r")
+
+
 async def stream_one(client: Any, url: str, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
     """One streamed chat completion: its start, first-token and end times and its completion tokens."""
     body = {"model": SERVED_NAME, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
@@ -127,7 +140,7 @@ async def stream_one(client: Any, url: str, messages: list[dict[str, str]], max_
     async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
         if response.status_code != 200:
             return {"error": f"status {response.status_code}: {(await response.aread())[:200]!r}"}
-        async for line in response.aiter_lines():
+        async for line in sse_lines(response):
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             event = json.loads(line.removeprefix("data: "))

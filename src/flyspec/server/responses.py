@@ -59,9 +59,16 @@ def this_request_only(report: dict[str, Any]) -> dict[str, Any]:
     return kept
 
 
+# Characters that JSON leaves raw inside a string but that Python's str.splitlines() ends a line at: httpx's
+# ``iter_lines`` (which OpenAI-style clients read streams with) splits there, cutting an event's JSON in two. Escaped,
+# the event stays one line; a JSON parser reads the same text back.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def sse(data: dict[str, Any]) -> str:
-    """One server-sent event carrying a JSON object."""
-    return f"data: {json.dumps(data, ensure_ascii=False, allow_nan=False)}\n\n"  # NaN is not JSON
+    """One server-sent event carrying a JSON object, on one line for any line splitter (:data:`_LINE_BREAKS`)."""
+    text = json.dumps(data, ensure_ascii=False, allow_nan=False)  # NaN is not JSON
+    return f"data: {text.translate(_LINE_BREAKS)}\n\n"
 
 
 @dataclass
