@@ -86,8 +86,8 @@ void remember(int64_t handle, const at::Tensor& packed, const at::Tensor& dense)
   Weight weight{packed};
   weight.outputs = dense.size(0);
   weight.inputs = dense.size(1);
-  const bool kernels = Vec::size() * kColumns == kBlock && dense.dim() == 2 && dense.is_contiguous();
-  if (kernels && packed.is_mkldnn() && (dense.scalar_type() == at::kFloat || dense.scalar_type() == at::kBFloat16)) {
+  const bool readable = Vec::size() * kColumns == kBlock && dense.dim() == 2 && dense.is_contiguous();
+  if (readable && packed.is_mkldnn() && (dense.scalar_type() == at::kFloat || dense.scalar_type() == at::kBFloat16)) {
     weight.data = at::native::data_ptr_from_mkldnn(packed);
     const int64_t elements = at::native::nbytes_from_mkldnn(packed) / dense.element_size();
     weight.streamed = dense.scalar_type() == at::kFloat
