@@ -23,7 +23,7 @@ from flyspec.runtime.cached_model import CachedModel
 from flyspec.runtime.compiled_steps import compile_options, compile_steps
 from flyspec.runtime.loaded_model import LoadedModel
 from flyspec.runtime.loading import cpu_isa
-from flyspec.runtime.packed_linears import PackedLinear
+from flyspec.runtime.packed_linears import PackedLinear, SharedLinear
 from test_reference import naive_greedy
 
 PROMPT = [5, 9, 12, 7, 5, 9, 12, 7, 5, 9]  # repeats, so n-gram drafts have something to copy
@@ -85,8 +85,10 @@ def test_the_compiled_graphs_call_the_packed_linears_c_operator(models, request)
     assert "flyspec::packed_linear" not in calls
     if cpu_isa() in {"AVX512", "AVX512-BF16", "AMX"} and compiled.dtype == torch.float32:
         # and the operator reads a step's rows out of every packed weight itself (packed_linear.cpp)
-        handles = [module.handle for module in compiled.model.modules() if isinstance(module, PackedLinear)]
-        assert handles and all(torch.ops.flyspec_cpp.streamed(handle) for handle in handles)
+        linears = [module for module in compiled.model.modules() if isinstance(module, PackedLinear)]
+        shared = [module.group.linear for module in compiled.model.modules() if isinstance(module, SharedLinear)]
+        assert linears and shared  # fused siblings (query/key/value, gate/up) hold theirs in their group
+        assert all(torch.ops.flyspec_cpp.streamed(linear.handle) for linear in linears + shared)
 
 
 def test_the_models_floats_are_constants_of_its_graphs_not_inputs(models) -> None:
