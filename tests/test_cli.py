@@ -290,6 +290,26 @@ def test_console_script_bad_option_exits_2_without_traceback(tiny_model_dir: Pat
     ]
 
 
+def test_the_console_script_exits_with_mains_code_after_freezing_the_heap(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``flyspec`` is :func:`run`: main's exit code, the heap frozen first so that the interpreter's exit does not
+    sweep it; main alone (what in-process callers use) leaves the caller's heap alone."""
+    from importlib.metadata import entry_points
+
+    from flyspec.cli import app
+
+    assert [entry.value for entry in entry_points(group="console_scripts", name="flyspec")] == ["flyspec.cli:run"]
+    calls: list[str] = []
+    monkeypatch.setattr(app, "main", lambda: calls.append("main") or 3)
+    monkeypatch.setattr(app.gc, "freeze", lambda: calls.append("freeze"))
+    with pytest.raises(SystemExit) as exited:
+        app.run()
+    assert exited.value.code == 3 and calls == ["main", "freeze"]
+    monkeypatch.setitem(sys.modules, "triton", object())  # Triton's bindings would report the frozen heap as leaks
+    with pytest.raises(SystemExit):
+        app.run()
+    assert calls == ["main", "freeze", "main"]
+
+
 @pytest.mark.parametrize(
     "argv",
     [

@@ -43,6 +43,8 @@ class Engine:
     def __init__(self, *workers: Rank) -> None:
         self.workers = workers
         self.calls: list[str] = []
+        shutdown = types.SimpleNamespace(shutdown=lambda: self.calls.append("shutdown"))
+        self.llm_engine = types.SimpleNamespace(engine_core=shutdown)  # LLM.llm_engine.engine_core.shutdown()
 
     def collective_rpc(self, method: str, timeout: float | None = None, args: tuple = ()) -> list[Any]:
         self.calls.append(method)
@@ -97,7 +99,8 @@ def test_the_worker_refuses_to_start_where_a_rank_has_no_plugin(monkeypatch, cap
     every worker process; ``VllmWorker`` turns the line into a ConfigError (exit 2)."""
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(__version__="0.0-test"))
     monkeypatch.setattr(worker, "_set_plugin_environment", lambda method: None)
-    monkeypatch.setattr(worker, "start_engine", lambda args: Engine(Rank(0), Rank(1, installed=False)))
+    engine = Engine(Rank(0), Rank(1, installed=False))
+    monkeypatch.setattr(worker, "start_engine", lambda args: engine)
     assert worker.main(["--model", "m", "--method", "vllm-flyspec-rules"]) == 1
     error = json.loads(capsys.readouterr().out)["error"]
     assert error.startswith("GatherError: the flyspec-vllm plugin did not install in rank(s) [1]")
@@ -105,6 +108,7 @@ def test_the_worker_refuses_to_start_where_a_rank_has_no_plugin(monkeypatch, cap
     assert worker.main(["--model", "m", "--method", "vllm-plain"]) == 0
     ready = json.loads(capsys.readouterr().out)
     assert (ready["plugin"], ready["ranks"]) == ("not installed", 2)
+    assert engine.calls[-1] == "shutdown"  # its input ended: the engine is stopped before the worker exits
     monkeypatch.setattr(patch, "STATE", patch.PluginState(switch="request", guard=GuardConfig()))
     assert Ranks(Engine(WorkerExtension())).installed == [True]  # the real status reads the plugin's state
 

@@ -1,5 +1,5 @@
 """``python -m flyspec``: the same command line as ``flyspec``."""
 
-from flyspec.cli.app import main
+from flyspec.cli.app import run
 
-raise SystemExit(main())
+run()

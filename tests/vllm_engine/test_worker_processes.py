@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -101,9 +102,25 @@ def run(model: str, environment: dict[str, str], tensor_parallel_size: int) -> d
         replies = {"ranks": worker.ranks, "capped": worker.request(capped)}
         replies["records"] = session.submit(recorded["requests"])
         replies["whole"] = worker.request(whole)
-        return {**replies, "counter_mismatches": session.counter_mismatches}
     finally:
         worker.close()
+    assert worker.process.returncode == 0 and worker.worker_pids  # its input ended: it stopped its engine and exited
+    assert not any(map(running, worker.worker_pids)), "the worker exited, its ranks' processes did not"
+    return {**replies, "counter_mismatches": session.counter_mismatches}
+
+
+def running(pid: int, wait_s: float = 10.0) -> bool:
+    """Whether process ``pid`` still runs (not ended, nor a zombie) ``wait_s`` seconds from now at the latest."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            return False
+        if state == "Z":
+            return False
+        time.sleep(0.1)
+    return True
 
 
 @pytest.fixture(scope="module")

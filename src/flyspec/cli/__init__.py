@@ -6,6 +6,6 @@
 - ``extras.py``       which pip extra each command needs, checked before it imports anything heavy
 """
 
-from flyspec.cli.app import build_parser, main
+from flyspec.cli.app import build_parser, main, run
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "main", "run"]

@@ -6,6 +6,7 @@ Bad input exits with code 2 and one line saying what to change (no traceback).
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import json
 import logging
@@ -117,6 +118,20 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("flyspec: interrupted", file=sys.stderr)
         return 130
+
+
+def run() -> NoReturn:
+    """The console script (``flyspec``, ``python -m flyspec``): :func:`main`, then the process exits with its code.
+
+    The heap is frozen first: the interpreter's exit otherwise sweeps every object torch and transformers made, ~0.9 s
+    of a ``flyspec generate`` on 2 cores (6.0 -> 5.0 s). ``atexit`` handlers still run; only the last garbage
+    collections skip what is frozen. Not where Triton is loaded (a GPU's compiled steps): its bindings report what
+    is left uncollected as leaks. In-process callers use :func:`main`, which leaves their heap alone.
+    """
+    code = main()
+    if "triton" not in sys.modules:
+        gc.freeze()
+    sys.exit(code)
 
 
 def read_prompt(args: argparse.Namespace) -> str:

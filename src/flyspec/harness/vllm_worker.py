@@ -158,6 +158,7 @@ class VllmWorker:
         self.vllm_version = str(ready.get("vllm_version", "unknown"))
         self.plugin = str(ready.get("plugin", "unknown"))
         self.ranks = int(ready.get("ranks", 1))  # worker processes the plugin's records are gathered from
+        self.worker_pids = [int(pid) for pid in ready.get("worker_pids", [])]  # one per rank
 
     def request(self, payload: dict[str, Any]) -> dict[str, Any]:
         assert self.process.stdin is not None

@@ -39,6 +39,7 @@ Nothing here assumes a CPU: ``--tensor-parallel-size``, ``--dtype`` and the memo
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import sys
@@ -272,8 +273,22 @@ def main(argv: list[str] | None = None) -> int:
             except GatherError as error:
                 reply = {"error": f"GatherError: {error}"}
             print(json.dumps(reply), flush=True)
+    shut_down(engines)
     return 0
 
 
+def shut_down(engines: dict[str, Any]) -> None:
+    """Stop the engines, and their worker processes with them, before this process ends (the caller waits for it)."""
+    for engine in engines.values():
+        engine.llm_engine.engine_core.shutdown()
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()  # the engines stopped, every reply flushed
+    # End without the interpreter's teardown: it would sweep every object vLLM, torch and transformers made (~2 s of a
+    # close on 2 cores: 3.3 -> 1.2 s, one process), and a frozen heap instead makes Triton's bindings report leaks.
+    # The exit handlers still run.
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
