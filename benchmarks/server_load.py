@@ -34,6 +34,7 @@ from typing import Any
 
 import httpx
 
+from flyspec.bench.online import sse_event, sse_lines
 from flyspec.runtime.loading import cpu_name
 
 PROMPTS = (
@@ -126,11 +127,10 @@ async def stream_once(client: httpx.AsyncClient, url: str, body: dict[str, Any],
             if response.status_code != 200:
                 tally.streams_lost.append(f"status {response.status_code}: {(await response.aread())[:200]!r}")
                 return
-            async for line in response.aiter_lines():
-                if line.startswith("data: "):
-                    data = line.removeprefix("data: ")
-                    events.append(data if data == "[DONE]" else json.loads(data))
-                    if first is None and data != "[DONE]" and events[-1].get("choices"):
+            async for line in sse_lines(response):
+                if (event := sse_event(line)) is not None:
+                    events.append(event)
+                    if first is None and event != "[DONE]" and event.get("choices"):
                         first = time.perf_counter() - started
     except (httpx.HTTPError, json.JSONDecodeError) as error:
         tally.streams_lost.append(f"{type(error).__name__}: {error}")
@@ -181,7 +181,7 @@ async def disconnect_once(
     async def read() -> None:
         async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
             tally.disconnect_statuses[response.status_code] += 1
-            async for line in response.aiter_lines():
+            async for line in sse_lines(response):
                 if mid_stream and '"content": "' in line and '"content": ""' not in line:
                     tally.mid_stream_disconnects += 1
                     return  # leaving the block closes the connection mid-stream

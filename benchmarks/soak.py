@@ -50,6 +50,8 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from server_load import every, free_port, malformed_requests, percentile, wait_healthy  # noqa: E402
 
+from flyspec.bench.online import sse_event, sse_lines  # noqa: E402
+
 PROMPTS = (
     "Name three colors.",
     "What is the capital of France?",
@@ -162,12 +164,11 @@ class Traffic:
             if response.status_code != 200:
                 await response.aread()
                 return classify(response, expected), response.text
-            async for line in response.aiter_lines():
+            async for line in sse_lines(response):
                 if slow:
                     await asyncio.sleep(self.args.slow_read_s)
-                if line.startswith("data: "):
-                    data = line.removeprefix("data: ")
-                    events.append(data if data == "[DONE]" else json.loads(data))
+                if (event := sse_event(line)) is not None:
+                    events.append(event)
         if 200 not in expected:
             return "unexpected", "a refused request was answered"
         complete = events and events[-1] == "[DONE]" and not any("error" in event for event in events[:-1])
@@ -182,7 +183,7 @@ class Traffic:
         async def read() -> None:
             async with client.stream("POST", f"{self.url}{path}", json=body, headers=self._headers()) as response:
                 self.tally.statuses[response.status_code] += 1
-                async for line in response.aiter_lines():
+                async for line in sse_lines(response):
                     if mid_stream and line.startswith("data: {") and '"finish_reason": null' in line:
                         return  # leaving the block closes the connection mid-stream
 
@@ -332,10 +333,9 @@ async def sigterm_under_load(args: argparse.Namespace, url: str, keys: list[str]
                     ok = response.status_code == 503 and is_openai_error(response)
                     outcomes["503 shutting_down" if ok else f"unclear {response.status_code}"] += 1
                     return
-                async for line in response.aiter_lines():
-                    if line.startswith("data: "):
-                        data = line.removeprefix("data: ")
-                        events.append(data if data == "[DONE]" else json.loads(data))
+                async for line in sse_lines(response):
+                    if (event := sse_event(line)) is not None:
+                        events.append(event)
         except (httpx.HTTPError, ValueError) as error:
             outcomes[f"lost ({type(error).__name__})"] += 1
             return
@@ -377,8 +377,12 @@ def windows(tally: Tally, width_s: float) -> list[dict[str, float]]:
     for at, latency in tally.latencies:
         grouped.setdefault(int(at // width_s), []).append(latency)
     return [
-        {"start_s": index * width_s, "answered": len(values), "p50_s": round(percentile(values, 0.5), 3),
-         "p99_s": round(percentile(values, 0.99), 3)}  # fmt: skip
+        {
+            "start_s": index * width_s,
+            "answered": len(values),
+            "p50_s": round(percentile(values, 0.5), 3),
+            "p99_s": round(percentile(values, 0.99), 3),
+        }
         for index, values in sorted(grouped.items())
     ]
 
@@ -401,8 +405,11 @@ def memory_growth(tally: Tally, warmup_s: float, width_s: float, load_end_s: flo
         "growth_pct": round(100 * (final - baseline) / baseline, 2),
         "slope_mib_per_hour": round(slope * 3600 / 2**20, 2),
         "fds_after_warmup_max_end": [int(loaded[0]["fds"]), int(max(r["fds"] for r in loaded)), int(loaded[-1]["fds"])],
-        "threads_after_warmup_max_end": [int(loaded[0]["threads"]), int(max(r["threads"] for r in loaded)),
-                                         int(loaded[-1]["threads"])],  # fmt: skip
+        "threads_after_warmup_max_end": [
+            int(loaded[0]["threads"]),
+            int(max(r["threads"] for r in loaded)),
+            int(loaded[-1]["threads"]),
+        ],
     }
 
 
@@ -475,8 +482,10 @@ def write_report(result: dict[str, Any], out: Path) -> None:
         "",
         "| window start (s) | answered | p50 (s) | p99 (s) |",
         "| ---: | ---: | ---: | ---: |",
-        *(f"| {row['start_s']:.0f} | {row['answered']} | {row['p50_s']} | {row['p99_s']} |"
-          for row in result["windows"]),
+        *(
+            f"| {row['start_s']:.0f} | {row['answered']} | {row['p50_s']} | {row['p99_s']} |"
+            for row in result["windows"]
+        ),
         "",
         "Outcomes by kind:",
         "",

@@ -352,10 +352,11 @@ def test_flyspec_serve_measured_under_concurrent_streaming_clients(tiny_model_di
     assert "| flyspec-serve | 1 |" in (tmp_path / "online.md").read_text()
 
 
-def test_the_online_client_reads_an_events_json_whole_whatever_characters_it_holds() -> None:
-    """Another server (vLLM's) may send U+2028 or U+0085 unescaped inside an event's JSON: the online bench's client
-    ends lines only where the SSE format does (LF, CR LF), also across the chunks a stream arrives in."""
-    from flyspec.bench.online import sse_lines
+def test_the_online_clients_read_an_events_json_whole_whatever_characters_it_holds() -> None:
+    """Another server (vLLM's) may send U+2028 or U+0085 unescaped inside an event's JSON: the online bench's client,
+    the soak's and server_load's end lines only where the SSE format does (LF, CR LF), also across the chunks a stream
+    arrives in."""
+    from flyspec.bench.online import sse_event, sse_lines
 
     text = "a\u2028b\x85c\u2029d 中"
     stream = f"data: {json.dumps({'t': text}, ensure_ascii=False)}\r\n\r\ndata: [DONE]\n\n"
@@ -371,3 +372,6 @@ def test_the_online_client_reads_an_events_json_whole_whatever_characters_it_hol
     lines = asyncio.run(read())
     assert lines == [f"data: {json.dumps({'t': text}, ensure_ascii=False)}", "", "data: [DONE]", ""]
     assert json.loads(lines[0].removeprefix("data: ")) == {"t": text}
+    # the events the soak and server_load count (benchmarks/): the JSON whole, the end marker, nothing for the rest
+    assert [sse_event(line) for line in lines] == [{"t": text}, None, "[DONE]", None]
+    assert sse_event(": a comment") is None

@@ -130,6 +130,15 @@ async def sse_lines(response: Any) -> AsyncIterator[str]:
         yield pending.removesuffix("\r")
 
 
+def sse_event(line: str) -> Any:
+    """One line of :func:`sse_lines` as its event: a ``data:`` line's JSON, ``"[DONE]"`` as the string, None for
+    any other line (the blank line between events, a comment)."""
+    if not line.startswith("data: "):
+        return None
+    data = line.removeprefix("data: ")
+    return data if data == "[DONE]" else json.loads(data)
+
+
 async def stream_one(client: Any, url: str, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
     """One streamed chat completion: its start, first-token and end times and its completion tokens."""
     body = {"model": SERVED_NAME, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
