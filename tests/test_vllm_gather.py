@@ -109,6 +109,15 @@ def test_the_worker_refuses_to_start_where_a_rank_has_no_plugin(monkeypatch, cap
     ready = json.loads(capsys.readouterr().out)
     assert (ready["plugin"], ready["ranks"]) == ("not installed", 2)
     assert engine.calls[-1] == "shutdown"  # its input ended: the engine is stopped before the worker exits
+    # the program's own run freezes what its imports made before the engine starts; an in-process caller's heap is
+    # left alone (both runs above)
+    frozen: list[list[str]] = []
+    monkeypatch.setattr(worker.gc, "freeze", lambda: frozen.append(list(engine.calls)))
+    monkeypatch.setattr(worker, "start_engine", lambda args: engine.calls.append("start") or engine)
+    assert worker.main(["--model", "m", "--method", "vllm-plain"]) == 0 and frozen == []
+    engine.calls.clear()
+    assert worker.main(["--model", "m", "--method", "vllm-plain"], freeze_imports=True) == 0
+    assert frozen == [[]] and engine.calls[0] == "start"  # frozen before the engine started
     monkeypatch.setattr(patch, "STATE", patch.PluginState(switch="request", guard=GuardConfig()))
     assert Ranks(Engine(WorkerExtension())).installed == [True]  # the real status reads the plugin's state
 
