@@ -150,9 +150,8 @@ async def stream_one(client: Any, url: str, messages: list[dict[str, str]], max_
         if response.status_code != 200:
             return {"error": f"status {response.status_code}: {(await response.aread())[:200]!r}"}
         async for line in sse_lines(response):
-            if not line.startswith("data: ") or line == "data: [DONE]":
+            if (event := sse_event(line)) is None or event == "[DONE]":
                 continue
-            event = json.loads(line.removeprefix("data: "))
             choices = event.get("choices") or []
             if first is None and any((choice.get("delta") or {}).get("content") for choice in choices):
                 first = time.perf_counter()
