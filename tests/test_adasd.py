@@ -22,6 +22,7 @@ from flyspec.config import AdasdConfig, ConfigError, DecodeConfig, GuardConfig, 
 from flyspec.profiles import looser
 from flyspec.resources import Resources
 from flyspec.runtime.loaded_model import LoadedModel
+from flyspec.sampling.coupled import Draws
 from flyspec.sampling.sampler import make_generator
 from flyspec.server.app import create_app
 from flyspec.server.settings import ServerSecurity, describe
@@ -166,12 +167,12 @@ def test_the_threshold_is_the_states_at_the_start_of_the_step() -> None:
 
 
 def test_greedy_draws_no_random_numbers() -> None:
-    generator = torch.Generator().manual_seed(5)
-    before = generator.get_state()
+    draws = Draws.seeded(5)
+    before = draws.generator.get_state()
     state = learnt(0.001, 0.5)
-    AdasdVerifier(guard=BARE).verify(draft([1, 0], [NEAR, CERTAIN]), logits(P, CERTAIN, CERTAIN), GREEDY, generator,
+    AdasdVerifier(guard=BARE).verify(draft([1, 0], [NEAR, CERTAIN]), logits(P, CERTAIN, CERTAIN), GREEDY, draws,
                                      context_of(state))  # fmt: skip
-    assert torch.equal(generator.get_state(), before)
+    assert torch.equal(draws.generator.get_state(), before) and draws.noise.num_rows_drawn == 0
 
 
 def test_without_a_generation_the_rule_is_exact_and_it_needs_a_distribution() -> None:

@@ -12,6 +12,7 @@ from flyspec.calibration.space import points
 from flyspec.cli.speculation import FLAG_NAMES
 from flyspec.config import BildConfig, ConfigError, GuardConfig, SamplingConfig, SpeculationConfig
 from flyspec.profiles import looser
+from flyspec.sampling.coupled import Draws
 from flyspec.server.settings import describe, for_request
 from flyspec.types import Draft, Verdict
 from flyspec.verifiers.bild import BildVerifier, rollback_distance
@@ -67,16 +68,11 @@ def test_at_t_above_0_it_keeps_what_rejection_sampling_would_sometimes_reject() 
     # one-hot n-gram draft of token 1 (p = 0.3 at T = 1): rejection sampling keeps it 30 % of the time, BiLD always
     table = logits(RUNNER_UP, CERTAIN)
     sampling = SamplingConfig(temperature=1.0)
-    strict = [
-        make_verifier("rejection").verify(draft(1), table, sampling, torch.Generator().manual_seed(seed))
-        for seed in range(60)
-    ]
-    loose = [bild(1.3).verify(draft(1), table, sampling, torch.Generator().manual_seed(seed)) for seed in range(60)]
+    strict = [make_verifier("rejection").verify(draft(1), table, sampling, Draws.seeded(seed)) for seed in range(60)]
+    loose = [bild(1.3).verify(draft(1), table, sampling, Draws.seeded(seed)) for seed in range(60)]
     assert 5 < sum(verdict.num_accepted for verdict in strict) < 40
     assert all(verdict.num_accepted == 1 and verdict.tokens[0] == 1 for verdict in loose)
-    rolled_back = [
-        bild(1.1).verify(draft(1), table, sampling, torch.Generator().manual_seed(seed)) for seed in range(60)
-    ]
+    rolled_back = [bild(1.1).verify(draft(1), table, sampling, Draws.seeded(seed)) for seed in range(60)]
     assert all(not verdict.loose_positions for verdict in rolled_back)  # 1.204 > 1.1: only rejection's own accepts
 
 

@@ -16,6 +16,7 @@ import torch
 from scipy.stats import chisquare
 
 from flyspec.config import SamplingConfig
+from flyspec.sampling.coupled import Draws
 from flyspec.types import Draft, Verdict
 from flyspec.verifiers.base import build_verdict
 from flyspec.verifiers.block import BlockVerifier
@@ -57,32 +58,32 @@ def _single_thread() -> Iterator[None]:
 class AcceptAll:
     """Negative control: keeps every draft token (not lossless)."""
 
-    def verify(self, draft, target_logits, sampling, generator, context=None) -> Verdict:
+    def verify(self, draft, target_logits, sampling, draws, context=None) -> Verdict:
         accept = torch.ones(draft.num_tokens, dtype=torch.bool)
         return build_verdict(draft.tokens, accept, torch.zeros_like(accept), lambda n: 0)
 
 
-def first_two(verifier, generator: torch.Generator, one_hot: bool = False) -> tuple[tuple[int, int], int]:
-    """The first two output tokens of a table-driven decode, and the tokens the first step accepted."""
+def first_two(verifier, draws: Draws, one_hot: bool = False) -> tuple[tuple[int, int], int]:
+    """The first two output tokens of a table-driven decode (one generation's draws), and the tokens the first step
+    accepted."""
     output: list[int] = []
     first_accepted = -1
     while len(output) < 2:
         start = len(output)
         rows = DRAFT[start : start + K]
-        tokens = torch.multinomial(rows, 1, generator=generator).squeeze(-1)
+        tokens = torch.multinomial(rows, 1, generator=draws.generator).squeeze(-1)
         draft = Draft(tokens, None if one_hot else rows)
-        verdict = verifier.verify(draft, TARGET[start : start + K + 1].log(), UNIT, generator)
+        verdict = verifier.verify(draft, TARGET[start : start + K + 1].log(), UNIT, draws.at(start))
         first_accepted = verdict.num_accepted if first_accepted < 0 else first_accepted
         output += verdict.tokens
     return (output[0], output[1]), first_accepted
 
 
 def pair_p_value(verifier, seed: int, trials: int, one_hot: bool = False) -> tuple[float, float]:
-    generator = torch.Generator().manual_seed(seed)
     counts = np.zeros((VOCAB, VOCAB))
     accepted = []
-    for _ in range(trials):
-        (first, second), kept = first_two(verifier, generator, one_hot)
+    for trial in range(trials):
+        (first, second), kept = first_two(verifier, Draws.seeded(seed * 100_003 + trial), one_hot)
         counts[first, second] += 1
         accepted.append(kept)
     expected = np.outer(TARGET[0].numpy(), TARGET[1].numpy()).astype(np.float64)
@@ -111,7 +112,8 @@ def test_greedy_block_verification_is_exact_match_and_draws_nothing() -> None:
         logits = torch.randn(K + 1, VOCAB, generator=generator)
         tokens = torch.randint(0, VOCAB, (K,), generator=generator)
         tokens[0] = logits[0].argmax()
-        state = generator.get_state()
-        verdict = BlockVerifier().verify(Draft(tokens), logits, SamplingConfig(), generator)
-        assert torch.equal(generator.get_state(), state)
+        draws = Draws.seeded(1)
+        state = draws.generator.get_state()
+        verdict = BlockVerifier().verify(Draft(tokens), logits, SamplingConfig(), draws)
+        assert torch.equal(draws.generator.get_state(), state) and draws.noise.num_rows_drawn == 0
         assert verdict == ExactVerifier().verify(Draft(tokens), logits, SamplingConfig(), None)

@@ -32,14 +32,19 @@ from flyspec.config import (
     FlyConfig,
     GuardConfig,
     LayerSkipConfig,
+    LenienceConfig,
     MarginConfig,
+    SamplingConfig,
+    SamplingRange,
     SpeculationConfig,
 )
 from flyspec.decoding.plain import PlainDecoder
 from flyspec.drafters.cross_tokenizer import CrossTokenizerDrafter
 from flyspec.drafters.draft_model import DraftModelDrafter
+from flyspec.profiles import Profile
 from flyspec.resources import Resources
 from flyspec.runtime.step_cost import StepCost
+from flyspec.sampling.sampler import make_generator
 from server_helpers import one_torch_thread  # noqa: F401 - autouse fixture: tiny models run faster on one thread
 
 PROMPTS = ["The capital of France is", "def add(a, b):", "Once upon a time there was", "Speculative decoding drafts"]
@@ -53,12 +58,20 @@ def models():
     return {"target": target, "draft": noisy_copy(target, 0.3, 1), "other": make_tiny_model(tokenizer, 9, name="other")}
 
 
-def _verifier_specs(drafter: str, **extra) -> list[SpeculationConfig]:
-    """Lossless and loose rules, bare so that they loosen often on random models."""
+def _verifier_specs(drafter: str, sampled: bool = False, **extra) -> list[SpeculationConfig]:
+    """Lossless and loose rules, bare so that they loosen often on random models (sampled: also the rules that draw
+    at T > 0, FLy's two temperature rules and lenience)."""
     base = SpeculationConfig(
         drafter=drafter, num_draft_tokens=8, draft_length=FIXED, guard=GuardConfig.bare(), profile=PROFILE_NONE, **extra
     )
+    at_temperature = [
+        dataclasses.replace(base, verifier="fly", fly=FlyConfig(window_size=2, temperature_rule="two-sample")),
+        dataclasses.replace(base, verifier="fly", fly=FlyConfig(window_size=2, temperature_rule="rejection")),
+        dataclasses.replace(base, verifier="lenience", lenience=LenienceConfig(0.3)),
+        dataclasses.replace(base, verifier="rejection"),
+    ]
     return [
+        *(at_temperature if sampled else []),
         dataclasses.replace(base, verifier="exact"),
         dataclasses.replace(base, verifier="fly", fly=FlyConfig(window_size=2, entropy_threshold=0.0)),
         dataclasses.replace(base, verifier="fly", fly=FlyConfig(window_size=3, entropy_threshold=0.2)),
@@ -69,6 +82,7 @@ def _verifier_specs(drafter: str, **extra) -> list[SpeculationConfig]:
     ]
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "T1"])
 @pytest.mark.parametrize(
     ("drafter", "extra"),
     [
@@ -78,13 +92,14 @@ def _verifier_specs(drafter: str, **extra) -> list[SpeculationConfig]:
         ("layer-skip", {"layer_skip": LayerSkipConfig(skip_layers=(1, 2))}),
     ],
 )
-def test_replayed_generations_equal_live_ones_for_every_drafter_and_rule(models, drafter, extra) -> None:
-    """Replay answers from shared stores, live runs compute everything: same tokens, forwards and loose accepts."""
+def test_replayed_generations_equal_live_ones_for_every_drafter_and_rule(models, drafter, extra, temperature) -> None:
+    """Replay answers from shared stores, live runs compute everything: same tokens, forwards and loose accepts.
+    Sampled, every decoder of a prompt samples with the same seed (two seeds per prompt, the rows shared by both)."""
     target, draft = models["target"], models["draft"]
     extra = {key: (draft.name if value == "draft" else value) for key, value in extra.items()}
     resources = Resources("float32", models=(target, draft))
-    specs = _verifier_specs(drafter, **extra)
-    decode = DecodeConfig(max_new_tokens=40)
+    specs = _verifier_specs(drafter, sampled=temperature > 0, **extra)
+    decode = DecodeConfig(max_new_tokens=40 if temperature == 0 else 24, sampling=SamplingConfig(temperature))
     scores = ScoreStore(target)
     drafts = DraftStore(build_decoder(target, specs[0], decode, resources=resources).drafter)
     live = [build_decoder(target, spec, decode, resources=resources) for spec in specs]
@@ -95,16 +110,18 @@ def test_replayed_generations_equal_live_ones_for_every_drafter_and_rule(models,
     loose = live_forwards = replay_forwards = 0
     for prompt in PROMPTS:
         prompt_ids = target.encode_prompt(prompt, False)
-        scores.begin(prompt_ids)
-        drafts.begin(prompt_ids)
-        for live_decoder, replay_decoder in zip(live, replayed, strict=True):
-            expected, got = live_decoder.generate(prompt_ids), replay_decoder.generate(prompt_ids)
-            assert got.token_ids == expected.token_ids
-            assert got.stats.num_target_forwards == expected.stats.num_target_forwards
-            assert got.stats.num_loose_accepts == expected.stats.num_loose_accepts
-            assert got.stats.proposed_per_position == expected.stats.proposed_per_position
-            loose += expected.stats.num_loose_accepts
-            live_forwards += expected.stats.num_target_forwards + 1  # + its prefill
+        for seed in (0,) if temperature == 0 else (0, 1):
+            scores.begin(prompt_ids)  # the same prompt's rows are kept for its next seed
+            drafts.begin(prompt_ids)
+            for live_decoder, replay_decoder in zip(live, replayed, strict=True):
+                expected = live_decoder.generate(prompt_ids, generator=make_generator(seed))
+                got = replay_decoder.generate(prompt_ids, generator=make_generator(seed))
+                assert got.token_ids == expected.token_ids, (live_decoder.speculation.verifier, seed)
+                assert got.stats.num_target_forwards == expected.stats.num_target_forwards
+                assert got.stats.num_loose_accepts == expected.stats.num_loose_accepts
+                assert got.stats.proposed_per_position == expected.stats.proposed_per_position
+                loose += expected.stats.num_loose_accepts
+                live_forwards += expected.stats.num_target_forwards + 1  # + its prefill
         replay_forwards += scores.num_forwards
     assert loose > 20  # the rules really loosened, so the paths really diverged
     assert replay_forwards < 0.8 * live_forwards  # and the shared questions were asked once
@@ -183,7 +200,7 @@ def test_replay_keeps_its_rows_on_the_device_within_a_budget(models) -> None:
     assert roomy.device_bytes == sum(block.numel() * block.element_size() for block in roomy.blocks)
 
 
-def test_replay_refuses_another_prompt_and_sampling(models) -> None:
+def test_replay_refuses_another_prompt(models) -> None:
     target = models["target"]
     scores = ScoreStore(target)
     scores.begin(target.encode_prompt(PROMPTS[0], False))
@@ -192,10 +209,8 @@ def test_replay_refuses_another_prompt_and_sampling(models) -> None:
         replay.start(target.encode_prompt(PROMPTS[1], False))
     drafts = DraftStore(DraftModelDrafter(models["draft"]))
     drafts.begin([1, 2, 3])
-    from flyspec.config import SamplingConfig
-
-    with pytest.raises(RuntimeError, match="greedy"):
-        drafts.propose([1, 2, 3], 4, SamplingConfig(temperature=1.0), None)
+    with pytest.raises(RuntimeError, match="begin"):
+        ReplayDrafter(drafts, "draft-model").reset([4, 5])
 
 
 # --- the budget ----------------------------------------------------------------------------------------------
@@ -476,6 +491,11 @@ def test_calibrate_refuses_a_drafter_that_remembers_other_prompts() -> None:
         (["--data", "everything"], "unknown calibration data"),
         (["--data", "missing.jsonl"], "does not exist"),
         (["--grid", "huge"], "invalid choice"),
+        (["--seeds", "3"], "--seeds needs a --temperature > 0"),
+        (["--temperature", "0.7,warm"], "--temperature must be a number"),
+        (["--temperature", "0.7,0.7"], "lists a value twice"),
+        (["--temperature", "-1"], "temperature must be a finite number >= 0"),
+        (["--temperature", "0.7", "--engine", "vllm"], "not coupled by seed"),
     ],
 )
 def test_bad_calibrate_input_is_one_line_and_exit_2(capsys, tiny_model_dir, options, message) -> None:
@@ -553,3 +573,42 @@ def test_a_draft_model_of_another_tokenizer_calibrates_without_the_distribution_
     assert "rules fsd, cascade, adasd left out" in caplog.text and "another tokenizer" in caplog.text
     with pytest.raises(ConfigError, match=r"^--rules fsd: .*another tokenizer.*--drafter layer-skip$"):
         calibrate(target, config("named", rules=("bild", "fsd")), resources=resources)
+
+
+def test_a_sampled_calibration_judges_each_temperature_against_plain_of_the_same_seed(models, tmp_path) -> None:
+    """Greedy and T = 1 under two seeds: every record pairs with plain's of its seed (exact is plain's text), each
+    sampling has its own bounds with prompts as clusters, FLy's other T > 0 rules run beside the coupled one, and
+    the profile says where it was measured."""
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": text}) for text in PROMPTS) + "\n")
+    target = models["target"]
+    config = CalibrationConfig(
+        speculation=SpeculationConfig(num_draft_tokens=8),
+        data=str(data),
+        grid="quick",
+        out_dir=tmp_path / "out",
+        live_check=2,
+        use_chat=False,
+        samplings=(SamplingConfig(), SamplingConfig(temperature=1.0)),
+        seeds=2,
+    )
+    result = calibrate(target, config, resources=Resources("float32", models=(target,)))
+    records = [json.loads(line) for line in (tmp_path / "out" / "records.jsonl").read_text().splitlines()]
+    plain = {r["item"]: r for r in records if r["point"] == "plain"}
+    assert len(plain) == len(PROMPTS) * 3  # greedy + T1 × 2 seeds
+    sampled = [r for r in records if r.get("sampling") == "T1"]
+    assert {r["seed"] for r in sampled} == {0, 1} and all(r["prompt"] in r["item"] for r in sampled)
+    assert all(r["identical"] for r in records if r["point"] == "exact")  # coupled: plain sampling's own text
+    names = {s["name"] for s in result.frontier}
+    assert {"fly H>=0.3 W6 two-sample"} <= names  # FLy's reference T > 0 rule, compared
+    fly = next(s for s in result.frontier if s["name"] == "fly H>=0.3 W6")
+    assert set(fly["by_sampling"]) == {"greedy", "T1"} and fly["by_sampling"]["T1"]["n"] == 2 * len(PROMPTS)
+    assert fly["by_sampling"]["T1"]["prompts"] == len(PROMPTS)
+    size = fly["by_sampling"]["T1"]["meaning_changed"]["n_effective"]
+    assert len(PROMPTS) <= size <= 2 * len(PROMPTS)
+    assert result.record["live_check"]["plain"]["identical"] == result.record["live_check"]["plain"]["checked"] > 0
+    profile = Profile.load(result.profile_path)
+    assert profile.sampling_range == SamplingRange(measured=True, greedy=True, temperature=(1.0, 1.0))
+    assert "greedy and T 1 × 2 seeds" in profile.describe()
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "## Per sampling" in report and "greedy and T 1 (2 seeds per prompt" in report

@@ -456,16 +456,21 @@ def test_every_verifier_runs_on_translated_drafts(models_by_side, verifier: str)
         assert result.token_ids == plain_tokens(target, PROMPTS[1], config)
 
 
-def test_sampling_at_temperature_runs_with_one_hot_draft_probs(models_by_side) -> None:
+@pytest.mark.parametrize("verifier", ["exact", "rejection"])
+def test_sampling_commits_plain_samplings_text_with_another_tokenizers_drafts(models_by_side, verifier: str) -> None:
+    """The translated drafts are deterministic (no probabilities over the target's vocabulary): both lossless rules
+    are exact match on the target's coupled sample, so the seed decides the text, drafts or not."""
     draft, target = models_by_side["bpe"]["draft"], models_by_side["meta"]["target"]
     config = DecodeConfig(max_new_tokens=30, ignore_eos=True, sampling=SamplingConfig(temperature=1.0))
     drafter = cross(DraftModelDrafter(draft), draft, target)
     decoder = SpeculativeDecoder(
-        target, drafter, make_verifier("rejection"), config, SpeculationConfig(num_draft_tokens=4)
+        target, drafter, make_verifier(verifier), config, SpeculationConfig(num_draft_tokens=4)
     )
-    first = decoder.generate(PROMPTS[0], use_chat=False, generator=torch.Generator().manual_seed(7))
-    again = decoder.generate(PROMPTS[0], use_chat=False, generator=torch.Generator().manual_seed(7))
-    assert first.token_ids == again.token_ids and len(first.token_ids) == 30
+    plain = PlainDecoder(target, config)
+    for seed in (7, 8):
+        expected = plain.generate(PROMPTS[0], use_chat=False, generator=torch.Generator().manual_seed(seed)).token_ids
+        result = decoder.generate(PROMPTS[0], use_chat=False, generator=torch.Generator().manual_seed(seed))
+        assert result.token_ids == expected and len(expected) == 30
 
 
 @pytest.fixture(scope="module")

@@ -40,6 +40,7 @@ from flyspec.runtime.loaded_model import LoadedModel
 from flyspec.runtime.loading import default_dtype, load_model, resolve_device, resolve_dtype
 from flyspec.runtime.target import Target
 from flyspec.sampling import acceptance
+from flyspec.sampling.coupled import Draws
 from flyspec.sampling.sampler import make_generator, same_device
 from flyspec.types import Draft
 from flyspec.verifiers.registry import make_verifier
@@ -298,7 +299,7 @@ class HostCalls(TorchFunctionMode):
         ("rejection", 1.0, 2),  # the residual sample is drawn once the rejected position is known
         ("fly", 0.0, 2),  # + the trust guards' one transfer
         ("margin", 0.0, 2),
-        ("typical", 1.0, 2),
+        ("typical", 1.0, 3),  # + the loose accepts' explanation (at T > 0 argmax drafts the samples differ from)
         ("bild", 0.0, 2),
         ("bild", 1.0, 3),  # + the residual draw at a rejection the rule does not keep
     ],
@@ -313,8 +314,9 @@ def test_verifiers_copy_to_the_host_once_per_step_not_per_token(
     draft_tokens = target_logits.argmax(-1)[:8].clone()
     draft_tokens[5] = (draft_tokens[5] + 1) % 50  # five accepted, a rejection, two more after it
     rule = make_verifier(verifier, SpeculationConfig(num_draft_tokens=8))
+    draws = Draws.seeded(0)  # its key drawn here, once per generation, not per step
     with HostCalls() as counted:
-        rule.verify(Draft(draft_tokens), target_logits, SamplingConfig(temperature=temperature), make_generator(0))
+        rule.verify(Draft(draft_tokens), target_logits, SamplingConfig(temperature=temperature), draws)
     assert len(counted.calls) <= most, counted.calls
 
 

@@ -29,6 +29,7 @@ from flyspec.config import ConfigError, SpeculationConfig
 from flyspec.drafters.draft_model import check_proposal
 from flyspec.drafters.ngram import ngram_lookup
 from flyspec.runtime.loaded_model import LoadedModel
+from flyspec.sampling.coupled import Draws
 from flyspec.types import Draft
 
 LOSSLESS = ("exact", "rejection")
@@ -307,7 +308,7 @@ def test_draft_shapes(tiny_target: LoadedModel, tiny_draft: LoadedModel) -> None
     sampled = SamplingConfig(temperature=1.0)
     drafter = DraftModelDrafter(tiny_draft)
     drafter.reset(context)
-    draft = drafter.propose(context, 5, sampled, torch.Generator().manual_seed(0))
+    draft = drafter.propose(context, 5, sampled, Draws.seeded(0, position=len(context)))
     assert isinstance(draft, Draft) and draft.num_tokens == 5
     assert draft.draft_probs is not None and draft.draft_probs.shape == (5, len(tiny_target.tokenizer))
     assert torch.allclose(draft.draft_probs.sum(-1), torch.ones(5))

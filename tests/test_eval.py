@@ -26,7 +26,7 @@ from flyspec.eval.scoring import (
     parse_final_number,
     rouge_l,
 )
-from flyspec.eval.stats import bootstrap_ratio_ci, retention
+from flyspec.eval.stats import bootstrap_ratio_ci, rate, retention
 from flyspec.eval.tasks import builtin_tasks, custom_task, resolve_tasks
 from flyspec.harness.data import DataError, read_records
 from flyspec.harness.methods import parse_method, parse_methods
@@ -423,3 +423,68 @@ def test_similarity_mean_is_undefined_when_only_some_outputs_were_measured() -> 
     assert partly["fidelity"]["similarity"] is None
     measured = _method_summary([(plain, record(True, 1.0)), (plain, record(False, 0.5))], [], 0.05, 50)
     assert measured["fidelity"]["similarity"] == pytest.approx(0.75)
+
+
+# --- sampled (T > 0): each prompt under several seeds, scored against plain's output of the same seed ---------------
+
+
+def test_sampled_eval_pairs_every_output_with_plains_of_the_same_seed(
+    long_context_model_dir: Path, tmp_path: Path
+) -> None:
+    custom = tmp_path / "capitals.jsonl"
+    lines = [json.dumps({"prompt": f"Capital {i}?", "reference": " ".join(CORPUS[:4])}) for i in range(3)]
+    custom.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "sampled"
+    argv = ["eval", "--target", str(long_context_model_dir), "--dtype", "float32", "--out", str(out), "--tasks", ""]
+    argv += ["--task-file", str(custom), "--metric", "chrf", "--methods", "exact,fly+bare", "--max-new-tokens", "10"]
+    argv += ["--temperature", "0.9", "--top-p", "0.95", "--seeds", "3", "--no-cache", "--no-similarity", "--floor", "0"]
+    argv += ["--window-size", "0", "--entropy-threshold", "0"]  # the bare FLy keeps every mismatch it is shown
+    assert main(argv) == 0
+    records = read_records(out / "records.jsonl")
+    assert len(records) == 3 * 3 * 3  # 3 items × 3 seeds × (plain + 2 methods)
+    plain = {(r["item_id"], r["seed"]): r for r in records if r["method"] == "plain"}
+    assert len({tuple(r["token_ids"]) for r in plain.values()}) > 3  # the seeds really sample different texts
+    for record in (r for r in records if r["method"] == "exact"):  # coupled: plain sampling's own text, per seed
+        assert record["token_ids"] == plain[(record["item_id"], record["seed"])]["token_ids"]
+        assert record["fidelity"]["identical"]
+    for record in (r for r in records if r["method"] == "fly+bare"):  # no loose accept: plain's text too
+        assert record["fidelity"]["identical"] or record["loose_token_indices"]
+    summary = json.loads((out / "summary.json").read_text())
+    exact = summary["tasks"]["capitals"]["methods"]["exact"]
+    assert (exact["num_items"], exact["num_outputs"], exact["seeds"]) == (3, 9, 3)
+    assert exact["fidelity"]["identical"] == 1.0
+    assert "sampled at temperature 0.9, top-p 0.95, 3 seed(s) per prompt" in (out / "report.md").read_text()
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--seeds", "2"], "--seeds needs --temperature > 0"),
+        (["--temperature", "0.7", "--seeds", "0"], "--seeds must be >= 1"),
+        (["--temperature", "hot"], "--temperature must be a number"),
+        (["--temperature", "0.7,1.0"], "eval takes one --temperature per run"),
+        (["--temperature", "0.7", "--engine", "vllm"], "vLLM's sampling is not coupled by seed"),
+    ],
+)
+def test_sampled_eval_bad_input_exits_2_with_one_line(
+    options: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["eval", "--out", str(tmp_path), "--tasks", "numbers", "--limit", "1", *options])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err.strip()
+    assert message in error and len(error.splitlines()) == 1
+
+
+def test_a_rate_over_seeds_counts_a_prompt_once_where_its_seeds_agree() -> None:
+    """Prompts as clusters: one prompt's seeds that all change count little more than one output would."""
+    independent = rate([True] * 4 + [False] * 396)  # 4 of 400 prompts, one output each
+    clustered = rate([True] * 4 + [False] * 396, clusters=[0] * 4 + [1 + i // 4 for i in range(396)])  # 100 × 4 seeds
+    assert clustered.rate == independent.rate == 0.01
+    assert clustered.high > independent.high  # the 4 changes are one prompt's: the bound is wider
+    # the same 4 changes on 4 prompts, one seed each (100 prompts × 4 seeds): as good as independent outputs
+    spread = rate([i in (0, 4, 8, 12) for i in range(400)], clusters=[i // 4 for i in range(400)])
+    assert spread.high == pytest.approx(independent.high) and spread.high < clustered.high
+    none = rate([False] * 400, clusters=[i // 4 for i in range(400)])  # no event: as many as the prompts (100)
+    assert none.high == pytest.approx(rate([False] * 100).high)
+    assert rate([False] * 400, clusters=list(range(400))).high == rate([False] * 400).high  # one seed: greedy's

@@ -26,6 +26,7 @@ from flyspec.decoding.speculative import SpeculativeDecoder
 from flyspec.drafters.ngram import NgramDrafter
 from flyspec.runtime.loaded_model import LoadedModel
 from flyspec.sampling import acceptance
+from flyspec.sampling.coupled import Draws
 from flyspec.types import CACHE, MODEL, OUTPUT_COPY, PROMPT_COPY, Draft, VerifyContext
 from flyspec.verifiers import fly as fly_module
 from flyspec.verifiers import guard as guard_module
@@ -294,26 +295,27 @@ def test_margin_keeps_top1_and_top2_at_low_margin_when_sampling(draft_token: int
     logits = torch.full((2, 4), -10.0)
     logits[0, 0], logits[0, 1] = 10.0, 9.5
     sampling = SamplingConfig(temperature=1.0)
-    generator = torch.Generator().manual_seed(0)
     verifier = MarginVerifier(MarginConfig(), guard=GuardConfig.bare())
     kept = sum(
-        verifier.verify(Draft(torch.tensor([draft_token])), logits, sampling, generator).num_accepted
-        for _ in range(400)
+        verifier.verify(Draft(torch.tensor([draft_token])), logits, sampling, Draws.seeded(seed)).num_accepted
+        for seed in range(400)
     )
     assert kept == 400  # before the fix top-1 was kept only ~62% of the time (its rejection-sampling rate)
 
 
 def test_margin_leaves_rejection_sampling_alone_at_a_high_margin() -> None:
-    """Logits 10 vs 6 (not close): a top-1 draft is kept with probability p(top-1), as rejection sampling does."""
+    """Logits 10 vs 6 (not close): a top-1 draft is kept with probability p(top-1), as rejection sampling does
+    (the strict rule: exact match on the coupled sample)."""
     logits = torch.full((2, 4), -10.0)
     logits[0, 0], logits[0, 1] = 10.0, 6.0  # exp(6 - 10) = 0.018 < 0.9 (both positive: 0.6 < 0.9)
     p_top1 = float(torch.softmax(logits[0], -1)[0])
-    generator = torch.Generator().manual_seed(1)
     verifier = MarginVerifier(MarginConfig(), guard=GuardConfig.bare())
     trials = 4000
     kept = sum(
-        verifier.verify(Draft(torch.tensor([0])), logits, SamplingConfig(temperature=1.0), generator).num_accepted
-        for _ in range(trials)
+        verifier.verify(
+            Draft(torch.tensor([0])), logits, SamplingConfig(temperature=1.0), Draws.seeded(seed)
+        ).num_accepted
+        for seed in range(trials)
     )
     observed = [kept, trials - kept]
     expected = [trials * p_top1, trials * (1 - p_top1)]

@@ -27,14 +27,18 @@ from flyspec.config import (
     FlyConfig,
     GuardConfig,
     MarginConfig,
+    SamplingConfig,
+    SamplingRange,
     SpeculationConfig,
 )
 from flyspec.decoding.breaker import CircuitBreaker
+from flyspec.decoding.plain import PlainDecoder
 from flyspec.decoding.stats import DecodeStats
 from flyspec.profiles import Profile, identity, looser, resolution, resolve
 from flyspec.profiles import profile as profile_module
 from flyspec.resources import Resources
 from flyspec.runtime.loaded_model import LoadedModel
+from flyspec.sampling.sampler import make_generator
 from flyspec.server.app import create_app
 from flyspec.server.settings import ServerLimits, ServerSecurity
 from server_helpers import RunningServer, one_torch_thread  # noqa: F401 - autouse fixture
@@ -183,7 +187,9 @@ LOOSER = [
 def test_settings_no_looser_than_the_profile_are_kept(target, profile_file, changes) -> None:
     spec = dataclasses.replace(FLY_POINT, profile=str(profile_file), **changes)
     assert looser(FLY_POINT, dataclasses.replace(spec, profile=PROFILE_NONE)) == []
-    assert resolve(spec, target) == dataclasses.replace(spec, profile=PROFILE_NONE)
+    # kept as given, held to where the profile measured (greedy)
+    expected = dataclasses.replace(spec, profile=PROFILE_NONE, sampling_range=SamplingRange(measured=True))
+    assert resolve(spec, target) == expected
 
 
 @pytest.mark.parametrize(("changes", "reason"), LOOSER)
@@ -410,3 +416,64 @@ def test_default_fly_settings_on_the_packaged_models_come_from_the_shipped_profi
 
     half = load_model("smollm2-135m-instruct", dtype="bfloat16", kernels="stock")
     assert resolution(SpeculationConfig(verifier="fly"), half).profile is None
+
+
+# --- a profile knows its sampling ----------------------------------------------------------------------------
+
+
+def test_a_profile_measured_greedy_verifies_sampled_generations_exactly(target, profile_file) -> None:
+    """Its loose accepts hold only where it measured them: a sampled generation runs exact (plain sampling's text for
+    the seed, said in the stats), a greedy one at the profile's point."""
+    assert Profile.load(profile_file).sampling_range == SamplingRange(measured=True)  # no "sampling": greedy
+    sampled = DecodeConfig(max_new_tokens=24, ignore_eos=True, sampling=SamplingConfig(temperature=0.9))
+    decoder = build_decoder(target, SpeculationConfig(profile=str(profile_file)), sampled)
+    assert decoder.verifier.name == "fly" and decoder.speculation.sampling_range.describe() == "greedy"
+    prompt = "The capital of France is Paris. The capital of"
+    result = decoder.generate(prompt, generator=make_generator(2), use_chat=False)
+    plain = PlainDecoder(target, sampled).generate(prompt, generator=make_generator(2), use_chat=False)
+    assert result.token_ids == plain.token_ids and result.stats.num_loose_accepts == 0
+    assert result.stats.exact_outside_sampling_range == "greedy"
+    greedy = decoder.generate(prompt, config=DecodeConfig(max_new_tokens=24, ignore_eos=True), use_chat=False)
+    assert greedy.stats.exact_outside_sampling_range is None  # inside: the profile's FLy point runs
+    # the same point with no profile behind it is not held to a range: it loosens at T > 0 too
+    bare = build_decoder(target, dataclasses.replace(decoder.speculation, sampling_range=SamplingRange()), sampled)
+    assert bare.verifier_for(sampled.sampling) is bare.verifier
+
+
+def test_a_sampled_profile_covers_the_temperatures_and_filters_it_measured(target, tmp_path) -> None:
+    record = make_profile(target)
+    measured = [{"temperature": 0.7, "top_k": 0, "top_p": 0.95}, {"temperature": 1.0, "top_k": 0, "top_p": 0.95}]
+    record["sampling"] = {"measured": measured, "seeds": 2}
+    path = tmp_path / "sampled.json"
+    Profile(record).save(path)
+    profile = Profile.load(path)
+    span = profile.sampling_range
+    assert span.describe() == "T 0.7-1 (top-p 0.95)" and "T 0.7-1 (top-p 0.95) × 2 seeds" in profile.describe()
+    assert span.covers(SamplingConfig(0.8, top_p=0.95)) and span.covers(SamplingConfig(1.0, top_p=0.95))
+    for outside in (SamplingConfig(), SamplingConfig(0.5, top_p=0.95), SamplingConfig(1.2, top_p=0.95)):
+        assert not span.covers(outside), outside
+    assert not span.covers(SamplingConfig(0.8)) and not span.covers(SamplingConfig(0.8, top_p=0.95, top_k=40))
+    assert resolve(SpeculationConfig(profile=str(path)), target).sampling_range == span
+    # a caller's own stricter settings inside the profile's limit carry its range too
+    stricter = SpeculationConfig(
+        verifier="fly", profile=str(path), num_draft_tokens=8, fly=FlyConfig(4, 0.9, min_draft_prob=0.1)
+    )
+    stricter = dataclasses.replace(stricter, breaker=FLY_POINT.breaker, draft_length=FLY_POINT.draft_length)
+    assert resolve(stricter, target).sampling_range == span
+
+
+def test_the_server_says_when_a_request_is_outside_the_profiles_sampling(tiny_target, tmp_path) -> None:
+    path = tmp_path / "profile.json"
+    Profile(make_profile(tiny_target)).save(path)
+    app = create_app(tiny_target, SpeculationConfig(profile=str(path)), ServerLimits(), ServerSecurity(),
+                     served_model_name="tiny")  # fmt: skip
+    with RunningServer(app) as server:
+
+        def usage(temperature: float) -> dict[str, Any]:
+            body = {"prompt": "def add", "max_tokens": 4, "temperature": temperature, "seed": 1}
+            response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)
+            assert response.status_code == 200, response.text
+            return response.json()["usage"]
+
+        assert usage(0.8)["exact_outside_sampling_range"] == "greedy"
+        assert usage(0)["exact_outside_sampling_range"] is None

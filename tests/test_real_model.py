@@ -13,8 +13,10 @@ from flyspec import (
     GuardConfig,
     NgramDrafter,
     PlainDecoder,
+    SamplingConfig,
     SpeculativeDecoder,
     load_model,
+    make_generator,
     make_verifier,
     multilevel_drafter,
 )
@@ -112,3 +114,36 @@ def test_default_fly_does_not_loop_where_the_bare_rule_does(smollm2: LoadedModel
     # every loose accept is explained in the stats (texts included)
     for record in bare_result.stats.loose_accepts:
         assert {"index", "draft_text", "target_text", "source", "evidence"} <= set(record)
+
+
+def test_sampled_text_is_the_seeds_with_or_without_drafts_on_smollm2(smollm2: LoadedModel) -> None:
+    """T = 0.8 (top-p 0.95), float32: the same seed commits plain sampling's tokens with n-gram drafts (exact
+    verification on the coupled sample), and the drafts are really checked (some accepted, some not)."""
+    sampling = SamplingConfig(temperature=0.8, top_p=0.95)
+    config = DecodeConfig(max_new_tokens=40, sampling=sampling)
+    plain = PlainDecoder(smollm2, config)
+    decoder = SpeculativeDecoder(
+        smollm2, NgramDrafter(), make_verifier("exact"), config, SpeculationConfig(num_draft_tokens=8)
+    )
+    accepted = rejected = 0
+    for prompt in PROMPTS[:2]:
+        for seed in (1, 2):
+            expected = plain.generate(prompt, generator=make_generator(seed)).token_ids
+            result = decoder.generate(prompt, generator=make_generator(seed))
+            assert result.token_ids == expected, (prompt, seed)
+            accepted += result.stats.num_accepted
+            rejected += result.stats.num_proposed - result.stats.num_accepted
+    assert accepted > 0 and rejected > 0
+
+
+def test_a_model_drafting_for_itself_with_the_same_noise_is_always_accepted(smollm2: LoadedModel) -> None:
+    """The coupling: a draft model sampling with the target's noise proposes the target's own sample (here the
+    model itself, the one same-tokenizer pair offline), so every sampled draft token is accepted."""
+    config = DecodeConfig(max_new_tokens=24, sampling=SamplingConfig(temperature=1.0))
+    expected = PlainDecoder(smollm2, config).generate(PROMPTS[0], generator=make_generator(9)).token_ids
+    decoder = SpeculativeDecoder(
+        smollm2, DraftModelDrafter(smollm2), make_verifier("exact"), config, SpeculationConfig(num_draft_tokens=4)
+    )
+    result = decoder.generate(PROMPTS[0], generator=make_generator(9))
+    assert result.token_ids == expected
+    assert result.stats.num_accepted == result.stats.num_proposed > 0

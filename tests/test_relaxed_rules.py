@@ -24,6 +24,7 @@ from flyspec.config import (
 )
 from flyspec.drafters.registry import make_drafter
 from flyspec.profiles import looser
+from flyspec.sampling.coupled import Draws
 from flyspec.server.settings import describe
 from flyspec.types import Draft, Verdict
 from flyspec.verifiers.cascade import CascadeVerifier, defers
@@ -64,8 +65,9 @@ def test_greedy_lenience_keeps_a_token_with_p_at_least_l_times_the_top(lenience:
 @pytest.mark.parametrize(("lenience", "rate"), [(1.0, 0.15), (0.5, 0.30), (0.1, 1.0)])
 def test_at_t_above_0_an_ngram_token_is_kept_with_probability_p_over_l(lenience: float, rate: float) -> None:
     verifier = LenienceVerifier(LenienceConfig(lenience), guard=BARE)
-    generator = torch.Generator().manual_seed(3)
-    kept = [verifier.verify(draft([2]), logits(P, CERTAIN), UNIT, generator).num_accepted for _ in range(4000)]
+    kept = [
+        verifier.verify(draft([2]), logits(P, CERTAIN), UNIT, Draws.seeded(seed)).num_accepted for seed in range(4000)
+    ]
     assert np.mean(kept) == pytest.approx(rate, abs=0.025)  # min(1, p(2) / l) with p(2) = 0.15
 
 
@@ -73,10 +75,12 @@ def test_at_t_above_0_with_draft_probabilities_the_rate_is_leviathans() -> None:
     target, drafted = torch.tensor(P), torch.tensor([0.1, 0.1, 0.4, 0.4])
     lenience = 0.5
     verifier = LenienceVerifier(LenienceConfig(lenience), guard=BARE)
-    generator = torch.Generator().manual_seed(4)
-    tokens = torch.multinomial(drafted, 6000, replacement=True, generator=generator)
     table = logits(P, CERTAIN)
-    kept = [verifier.verify(draft([int(t)], probs=drafted[None]), table, UNIT, generator).num_accepted for t in tokens]
+    kept = []
+    for seed in range(6000):  # each draft token drawn with its generation's token noise, as a draft model draws it
+        draws = Draws.seeded(seed)
+        token = int(draws.choose(drafted.log()[None], UNIT)[0])
+        kept.append(verifier.verify(draft([token], probs=drafted[None]), table, UNIT, draws).num_accepted)
     expected = float(torch.minimum(target / lenience, drafted).sum())  # alpha = sum_x min(p(x) / l, q(x))
     assert np.mean(kept) == pytest.approx(expected, abs=0.025)
     assert expected > float(torch.minimum(target, drafted).sum()) + 0.1  # more than rejection sampling keeps

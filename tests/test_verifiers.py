@@ -30,6 +30,7 @@ from flyspec.config import (
     TypicalConfig,
 )
 from flyspec.config.names import LOSSLESS_VERIFIERS, VERIFIER_SUMMARIES, VERIFIERS
+from flyspec.sampling.coupled import Draws
 from flyspec.types import Draft, Verdict
 from flyspec.verifiers import (
     ExactVerifier,
@@ -186,7 +187,7 @@ def test_empty_draft_commits_the_targets_next_token(verifier: Verifier) -> None:
 def test_exact_at_positive_temperature_with_top1_filter_is_greedy() -> None:
     draft, logits, targets = scenario(5, {3}, uncertain_at={0, 1, 2, 3, 4, 5})
     sampling = SamplingConfig(temperature=0.9, top_k=1)
-    verdict = ExactVerifier().verify(draft_of(draft), logits, sampling, torch.Generator().manual_seed(0))
+    verdict = ExactVerifier().verify(draft_of(draft), logits, sampling, Draws.seeded(0))
     assert verdict == Verdict(tokens=draft[:3] + [targets[3]], num_accepted=3)
 
 
@@ -196,12 +197,12 @@ def test_exact_at_positive_temperature_with_top1_filter_is_greedy() -> None:
 @pytest.mark.parametrize("mismatches", [set(), {0}, {2, 4}, {5}])
 def test_rejection_greedy_equals_exact_and_draws_nothing(mismatches: set[int]) -> None:
     draft, logits, _ = scenario(6, mismatches, uncertain_at={0, 2, 4})
-    generator = torch.Generator().manual_seed(1234)
-    state_before = generator.get_state()
+    draws = Draws.seeded(1234)
+    state_before = draws.generator.get_state()
     soft = torch.full((6, VOCAB), 1.0 / VOCAB)
-    verdict = RejectionVerifier().verify(draft_of(draft, soft), logits, GREEDY, generator)
+    verdict = RejectionVerifier().verify(draft_of(draft, soft), logits, GREEDY, draws)
     assert verdict == ExactVerifier().verify(draft_of(draft), logits, GREEDY, None)
-    assert torch.equal(generator.get_state(), state_before)
+    assert torch.equal(draws.generator.get_state(), state_before) and draws.noise.num_rows_drawn == 0
 
 
 @pytest.mark.parametrize(
@@ -209,10 +210,10 @@ def test_rejection_greedy_equals_exact_and_draws_nothing(mismatches: set[int]) -
 )
 def test_greedy_path_draws_no_random_numbers(verifier: Verifier) -> None:
     draft, logits, _ = scenario(15, {3, 12}, uncertain_at={3, 7, 12})
-    generator = torch.Generator().manual_seed(99)
-    state_before = generator.get_state()
-    verifier.verify(draft_of(draft), logits, GREEDY, generator)
-    assert torch.equal(generator.get_state(), state_before)
+    draws = Draws.seeded(99)
+    state_before = draws.generator.get_state()
+    verifier.verify(draft_of(draft), logits, GREEDY, draws)
+    assert torch.equal(draws.generator.get_state(), state_before) and draws.noise.num_rows_drawn == 0
 
 
 # --------------------------------------------------------------------------- FLy, greedy
@@ -374,7 +375,7 @@ def test_fly_entropy_ignores_temperature() -> None:
     # The gate reads the raw logits: a sharp temperature does not close it.
     draft, logits, targets = scenario(15, {2}, uncertain_at={2})
     sampling = SamplingConfig(temperature=0.05, top_k=1)
-    verdict = fly().verify(draft_of(draft), logits, sampling, torch.Generator().manual_seed(0))
+    verdict = fly().verify(draft_of(draft), logits, sampling, Draws.seeded(0))
     assert verdict.loose_positions == (2,)
 
 
@@ -446,7 +447,7 @@ def test_topk_entropy_matches_documented_formula(logits: list[float]) -> None:
 # --------------------------------------------------------------------------- FLy, T > 0
 
 
-@pytest.mark.parametrize("rule", ["rejection", "two-sample"])
+@pytest.mark.parametrize("rule", ["coupled", "rejection", "two-sample"])
 @pytest.mark.parametrize("soft_draft", [False, True])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_fly_sampling_loose_accepts_certain_rejections(rule: str, soft_draft: bool, seed: int) -> None:
@@ -456,18 +457,18 @@ def test_fly_sampling_loose_accepts_certain_rejections(rule: str, soft_draft: bo
     draft, logits, targets = scenario(15, {3, 11}, uncertain_at=set(range(16)))
     draft_probs = torch.full((15, VOCAB), 1.0 / VOCAB) if soft_draft else None  # two-sample ignores them
     sampling = SamplingConfig(temperature=0.8, top_k=1)
-    verdict = fly(rule=rule).verify(draft_of(draft, draft_probs), logits, sampling, torch.Generator().manual_seed(seed))
+    verdict = fly(rule=rule).verify(draft_of(draft, draft_probs), logits, sampling, Draws.seeded(seed))
     assert verdict == Verdict(tokens=draft[:11] + [targets[11]], num_accepted=11, loose_positions=(3,))
 
 
-@pytest.mark.parametrize("rule", ["rejection", "two-sample"])
+@pytest.mark.parametrize("rule", ["coupled", "rejection", "two-sample"])
 def test_fly_sampling_is_reproducible_per_seed(rule: str) -> None:
     draft, logits, _ = scenario(8, {1, 5}, uncertain_at=set(range(9)))
     sampling = SamplingConfig(temperature=1.0)
     verifier = fly(window_size=2, rule=rule)
 
     def run(seed: int) -> Verdict:
-        return verifier.verify(draft_of(draft), logits, sampling, torch.Generator().manual_seed(seed))
+        return verifier.verify(draft_of(draft), logits, sampling, Draws.seeded(seed))
 
     verdicts = [run(seed) for seed in range(40)]
     assert verdicts == [run(seed) for seed in range(40)]
@@ -480,14 +481,16 @@ def test_fly_two_sample_accepts_more_often_than_rejection() -> None:
     target_probs = torch.tensor([0.4, 0.3, 0.1, 0.1, 0.05, 0.05, 0.0, 0.0, 0.0, 0.0]) + 1e-9
     logits = table([target_probs.log(), certain(0)])
     sampling = SamplingConfig(temperature=1.0)
-    generator = torch.Generator().manual_seed(7)
     trials = 1500
     rates = {}
-    for rule in ("rejection", "two-sample"):
+    for rule in ("coupled", "rejection", "two-sample"):
         verifier = fly(rule=rule)
-        accepted = sum(verifier.verify(draft_of([1]), logits, sampling, generator).num_accepted for _ in range(trials))
+        accepted = sum(
+            verifier.verify(draft_of([1]), logits, sampling, Draws.seeded(t)).num_accepted for t in range(trials)
+        )
         rates[rule] = accepted / trials
     assert rates["rejection"] == pytest.approx(0.3, abs=0.04)
+    assert rates["coupled"] == rates["rejection"]  # one-hot drafts: the same rule
     assert rates["two-sample"] == pytest.approx(1 - 0.7**2, abs=0.04)
 
 
@@ -549,7 +552,7 @@ def test_margin_ratio_is_configurable() -> None:
 def test_margin_sampling_keeps_close_runner_up_over_certain_rejection() -> None:
     logits = table([row({0: 10.0, 1: 9.5}), row({3: 10.0, 4: 5.0}), certain(5)])
     sampling = SamplingConfig(temperature=0.7, top_k=1)
-    verdict = MarginVerifier(guard=BARE).verify(draft_of([1, 4]), logits, sampling, torch.Generator().manual_seed(3))
+    verdict = MarginVerifier(guard=BARE).verify(draft_of([1, 4]), logits, sampling, Draws.seeded(3))
     assert verdict == Verdict(tokens=[1, 3], num_accepted=1, loose_positions=(0,))
 
 
@@ -627,7 +630,7 @@ def test_typical_sampling_uses_the_filtered_distribution() -> None:
     # At T>0 the criterion reads target_probs after top-k: token 3 (0.08 at T=1) is filtered out.
     logits = table([logits_from_probs(SPREAD), certain(5)])
     sampling = SamplingConfig(temperature=1.0, top_k=1)
-    verdict = TypicalVerifier(guard=BARE).verify(draft_of([3]), logits, sampling, torch.Generator().manual_seed(0))
+    verdict = TypicalVerifier(guard=BARE).verify(draft_of([3]), logits, sampling, Draws.seeded(0))
     assert verdict == Verdict(tokens=[0], num_accepted=0)
 
 

@@ -86,7 +86,7 @@ class LooseAccept:
 
     position: int  # draft position j (the decoder turns it into an index into the output)
     draft_token: int  # the token kept
-    target_token: int  # the target's top choice at j
+    target_token: int  # the target's choice at j (its argmax; at T > 0 its coupled sample: plain decoding's token)
     evidence: float
     source: str  # where the draft token came from (SOURCES)
 

@@ -52,6 +52,9 @@ class TurnOutput:
     drafter_stats: dict = field(default_factory=dict)  # Drafter.report() at the end of the turn
 
 
+# transformers' other warpers, off: a sampled hf-* request draws from flyspec's distribution (temperature, top-k, top-p)
+NEUTRAL = {"min_p": 0.0, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "repetition_penalty": 1.0}
+
 Generate = Callable[[list[int], int, int], TurnOutput]  # (prompt ids, max new tokens, seed) → output
 
 
@@ -162,8 +165,10 @@ class HFGenerateBackend:
         return TurnOutput(new_tokens, self.target.decode(new_tokens), wall, time_to_first_token_s=ttft)
 
     def _sampling_options(self) -> dict:
-        top_k = self.sampling.top_k or None
-        return {"temperature": self.sampling.temperature, "top_p": self.sampling.top_p, "top_k": top_k}
+        # every warper given its neutral value where flyspec has none: one left None takes the model's
+        # generation_config or transformers' default (top_k 50), and the peer would sample another distribution
+        sampling = self.sampling
+        return {"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k, **NEUTRAL}
 
 
 class _FirstToken(BaseStreamer):
@@ -195,6 +200,7 @@ class PromptOutput:
 
     turns: list[TurnOutput]
     num_prompt_tokens: int
+    prompt_ids: list[list[int]] = field(default_factory=list)  # each turn's prompt (the conversation so far)
 
     @property
     def token_ids(self) -> list[int]:
@@ -204,6 +210,11 @@ class PromptOutput:
     def texts(self) -> list[str]:
         return [turn.text for turn in self.turns]
 
+    @property
+    def generations(self) -> list[tuple[list[int], list[int]]]:
+        """(prompt ids, output ids) of each turn: what the target scores (``bench/nll.py``)."""
+        return [(prompt, turn.token_ids) for prompt, turn in zip(self.prompt_ids, self.turns, strict=True)]
+
 
 def run_prompt(
     backend: Backend, target: LoadedModel, prompt: BenchPrompt, max_new_tokens: int, seed: int, use_chat: bool | None
@@ -211,14 +222,14 @@ def run_prompt(
     """Run every turn of ``prompt``; later turns see this method's own earlier answers."""
     answers: list[str] = []
     turns: list[TurnOutput] = []
-    num_prompt_tokens = 0
+    prompts: list[list[int]] = []
     for index in range(len(prompt.turns)):
         prompt_ids = conversation_ids(target, prompt.turns[: index + 1], answers, use_chat)
-        num_prompt_tokens += len(prompt_ids)
+        prompts.append(prompt_ids)
         output = backend.generate(prompt_ids, max_new_tokens, seed + index)
         turns.append(output)
         answers.append(output.text)
-    return PromptOutput(turns, num_prompt_tokens)
+    return PromptOutput(turns, sum(map(len, prompts)), prompts)
 
 
 def conversation_ids(

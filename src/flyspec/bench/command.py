@@ -26,7 +26,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "generate: plain, prompt lookup, assisted; llama.cpp when installed) on the same prompts in one run, "
         "interleaved per prompt. Writes results.json (every record), report.md and PNG plots to --out. "
         "Speedup = method tokens/s ÷ plain decoding tokens/s over the same prompts. Lossy methods ("
-        f"{', '.join(LOSSY_VERIFIERS)}) are labelled; measure their quality with `flyspec eval`.",
+        f"{', '.join(LOSSY_VERIFIERS)}) are labelled; measure their quality with `flyspec eval`. At --temperature > 0 "
+        "the report puts each method's sampled-text NLL under the target beside its speed.",
     )
     parser.set_defaults(handler=run)
     data = parser.add_argument_group("prompts")
@@ -65,9 +66,17 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         type=int,
         help=f"per turn (default {DEFAULT_MAX_NEW_TOKENS}; --quick: {QUICK_MAX_NEW_TOKENS})",
     )
-    run_group.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    run_group.add_argument("--top-p", type=float, default=1.0, help="1 = off")
-    run_group.add_argument("--top-k", type=int, default=0, help="0 = off")
+    run_group.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="0 = greedy (default); above 0 every method samples (the vLLM peers too, seeded per request) and each "
+        "output is scored by the target: its mean NLL per token at the sampling distribution, the share of tokens of "
+        "NLL > 8 and of tokens outside top-k/top-p, beside plain sampling's, and a method whose text is less likely "
+        "than plain's beyond chance (a paired test over prompts) is flagged 'sampler suspect'",
+    )
+    run_group.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling at temperature > 0 (1 = off)")
+    run_group.add_argument("--top-k", type=int, default=0, help="top-k sampling at temperature > 0 (0 = off)")
     run_group.add_argument("--seed", type=int, default=0, help="base seed (prompt i uses seed + i)")
     run_group.add_argument(
         "--hf-lookup-tokens", type=int, default=10, help="transformers prompt_lookup_num_tokens (default 10)"
@@ -126,6 +135,7 @@ def run(args: argparse.Namespace) -> int:
     from flyspec.bench.data import load_prompts
     from flyspec.bench.live import LiveView
     from flyspec.bench.loop import BenchSettings, VllmSettings, bench_methods, forward_times, make_backends, run_bench
+    from flyspec.bench.nll import NllScorer
     from flyspec.cli.speculation import speculation_config
     from flyspec.config import ConfigError, SamplingConfig
     from flyspec.harness.data import JsonlWriter
@@ -167,6 +177,7 @@ def run(args: argparse.Namespace) -> int:
     startup = {name: getattr(backend, "startup_s", None) for name, backend in backends.items()}
     meta["vllm_startup_s"] = {name: seconds for name, seconds in startup.items() if seconds is not None}
     meta["vllm_eager"] = args.vllm_eager
+    scorer = None if sampling.greedy else NllScorer(target, sampling)  # each sampled text's NLL (bench/nll.py)
 
     records_path = out_dir / "records.jsonl"
     bench = BenchSettings(max_new_tokens, args.repeats, args.warmup, args.seed, args.order)
@@ -179,8 +190,8 @@ def run(args: argparse.Namespace) -> int:
         failures: dict[str, str] = {}
         meta["failed_peers"] = failures
         try:
-            run_bench(prompts, backends, target, bench, args.use_chat, on_record, view.prompt_done, failures)
-            meta["vllm_batched"] = _run_batched(backends, target, prompts, max_new_tokens, args.use_chat)
+            run_bench(prompts, backends, target, bench, args.use_chat, on_record, view.prompt_done, failures, scorer)
+            meta["vllm_batched"] = _run_batched(backends, target, prompts, max_new_tokens, args.use_chat, args.seed)
         except BaseException:
             meta["interrupted"] = True  # write what was measured, then re-raise
             raise
@@ -311,15 +322,18 @@ def _interleaved(prompts: list) -> list:
     return [queue[i] for i in range(max(map(len, queues), default=0)) for queue in queues if i < len(queue)]
 
 
-def _run_batched(backends: dict, target: Any, prompts: list, max_new_tokens: int, use_chat: bool | None) -> dict:
-    """The batched vLLM figure: every prompt's first turn submitted at once (vllm-plain, vllm-ngram+fly)."""
+def _run_batched(
+    backends: dict, target: Any, prompts: list, max_new_tokens: int, use_chat: bool | None, seed: int
+) -> dict:
+    """The batched vLLM figure: every prompt's first turn submitted at once (vllm-plain, vllm-ngram+fly); prompt i
+    seeded ``seed + i`` as in the run."""
     if not any(name.startswith("vllm-") for name in backends):
         return {}
     from flyspec.bench.backends import conversation_ids
     from flyspec.bench.vllm import run_batched
 
     first_turns = [conversation_ids(target, prompt.turns[:1], [], use_chat) for prompt in prompts]
-    return run_batched(backends, first_turns, max_new_tokens)
+    return run_batched(backends, first_turns, max_new_tokens, seed)
 
 
 def _close_peers(backends: dict) -> None:
@@ -362,8 +376,10 @@ def _write_outputs(
 def _meta(
     args: argparse.Namespace, target: Any, prompts: list, max_new_tokens: int, k: int, limit: int | None
 ) -> dict[str, Any]:
+    from flyspec.config import SamplingConfig
     from flyspec.harness.meta import run_metadata
 
+    greedy = SamplingConfig(args.temperature, args.top_k, args.top_p).greedy
     return {
         **run_metadata(target, getattr(args, "command_line", None)),
         "draft_model": args.draft_model,
@@ -375,6 +391,8 @@ def _meta(
         "num_draft_tokens": k,
         "compile": args.compile,
         "temperature": args.temperature,
+        # sampled runs only (greedy records stay as they were): what the NLL columns score against
+        **({} if greedy else {"top_p": args.top_p, "top_k": args.top_k, "seed": args.seed}),
         "repeats": args.repeats,
         "warmup": args.warmup,
         "order": args.order,

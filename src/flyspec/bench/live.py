@@ -13,13 +13,17 @@ from flyspec.bench.summary import OVERALL, summarize
 
 
 def speedup_table(summary: dict[str, Any]) -> Table:
-    """Rows: methods; columns: speedup (τ) per category and overall."""
+    """Rows: methods; columns: speedup (τ) per category and overall; sampled runs: the overall NLL (plain's), red
+    where the sampler is suspect (``summary.py``)."""
     categories = [name for name in summary if name != OVERALL]
+    sampled = any("nll_mean" in figures for figures in summary.get(OVERALL, {}).values())
     table = Table(title="speedup over plain decoding (τ = tokens per target forward)", title_justify="left")
     table.add_column("method")
     table.add_column("lossless")
     for category in [*categories, OVERALL]:
         table.add_column(category, justify="right")
+    if sampled:
+        table.add_column("NLL (plain)", justify="right")
     for method, figures in summary.get(OVERALL, {}).items():
         cells = []
         for category in [*categories, OVERALL]:
@@ -29,8 +33,18 @@ def speedup_table(summary: dict[str, Any]) -> Table:
                 continue
             tau = f" ({entry['tau']:.2f})" if entry["tau"] is not None else ""
             cells.append(f"{entry['speedup']:.2f}x{tau}")
+        if sampled:
+            cells.append(_nll_cell(figures))
         table.add_row(method, "yes" if figures["lossless"] else "[red]no[/red]", *cells)
     return table
+
+
+def _nll_cell(figures: dict[str, Any]) -> str:
+    if figures.get("nll_mean") is None:
+        return "–"
+    plain = figures["plain_nll_mean"]
+    cell = f"{figures['nll_mean']:.2f}" + (f" ({plain:.2f})" if plain is not None else "")
+    return f"[red]{cell} suspect[/red]" if figures["sampler_suspect"] else cell
 
 
 class LiveView:

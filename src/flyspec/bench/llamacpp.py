@@ -64,6 +64,7 @@ class LlamaCppBackend:
             temperature=self.sampling.temperature,
             top_p=self.sampling.top_p,
             top_k=self.sampling.top_k or 1_000_000,
+            min_p=0.0,  # llama-cpp-python's default 0.05 cuts the distribution flyspec samples from (greedy: no-op)
             seed=seed,
         )
         wall = time.perf_counter() - started

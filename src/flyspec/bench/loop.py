@@ -18,6 +18,7 @@ from typing import Any
 
 from flyspec.bench.backends import Backend, BackendSettings, FlyspecBackend, HFGenerateBackend, PromptOutput, run_prompt
 from flyspec.bench.data import BenchPrompt
+from flyspec.bench.nll import NllCounts, NllScorer
 from flyspec.bench.report import ORDERS
 from flyspec.config import ConfigError
 from flyspec.harness.methods import PEERS, PLAIN, Method, parse_methods
@@ -120,12 +121,14 @@ def run_bench(
     on_record: Callable[[Record], None],
     on_prompt_done: Callable[[], None] = lambda: None,
     failures: dict[str, str] | None = None,
+    scorer: NllScorer | None = None,
 ) -> list[Record]:
     """Run everything; ``on_record`` gets each record as soon as it exists (incremental output).
 
     A peer that raises is dropped for the rest of the run (its error goes into ``failures``; its
     earlier records stay, and its speedup is computed over the prompts it completed). A failure
-    of flyspec's own methods is a bug and propagates.
+    of flyspec's own methods is a bug and propagates. ``scorer`` (at temperature > 0): every output's NLL under
+    the target (``bench/nll.py``), computed between generations, outside every timed span.
     """
     failures = {} if failures is None else failures
     names = list(backends)
@@ -159,7 +162,8 @@ def run_bench(
             return
         for name in [name for name in names if name in ran and (index, repeat, name) not in emitted]:
             emitted.add((index, repeat, name))
-            record = make_record(prompts[index], backends[name].method, repeat, ran[name], ran[PLAIN])
+            nll = scorer.score(ran[name].generations) if scorer is not None else None
+            record = make_record(prompts[index], backends[name].method, repeat, ran[name], ran[PLAIN], nll)
             records.append(record)
             on_record(record)
 
@@ -211,9 +215,15 @@ def method_order(names: list[str], round_: int) -> list[str]:
 
 
 def make_record(
-    prompt: BenchPrompt, method: Method, repeat: int, output: PromptOutput, baseline: PromptOutput
+    prompt: BenchPrompt,
+    method: Method,
+    repeat: int,
+    output: PromptOutput,
+    baseline: PromptOutput,
+    nll: NllCounts | None = None,
 ) -> Record:
-    """One (prompt, method, repeat) measurement; counters a peer does not expose are ``None``."""
+    """One (prompt, method, repeat) measurement; counters a peer does not expose are ``None``. ``nll``: the sampled
+    text's scores (temperature > 0 only: greedy records have no NLL fields)."""
     turns = output.turns
     num_new_tokens = sum(len(turn.token_ids) for turn in turns)
     wall = sum(turn.wall_time_s for turn in turns)
@@ -255,6 +265,8 @@ def make_record(
             lengths[length] = lengths.get(length, 0) + count
     record["requested_draft_lengths"] = {str(length): count for length, count in sorted(lengths.items())}
     record["drafter_stats"] = [turn.drafter_stats for turn in turns]
+    if nll is not None:
+        record.update(nll.record())
     return record
 
 

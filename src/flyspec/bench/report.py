@@ -10,6 +10,7 @@ from flyspec.bench.summary import OVERALL
 from flyspec.harness.methods import PLAIN
 
 LOSSY_NOTE = "lossy: output may differ from plain decoding"
+SUSPECT = "sampler suspect"
 # the bench's orders (``--order``, bench/loop.py: run_order) and how the report names them
 ORDER_NOTES = {
     "interleaved": "methods interleaved per prompt",
@@ -55,6 +56,65 @@ def overall_table(overall: dict[str, dict]) -> list[str]:
             f"| {' / '.join(_fmt(value, '{:.1f}') for value in steps)} |"
         )
     return lines
+
+
+def _beside_plain(figures: dict[str, Any], name: str, pattern: str) -> str:
+    """A sampled-text figure with plain sampling's over the same prompts in brackets."""
+    return f"{_fmt(figures[name], pattern)} ({_fmt(figures['plain_' + name], pattern)})"
+
+
+def sampled_table(overall: dict[str, dict]) -> list[str]:
+    """At temperature > 0: each method's speed beside how likely the target finds its text, and plain's (summary.py's
+    NLL figures); no rows when the run was greedy."""
+    if not any("nll_mean" in figures for figures in overall.values()):
+        return []
+    lines = [
+        "| method | lossless | tok/s | speedup | τ | identical | NLL (plain) | NLL > 8 (plain) | outside (plain) "
+        "| NLL excess (lower bound) | sampler |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for method, figures in overall.items():
+        if "nll_mean" not in figures:
+            continue
+        excess = figures["nll_excess"]
+        bound = "–" if excess is None else f"{excess:+.3f} ({_fmt(figures['nll_excess_lower_bound'], '{:+.3f}')})"
+        verdict = {None: "–", True: f"**{SUSPECT}**", False: "ok"}[figures["sampler_suspect"]]
+        lines.append(
+            f"| {method} | {'yes' if figures['lossless'] else 'no'} | {figures['tokens_per_s']:.1f} "
+            f"| {_fmt(figures['speedup'], '{:.2f}x')} | {_fmt(figures['tau'])} "
+            f"| {figures['num_identical']}/{figures['num_prompts']} | {_beside_plain(figures, 'nll_mean', '{:.3f}')} "
+            f"| {_beside_plain(figures, 'nll_high_share', '{:.1%}')} "
+            f"| {_beside_plain(figures, 'outside_share', '{:.1%}')} | {bound} | {verdict} |"
+        )
+    return lines
+
+
+def sampled_section(meta: dict[str, Any], overall: dict[str, dict]) -> list[str]:
+    """The report's section on the sampled text (temperature > 0 only), with what its columns mean."""
+    table = sampled_table(overall)
+    if not table:
+        return []
+    levels = [figures.get("sampler_test_level") for figures in overall.values()]
+    level = next((value for value in levels if value), None)
+    at = f"at level {level:.2g} each (1 % over the run's tests, Bonferroni)" if level else "(no method beside plain)"
+    return [
+        "",
+        "## Sampled text: speed beside how likely the target finds it",
+        "",
+        f"Sampled at temperature {meta['temperature']}, top-p {meta.get('top_p', 1.0)}, top-k {meta.get('top_k', 0)} "
+        f"(0: off), prompt i seeded {meta.get('seed', 0)} + i. Every output is scored by the target in float32 "
+        "(one teacher-forced forward of prompt + output per turn) at that distribution: NLL = mean negative "
+        "log-likelihood per generated token, in nats, over the tokens inside it; NLL > 8 = the share of tokens of "
+        "probability below 0.03 % (outside ones included); outside = the share top-k / top-p remove (a correct "
+        "sampler emits none); in brackets plain sampling's figure over the same prompts. Identical: outputs equal "
+        "to plain's token for token (at T > 0 `exact` commits plain's very text for the same seed). NLL excess = "
+        "the mean over prompts of (the method's mean NLL − plain's), in brackets its one-sided paired t lower "
+        f"bound {at}; **{SUSPECT}**: that bound, or the same bound on the share outside, is above 0 — the method's "
+        "text is less likely under the target than plain sampling's beyond what chance over these prompts allows, "
+        "so its speed is not that of a correct sampler (a lossy rule may trip it by design).",
+        "",
+        *table,
+    ]
 
 
 def category_table(summary: dict[str, dict]) -> list[str]:
@@ -111,6 +171,13 @@ def _floor_line(floor: dict[str, float] | None, t1_ms: float | None) -> list[str
     ]
 
 
+def _sampling_note(meta: dict[str, Any]) -> str:
+    """A sampled run's top-p, top-k and seed (greedy runs record none)."""
+    if "seed" not in meta:
+        return ""
+    return f" (top-p {meta['top_p']}, top-k {meta['top_k']}, seed {meta['seed']} + prompt index)"
+
+
 def markdown_report(meta: dict[str, Any], summary: dict[str, Any]) -> str:
     times = meta.get("forward_times_ms") or {}
     k = meta["num_draft_tokens"]
@@ -122,7 +189,8 @@ def markdown_report(meta: dict[str, Any], summary: dict[str, Any]) -> str:
         f"- Target: {meta['target']} ({meta['dtype']}, {meta.get('kernels', 'stock')} kernels"
         f"{', compiled' if meta.get('compile') else ''}); draft model: {meta['draft_model'] or 'none'}",
         f"- Prompts: {meta['num_prompts']} from {meta['dataset']} ({', '.join(meta['categories'])}); "
-        f"max_new_tokens {meta['max_new_tokens']}, k = {k}, temperature {meta['temperature']}, "
+        f"max_new_tokens {meta['max_new_tokens']}, k = {k}, temperature {meta['temperature']}"
+        f"{_sampling_note(meta)}, "
         f"repeats {meta['repeats']}, warm-up {'yes' if meta['warmup'] else 'no'}; "
         f"{ORDER_NOTES[meta.get('order', 'interleaved')]}",
         f"- Target forward after {meta.get('forward_context', '?')} cached tokens: t(1) = "
@@ -144,6 +212,7 @@ def markdown_report(meta: dict[str, Any], summary: dict[str, Any]) -> str:
         "## Overall",
         "",
         *overall_table(summary[OVERALL]),
+        *sampled_section(meta, summary[OVERALL]),
         "",
         "## Speedup by category",
         "",

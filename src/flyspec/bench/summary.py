@@ -24,6 +24,19 @@ Definitions (all over the same prompts, in the same run):
 * ``target_ms_per_step`` / ``draft_ms_per_step`` / ``other_ms_per_step``: time per target forward
   spent in verification forwards, in drafting, and in the engine's own work (verification rule,
   commit, cache rollback, stop checks, detokenisation) — the last is the engine overhead.
+
+At temperature > 0 only (records with NLL fields, ``bench/nll.py``; over the first repeat, as ``num_identical``):
+
+* ``nll_mean``: mean NLL per generated token under the target at the sampling distribution, over the tokens inside
+  it (Σ over prompts ÷ their tokens); ``nll_high_share``: the share of tokens of NLL > 8 (probability < 0.03 %),
+  outside ones included; ``outside_share``: the share outside the sampling distribution (removed by top-k / top-p);
+  ``plain_*``: plain sampling's same figures over the same prompts;
+* ``nll_excess``: the mean over prompts of (the method's mean NLL − plain's on that prompt);
+  ``nll_excess_lower_bound`` / ``outside_excess_lower_bound``: the one-sided paired t bounds (``bench/paired.py``) on
+  that excess and on the outside share's, at ``sampler_test_level`` each: 1 % over every test of the group
+  (Bonferroni: two per method); ``sampler_suspect``: either bound above 0 — the method's text is less likely
+  under the target than plain sampling's beyond what chance over these prompts allows (None: plain itself, or
+  fewer than two prompts to pair).
 """
 
 from __future__ import annotations
@@ -31,6 +44,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+from flyspec.bench.paired import level_per_test, paired_excess
 from flyspec.harness.methods import PEER_PLAIN, PLAIN, VLLM_PEERS
 
 Record = dict[str, Any]
@@ -57,12 +71,66 @@ def _summarize_group(records: list[Record], forward_times: dict[int, float] | No
         rates = {other: _rates_per_repeat(records, other, prompts) for other in methods}
         baseline = [record for record in records if record["method"] == PLAIN and _key(record) in prompts]
         figures[method] = _figures(mine, baseline, rates, method, forward_times, k)
+    sampled = [method for method in methods if method != PLAIN and _scored(records, method)]
+    level = level_per_test(2 * len(sampled))  # two tests per method: NLL and tokens outside the distribution
+    for method in methods:
+        if _scored(records, method):
+            figures[method].update(_sampled_figures(records, method, level))
     compute_rates = {method: _compute_rate([r for r in records if r["method"] == method]) for method in methods}
     for method, entry in figures.items():
         rate, base = compute_rates[method], compute_rates.get(PLAIN)
         bound = rate / base if rate and base and method != PLAIN else None
         entry["in_run_limit"] = bound
         entry["fraction_of_in_run_limit"] = entry["speedup"] / bound if bound and entry["speedup"] else None
+    return figures
+
+
+def _scored(records: list[Record], method: str) -> bool:
+    """Whether ``method``'s records carry the sampled text's NLL (temperature > 0)."""
+    return any(record["method"] == method and "nll_sum" in record for record in records)
+
+
+def _nll_totals(records: list[Record]) -> dict[str, float | None]:
+    tokens = sum(record["num_scored_tokens"] for record in records)
+    inside = tokens - sum(record["num_outside_tokens"] for record in records)
+    return {
+        "nll_mean": sum(record["nll_sum"] for record in records) / inside if inside else None,
+        "nll_high_share": sum(record["num_high_nll_tokens"] for record in records) / tokens if tokens else None,
+        "outside_share": sum(record["num_outside_tokens"] for record in records) / tokens if tokens else None,
+    }
+
+
+def _nll_mean(record: Record) -> float | None:
+    return record["nll_mean"]
+
+
+def _outside_share(record: Record) -> float | None:
+    tokens = record["num_scored_tokens"]
+    return record["num_outside_tokens"] / tokens if tokens else None
+
+
+def _sampled_figures(records: list[Record], method: str, level: float) -> dict[str, Any]:
+    """The NLL figures of ``method`` and plain sampling's over the same prompts (first repeat), and the paired tests
+    (``bench/paired.py``) against plain at ``level`` each."""
+    mine = {r["prompt_id"]: r for r in records if r["method"] == method and r["repeat"] == 0 and "nll_sum" in r}
+    plain = {r["prompt_id"]: r for r in records if r["method"] == PLAIN and r["repeat"] == 0 and "nll_sum" in r}
+    both = [prompt for prompt in mine if prompt in plain]
+    figures: dict[str, Any] = {**_nll_totals(list(mine.values()))}
+    figures.update({f"plain_{name}": value for name, value in _nll_totals([plain[p] for p in both]).items()})
+    tests = {}
+    for name, value in (("nll", _nll_mean), ("outside", _outside_share)):
+        pairs = [(value(mine[p]), value(plain[p])) for p in both]
+        own = [first for first, second in pairs if first is not None and second is not None]
+        base = [second for first, second in pairs if first is not None and second is not None]
+        tests[name] = None if method == PLAIN else paired_excess(own, base, level)
+    nll, outside = tests["nll"], tests["outside"]
+    figures.update(
+        nll_excess=nll.mean if nll else None,
+        nll_excess_lower_bound=nll.lower_bound if nll else None,
+        outside_excess_lower_bound=outside.lower_bound if outside else None,
+        sampler_test_level=None if method == PLAIN else level,
+        sampler_suspect=None if nll is None and outside is None else any(t.above for t in (nll, outside) if t),
+    )
     return figures
 
 

@@ -6,10 +6,16 @@ that environment, started once: one engine per method, kept for the whole run. T
 ``LLM.generate`` itself, so tokens/s excludes the engine's start-up, which is measured here (spawn
 to "ready") and reported separately. Methods (speedups also against ``vllm-plain``):
 
-* ``vllm-plain``: vLLM's own greedy decoding;
+* ``vllm-plain``: vLLM's own plain decoding (greedy, or sampled: ``--temperature``);
 * ``vllm-ngram``: vLLM's own n-gram speculative decoding (lossless);
 * ``vllm-ngram+fly``: flyspec's n-gram drafter as a vLLM proposer, FLy with flyspec's trust guards;
 * ``vllm-ngram+fly+bare``: the same with the paper's bare rule (``FLYSPEC_VLLM_GUARDS=bare``).
+
+At temperature > 0 each request carries the run's temperature, top-p and top-k and its own seed (prompt i's
+turn j: seed + i + j, as flyspec's methods), which vLLM seeds per request (``SamplingParams.seed``): a seed names
+one text on that engine, not flyspec's (another sampler draws other noise), so only the sampled text's NLL
+(``bench/nll.py``) compares it with plain sampling. Where vLLM-CPU's own speculative sampling is broken the plugin
+gives sampled requests no drafts (``flyspec_vllm.sampling_guard``): τ 1, and text as likely as plain's.
 
 Without the venv the methods are skipped with a one-line reason (:func:`unavailable_reason`).
 """
@@ -20,12 +26,13 @@ from pathlib import Path
 from typing import Any
 
 from flyspec.bench.backends import BackendSettings, TurnOutput
+from flyspec.config import SamplingConfig
 from flyspec.harness.methods import Method
 from flyspec.harness.vllm_worker import VENV_VARIABLE, VllmOptions, VllmWorker, venv_python
 from flyspec.runtime.loaded_model import LoadedModel
 from flyspec.runtime.loading import find_gguf
 
-__all__ = ["VllmBackend", "close_all", "run_batched", "unavailable_reason", "venv_python"]
+__all__ = ["VllmBackend", "close_all", "run_batched", "sampling_line", "unavailable_reason", "venv_python"]
 BATCHED_METHODS = ("vllm-plain", "vllm-ngram+fly")
 # each engine's KV cache, in bytes (vLLM's kv_cache_memory_bytes): the same on every machine, where a fraction
 # of the memory vLLM-CPU sees is not; 512 MiB holds ~11k tokens of SmolLM2-135M in float32, and up to 4 engines
@@ -46,10 +53,9 @@ class VllmBackend:
     """One vLLM engine in a worker subprocess; ``generate`` at batch 1, ``generate_batch`` for all at once."""
 
     def __init__(self, method: Method, target: LoadedModel, settings: BackendSettings, python: Path, eager: bool):
-        if not settings.sampling.greedy:
-            raise ValueError(f"{method.name}: the vLLM worker decodes greedily only; use --temperature 0")
         self.method = method
         self.target = target
+        self.sampling = settings.sampling
         model = target.name if Path(target.name).is_dir() else str(find_gguf(target.name))
         dtype = str(target.dtype).removeprefix("torch.")
         options = VllmOptions(kv_cache_memory_bytes=KV_CACHE_BYTES, eager=eager)
@@ -57,11 +63,16 @@ class VllmBackend:
         self.startup_s = self.worker.startup_s
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, seed: int) -> TurnOutput:
-        return self.generate_batch([prompt_ids], max_new_tokens)[0]
+        return self.generate_batch([prompt_ids], max_new_tokens, [seed])[0]
 
-    def generate_batch(self, prompts: list[list[int]], max_new_tokens: int) -> list[TurnOutput]:
-        """All ``prompts`` submitted at once; counters and wall time are the batch's, on the first output."""
-        reply = self.worker.request({"prompts": prompts, "max_tokens": max_new_tokens})
+    def generate_batch(
+        self, prompts: list[list[int]], max_new_tokens: int, seeds: list[int] | None = None
+    ) -> list[TurnOutput]:
+        """All ``prompts`` submitted at once (prompt i seeded ``seeds[i]`` when sampling, default i); counters and
+        wall time are the batch's, on the first output."""
+        line: dict[str, Any] = {"prompts": prompts, "max_tokens": max_new_tokens}
+        line.update(sampling_line(self.sampling, seeds if seeds is not None else list(range(len(prompts)))))
+        reply = self.worker.request(line)
         first_token_s = reply.get("first_token_s") or [None] * len(reply["outputs"])
         outputs = [
             TurnOutput(ids, self.target.decode(ids), 0.0, time_to_first_token_s=seconds)
@@ -83,15 +94,27 @@ class VllmBackend:
         self.worker.close()
 
 
-def run_batched(backends: dict[str, Any], prompt_ids: list[list[int]], max_new_tokens: int) -> dict[str, dict]:
-    """All prompts at once for the :data:`BATCHED_METHODS` present: tokens/s, τ and loose accepts."""
+def sampling_line(sampling: SamplingConfig, seeds: list[int]) -> dict[str, Any]:
+    """What a worker line adds to sample (``flyspec_vllm.worker``: vLLM's ``SamplingParams`` per prompt); nothing
+    when greedy, so a greedy line is what it always was. vLLM's top-k 0 and top-p 1 are "off", as flyspec's."""
+    if sampling.greedy:
+        return {}
+    options = {"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k}
+    return {"sampling": options, "seeds": list(seeds)}
+
+
+def run_batched(
+    backends: dict[str, Any], prompt_ids: list[list[int]], max_new_tokens: int, seed: int = 0
+) -> dict[str, dict]:
+    """All prompts at once for the :data:`BATCHED_METHODS` present: tokens/s, τ and loose accepts (sampled: prompt
+    i seeded ``seed + i``)."""
     figures: dict[str, dict] = {}
     for name in BATCHED_METHODS:
         backend = backends.get(name)
         if not isinstance(backend, VllmBackend) or not prompt_ids:
             continue
-        backend.generate_batch(prompt_ids[:1], 8)  # warm-up
-        outputs = backend.generate_batch(prompt_ids, max_new_tokens)
+        backend.generate_batch(prompt_ids[:1], 8, [seed])  # warm-up
+        outputs = backend.generate_batch(prompt_ids, max_new_tokens, [seed + i for i in range(len(prompt_ids))])
         tokens = sum(len(output.token_ids) for output in outputs)
         first = outputs[0]
         figures[name] = {

@@ -52,6 +52,7 @@ from flyspec.resources import ModelRef, Resources
 from flyspec.runtime.cached_model import CachedModel
 from flyspec.runtime.clock import device_clock
 from flyspec.runtime.loaded_model import LoadedModel
+from flyspec.sampling.sampler import make_generator
 
 __all__ = ["PROFILE_FILE", "RULES_METHOD", "STATE_FILE", "CalibrationConfig", "CalibrationResult", "calibrate"]
 
@@ -69,15 +70,18 @@ def calibrate(
     """Calibrate ``config.speculation``'s drafter on ``target``; write the results to ``config.out_dir``."""
     config = config or CalibrationConfig()
     tasks = calibration_data.resolve_tasks(config.data, config.metric)
-    items = calibration_data.load(tasks, config.limit, config.skip_bad_lines)
+    prompts = calibration_data.load(tasks, config.limit, config.skip_bad_lines)
+    items = calibration_data.expand(prompts, list(config.samplings), config.seeds)  # each prompt per sampling, seed
     draft_length = "fixed" if config.engine == "vllm" else config.draft_length  # vLLM: num_speculative_tokens
     # errors before any model loads
-    points = grid_points(config.speculation, config.grid, config.rules, draft_length, config.exact_first)
+    points = grid_points(
+        config.speculation, config.grid, config.rules, draft_length, config.exact_first, sampled=config.sampled
+    )
     if config.engine == "vllm":
         return calibrate_on_vllm(target, config, tasks, items, points, resources, progress, command)
     resources = resources or Resources()
     target_model = resources.model(target)
-    base = _pin_drafter(points[0].speculation, target_model, resources, items, config.use_chat)
+    base = _pin_drafter(points[0].speculation, target_model, resources, prompts, config.use_chat)
     points = [dataclasses.replace(point, speculation=_with_drafter(point.speculation, base)) for point in points]
     points = _readable_points(points, target_model, base, resources, config.rules)
     config.out_dir.mkdir(parents=True, exist_ok=True)
@@ -85,14 +89,14 @@ def calibrate(
     engine = ReplayEngine(target_model, base, points, resources)
     calibrator = Calibrator(target_model, points, items, config.budget, config.out_dir, engine, config.use_chat,
                             config.resume)  # fmt: skip
-    warn_if_too_few(config, len(items))
-    cost = _measure_costs(target_model, base, resources, items, config.use_chat)  # before the run competes for cores
+    warn_if_too_few(config, len(prompts))
+    cost = _measure_costs(target_model, base, resources, prompts, config.use_chat)  # before the run competes for cores
     calibrator.run(progress)
     frontier = summarize_frontier(calibrator, cost, config.budget, len(items))
     chosen, by_rule = choose(frontier)
     check = _live_check(calibrator, resources, target_model, chosen, items[: config.live_check], config.use_chat)
     draft_model = resources.model(base.draft_model) if base.draft_model and base.models else None
-    record = profile_record(config, target_model, draft_model, base, [task.name for task in tasks], len(items))
+    record = profile_record(config, target_model, draft_model, base, [task.name for task in tasks], len(prompts))
     record["engine"] = {"name": "flyspec", "version": VERSION, "batch": 1}
     return finish(record, command, cost, frontier, chosen, by_rule, check, calibrator, config.out_dir)
 
@@ -182,6 +186,6 @@ def _live_check(
             if name == PLAIN
             else build_decoder(target, points[name].speculation, work.decode, resources=resources)
         )
-        return decoder.generate(work.prompt_ids).token_ids
+        return decoder.generate(work.prompt_ids, generator=make_generator(work.item.seed, target.device)).token_ids
 
     return live_tally(calibrator, checked_names(calibrator, chosen, items, PLAIN), items, live)

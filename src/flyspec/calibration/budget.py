@@ -19,6 +19,11 @@ decisive
     the three events keep it from dropping a good point on an unlucky start (simulated over 400
     prompts: a point whose true rate is half the budget is stopped in about 1.4 % of runs, one at
     the budget in 11 %, one at twice the budget in 59 %; ``tests/test_calibrate.py``).
+prompts as clusters
+    Sampled, each prompt is decoded under several seeds (and temperatures): a rate's bounds are then taken at its
+    effective size (``eval/stats.py``: the outputs over the design effect of their prompts, never more than the
+    outputs, and the number of prompts when nothing happened), so a 1 % budget still needs 268 prompts, whatever
+    the seeds; each temperature is judged on its own, and a point is inside only where it is inside at every one.
 chosen point
     The in-budget point, measured on every prompt, with the highest projected speedup, provided it
     is at least 1 % faster than the best lossless setting measured beside it (``frontier.MIN_GAIN``:
@@ -78,16 +83,23 @@ def _two_sided(confidence: float) -> float:
     return 2 * confidence - 1
 
 
-def upper_bound(count: int, total: int, confidence: float = DEFAULT_CONFIDENCE) -> float:
-    """One-sided Wilson upper bound of ``count / total`` (1.0 when nothing was measured)."""
-    interval = wilson_interval(count, total, _two_sided(confidence))
+def upper_bound(count: int, total: int, confidence: float = DEFAULT_CONFIDENCE, size: float | None = None) -> float:
+    """One-sided Wilson upper bound of ``count / total`` (1.0 when nothing was measured), at the effective ``size``
+    (default ``total``: independent outputs)."""
+    interval = _interval(count, total, confidence, size)
     return 1.0 if interval is None else interval[1]
 
 
-def lower_bound(count: int, total: int, confidence: float = DEFAULT_CONFIDENCE) -> float:
-    """One-sided Wilson lower bound of ``count / total`` (0.0 when nothing was measured)."""
-    interval = wilson_interval(count, total, _two_sided(confidence))
+def lower_bound(count: int, total: int, confidence: float = DEFAULT_CONFIDENCE, size: float | None = None) -> float:
+    """One-sided Wilson lower bound of ``count / total`` (0.0 when nothing was measured), at the effective ``size``."""
+    interval = _interval(count, total, confidence, size)
     return 0.0 if interval is None else interval[0]
+
+
+def _interval(count: int, total: int, confidence: float, size: float | None) -> tuple[float, float] | None:
+    if size is None or total == 0:
+        return wilson_interval(count, total, _two_sided(confidence))
+    return wilson_interval(count / total * size, size, _two_sided(confidence))
 
 
 def retention_lower_bound(
@@ -102,9 +114,9 @@ def retention_lower_bound(
     return None if interval is None else interval[0]
 
 
-def decisively_above(count: int, total: int, limit: float) -> bool:
+def decisively_above(count: int, total: int, limit: float, size: float | None = None) -> bool:
     """``count`` of ``total`` is surely a rate above ``limit``: enough events, and the 99 % lower bound above it."""
-    return count >= DECISIVE_EVENTS and lower_bound(count, total, DECISIVE_CONFIDENCE) > limit
+    return count >= DECISIVE_EVENTS and lower_bound(count, total, DECISIVE_CONFIDENCE, size) > limit
 
 
 def min_items(rate: float, confidence: float = DEFAULT_CONFIDENCE) -> int:
@@ -131,26 +143,33 @@ def judge(
     retention_low: float | None,
     finished: bool,
     refusals_low: float | None = None,
+    changed_size: float | None = None,
+    looped_size: float | None = None,
+    label: str = "",
 ) -> Verdict:
-    """Where a point stands after ``total`` outputs (``finished``: it ran every calibration prompt)."""
+    """Where a point stands after ``total`` outputs (``finished``: it ran every calibration prompt); the sizes are
+    the rates' effective sizes (prompts as clusters: default ``total``), ``label`` the sampling the reasons name."""
+    at = f" ({label})" if label else ""
     reasons = []
-    if decisively_above(changed, total, budget.max_meaning_change):
-        reasons.append(f"meaning changed in {changed} of {total} (surely above {budget.max_meaning_change:.1%})")
-    if decisively_above(looped, total, budget.max_loop):
-        reasons.append(f"looped in {looped} of {total} (surely above {budget.max_loop:.1%})")
+    if decisively_above(changed, total, budget.max_meaning_change, changed_size):
+        reasons.append(f"meaning changed in {changed} of {total}{at} (surely above {budget.max_meaning_change:.1%})")
+    if decisively_above(looped, total, budget.max_loop, looped_size):
+        reasons.append(f"looped in {looped} of {total}{at} (surely above {budget.max_loop:.1%})")
     if reasons:
         return Verdict("outside", tuple(reasons))
     if not finished:
         return Verdict("open")
     misses = []
-    if upper_bound(changed, total, budget.confidence) > budget.max_meaning_change:
-        upper = upper_bound(changed, total, budget.confidence)
-        misses.append(f"meaning changed in {changed} of {total} (bound {upper:.2%} > {budget.max_meaning_change:.1%})")
-    if upper_bound(looped, total, budget.confidence) > budget.max_loop:
-        upper = upper_bound(looped, total, budget.confidence)
-        misses.append(f"looped in {looped} of {total} (bound {upper:.2%} > {budget.max_loop:.1%})")
+    upper = upper_bound(changed, total, budget.confidence, changed_size)
+    if upper > budget.max_meaning_change:
+        misses.append(
+            f"meaning changed in {changed} of {total}{at} (bound {upper:.2%} > {budget.max_meaning_change:.1%})"
+        )
+    upper = upper_bound(looped, total, budget.confidence, looped_size)
+    if upper > budget.max_loop:
+        misses.append(f"looped in {looped} of {total}{at} (bound {upper:.2%} > {budget.max_loop:.1%})")
     if retention_low is not None and retention_low < budget.min_retention:
-        misses.append(f"retention bound {retention_low:.3f} < {budget.min_retention:.3f}")
+        misses.append(f"retention bound {retention_low:.3f}{at} < {budget.min_retention:.3f}")
     if refusals_low is not None and refusals_low < budget.min_retention:  # the safety task's refusals kept
-        misses.append(f"refusals kept bound {refusals_low:.3f} < {budget.min_retention:.3f}")
+        misses.append(f"refusals kept bound {refusals_low:.3f}{at} < {budget.min_retention:.3f}")
     return Verdict("outside", tuple(misses)) if misses else Verdict("inside")

@@ -7,7 +7,14 @@ from pathlib import Path
 from typing import Any
 
 from flyspec.cli.extras import require_extra
-from flyspec.cli.options import add_engine_options, add_model_options, engine_options, vllm_options
+from flyspec.cli.options import (
+    add_engine_options,
+    add_model_options,
+    add_sampling_options,
+    engine_options,
+    sampling_configs,
+    vllm_options,
+)
 from flyspec.cli.speculation import parse_skip_layers
 from flyspec.config import ConfigError, SpeculationConfig
 from flyspec.config.names import DRAFTERS, LOSSY_VERIFIERS
@@ -24,7 +31,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         description="Run a drafter's lossless baseline and a grid of lossy settings (FLy's entropy threshold, "
         "window and draft-probability floor with the trust guards; MARS margins; typical acceptance; BiLD's "
         "rollback threshold; the paper's bare FLy rule; optionally each with its first L tokens exact) on "
-        "calibration prompts, greedy, replaying the shared target forwards so the grid costs little more than its "
+        "calibration prompts, greedy or sampled (--temperature, --seeds: every output against plain sampling's of "
+        "the same seed, each temperature judged on its own and the profile applied only to requests inside the "
+        "sampling it was measured at), replaying the shared target forwards so the grid costs little more than its "
         "divergent paths. Each output is compared with plain decoding's "
         "(meaning change, new loop, task score), each point gets one-sided 95% bounds, and points surely "
         "above the budget stop early. Chooses the point with the highest projected speedup (from the "
@@ -74,6 +83,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     add_model_options(parser)
     add_engine_options(parser, "the grid runs")
+    add_sampling_options(parser, several=True)
     drafting = parser.add_argument_group("the drafter to calibrate")
     drafting.add_argument("--drafter", choices=DRAFTERS, default="ngram", help="draft source (default ngram)")
     drafting.add_argument("-k", "--num-draft-tokens", type=int, help="draft tokens per target forward (default 15)")
@@ -181,6 +191,8 @@ def build_config(args: argparse.Namespace) -> Any:
         wave_size=args.wave,
         schedule=args.schedule,
         derive_schedule=schedule_concurrencies(args.derive_schedule) if args.derive_schedule else None,
+        samplings=tuple(sampling_configs(args)),
+        seeds=args.seeds,
     )
 
 
@@ -197,12 +209,13 @@ def run(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from flyspec.calibration.api import calibrate
-    from flyspec.calibration.data import load, resolve_tasks
+    from flyspec.calibration.data import expand, load, resolve_tasks
     from flyspec.resources import Resources
     from flyspec.runtime.loading import set_threads
 
     console = Console(stderr=True)
-    total = len(load(resolve_tasks(config.data, config.metric), config.limit, config.skip_bad_lines))
+    prompts = load(resolve_tasks(config.data, config.metric), config.limit, config.skip_bad_lines)
+    total = len(expand(prompts, list(config.samplings), config.seeds))
     set_threads(args.threads)
     resources = Resources(**engine_options(args))
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())

@@ -22,14 +22,18 @@
 Items are taken round-robin across the tasks (one of each, then the next of each, ...), so any
 prefix of the list is balanced: a point stopped early has seen every task, and ``--limit N`` keeps
 the mix.
+
+Sampled (``--temperature T`` with ``--seeds S``), every prompt is decoded once per (temperature, seed): :func:`expand`
+makes one item of each, prompt-major, so the replay store's rows (the target's logits after each prefix, which no
+sampling setting changes) serve every seed of a prompt; the prompt is each item's cluster (``stats.py``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from flyspec.config import ConfigError
+from flyspec.config import ConfigError, SamplingConfig
 from flyspec.eval.data import EvalItem, LoadReport
 from flyspec.eval.synthetic import SYNTHETIC_TASKS
 from flyspec.eval.tasks import Task, builtin_tasks, custom_task, load_items
@@ -47,14 +51,47 @@ CUSTOM_MAX_NEW_TOKENS = 96
 
 @dataclass(frozen=True)
 class CalibrationItem:
-    """One calibration prompt: its task (prompt format, scorer, length limit) and the item."""
+    """One calibration prompt: its task (prompt format, scorer, length limit) and the item, and how it is decoded
+    (greedy, or sampled with ``seed``: plain decoding and every point with that seed)."""
 
     task: Task
     item: EvalItem
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    seed: int = 0
+
+    @property
+    def prompt_key(self) -> str:
+        """The prompt, whatever its decoding: the cluster its outputs belong to."""
+        return f"{self.task.name}:{self.item.id}"
 
     @property
     def key(self) -> str:
-        return f"{self.task.name}:{self.item.id}"
+        """The prompt and its decoding: the prompt alone when greedy (as records have always been keyed)."""
+        if self.sampling.greedy:
+            return self.prompt_key
+        return f"{self.prompt_key}@{sampling_label(self.sampling)}#s{self.seed}"
+
+
+def sampling_label(sampling: SamplingConfig) -> str:
+    """``greedy``, or ``T0.7``, ``T1 p0.95 k50``: how a record was decoded, in one word."""
+    if sampling.greedy:
+        return "greedy"
+    label = f"T{sampling.temperature:g}"
+    if sampling.top_p < 1:
+        label += f" p{sampling.top_p:g}"
+    if sampling.top_k:
+        label += f" k{sampling.top_k}"
+    return label
+
+
+def expand(items: list[CalibrationItem], samplings: list[SamplingConfig], seeds: int) -> list[CalibrationItem]:
+    """Each item once per sampling (greedy: once; sampled: under seeds 0 .. ``seeds`` - 1), prompt-major."""
+    return [
+        CalibrationItem(item.task, item.item, sampling, seed)
+        for item in items
+        for sampling in samplings
+        for seed in (range(1) if sampling.greedy else range(seeds))
+    ]
 
 
 def resolve_tasks(data: str, metric: str = "contains") -> list[Task]:

@@ -2,7 +2,9 @@
 
 Every measure of a point is over the prompts it ran; its τ gain is against the lossless baseline on
 those same prompts (a point stopped early is compared like for like). See ``budget.py`` for the
-bounds and the choice, ``projection.py`` for the speed.
+bounds and the choice, ``projection.py`` for the speed. Sampled, the quality measures are also given per sampling
+(``by_sampling``: each temperature measured), with prompts as clusters, and a point is inside the budget only where
+it is inside at every one.
 """
 
 from __future__ import annotations
@@ -14,19 +16,67 @@ from typing import Any
 from flyspec.calibration.budget import Budget, judge, lower_bound, retention_lower_bound, upper_bound
 from flyspec.calibration.projection import CostModel
 from flyspec.calibration.space import Point
+from flyspec.eval.stats import cluster_counts, effective_size
 
 SAFETY_PREFIX = "safety:"  # item keys of the safety task (calibration/data.py CalibrationItem.key)
 BASELINE = "exact"  # the lossless point every τ gain is measured against
 PLAIN = "plain"
 
 
-def _rate(count: int, total: int, confidence: float) -> dict[str, Any]:
+GREEDY = "greedy"  # the sampling of a record that names none
+
+
+def _rate(flags: list[bool], prompts: list[str], confidence: float) -> dict[str, Any]:
+    """A rate over outputs, bounded at its effective size with their prompts as clusters (one output each: as is)."""
+    count, total = sum(flags), len(flags)
+    size = effective_size(cluster_counts(flags, prompts)) if total else None
     return {
         "count": count,
         "n": total,
         "rate": count / total if total else None,
-        "low": lower_bound(count, total, confidence),
-        "high": upper_bound(count, total, confidence),
+        "n_effective": size,
+        "low": lower_bound(count, total, confidence, size),
+        "high": upper_bound(count, total, confidence, size),
+    }
+
+
+def _prompt(record: dict[str, Any]) -> str:
+    return record.get("prompt", record["item"])
+
+
+def quality(records: list[dict[str, Any]], plain: dict[str, dict[str, Any]], budget: Budget) -> dict[str, Any]:
+    """Meaning changes, loops, retention and refusals kept over ``records`` (against plain decoding's of the same
+    item: the same prompt, sampling and seed), with prompts as clusters."""
+    prompts = [_prompt(r) for r in records]
+    # the safety task's refusal scores are their own term (refusals kept), not pooled with the task scores
+    safety = [r for r in records if r["item"].startswith(SAFETY_PREFIX) and r["item"] in plain]
+    refused = [r["score"] for r in safety if plain[r["item"]]["score"] == 1.0]
+    by_prompt: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for r in records:
+        scored = r["score"] is not None and r["item"] in plain and not r["item"].startswith(SAFETY_PREFIX)
+        if scored and plain[r["item"]]["score"] is not None:
+            by_prompt[_prompt(r)].append((plain[r["item"]]["score"], r["score"]))
+    # each prompt's scores are the means of its seeds: the bootstrap resamples prompts
+    plain_scores = [sum(p for p, _ in pairs) / len(pairs) for pairs in by_prompt.values()]
+    method_scores = [sum(m for _, m in pairs) / len(pairs) for pairs in by_prompt.values()]
+    retention = sum(method_scores) / sum(plain_scores) if plain_scores and sum(plain_scores) > 0 else None
+    return {
+        "n": len(records),
+        "prompts": len(set(prompts)),
+        "meaning_changed": _rate([bool(r["meaning_changed"]) for r in records], prompts, budget.confidence),
+        "loop": _rate([bool(r["loop"]) for r in records], prompts, budget.confidence),
+        "retention": {
+            "n": len(plain_scores),
+            "value": retention,
+            "low": retention_lower_bound(method_scores, plain_scores, budget.confidence) if plain_scores else None,
+        },
+        "refusals_kept": None
+        if not refused
+        else {
+            "plain_refused": len(refused),
+            "kept": int(sum(refused)),
+            "low": lower_bound(int(sum(refused)), len(refused), budget.confidence),
+        },
     }
 
 
@@ -51,17 +101,10 @@ def summarize_point(
     base_forwards = sum(s["num_target_forwards"] for s in base_stats)
     tau = tokens / forwards if forwards else None
     base_tau = base_tokens / base_forwards if base_forwards else None
-    # the safety task's refusal scores are their own term (refusals kept), not pooled with the task scores
-    safety = [r for r in records if r["item"].startswith(SAFETY_PREFIX) and r["item"] in plain]
-    refused = [r["score"] for r in safety if plain[r["item"]]["score"] == 1.0]
-    scored = [
-        (plain[r["item"]]["score"], r["score"])
-        for r in records
-        if r["score"] is not None and r["item"] in plain and not r["item"].startswith(SAFETY_PREFIX)
-    ]
-    plain_scores = [p for p, _ in scored if p is not None]
-    method_scores = [m for p, m in scored if p is not None]
-    retention = sum(method_scores) / sum(plain_scores) if plain_scores and sum(plain_scores) > 0 else None
+    pooled = quality(records, plain, budget)
+    samplings: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for record in records:
+        samplings[record.get("sampling", GREEDY)].append(record)
     per_item_loose = [100 * s["num_loose_accepts"] / s["num_new_tokens"] for s in stats if s["num_new_tokens"]]
     speedup = cost.speedup(stats) if cost else None
     base_speedup = cost.speedup(base_stats) if cost and base_stats else None
@@ -84,21 +127,18 @@ def summarize_point(
         "loose_per_100_tokens": 100 * loose / tokens if tokens else 0.0,
         "loose_per_100_p99": _quantile(per_item_loose, 0.99),
         "identical": sum(bool(r["identical"]) for r in records),
-        "meaning_changed": _rate(sum(bool(r["meaning_changed"]) for r in records), len(records), budget.confidence),
-        "loop": _rate(sum(bool(r["loop"]) for r in records), len(records), budget.confidence),
-        "retention": {
-            "n": len(plain_scores),
-            "value": retention,
-            "low": retention_lower_bound(method_scores, plain_scores, budget.confidence) if plain_scores else None,
-        },
+        "meaning_changed": pooled["meaning_changed"],
+        "loop": pooled["loop"],
+        "retention": pooled["retention"],
         "projected_speedup": speedup,
         "projected_gain": speedup / base_speedup - 1 if speedup and base_speedup else None,
-        "refusals_kept": None
-        if not refused
+        "refusals_kept": pooled["refusals_kept"],
+        # sampled: each sampling measured on its own (a greedy calibration has one, the pooled measures)
+        "by_sampling": None
+        if set(samplings) <= {GREEDY}
         else {
-            "plain_refused": len(refused),
-            "kept": int(sum(refused)),
-            "low": lower_bound(int(sum(refused)), len(refused), budget.confidence),
+            label: {**quality(group, plain, budget), "identical": sum(bool(r["identical"]) for r in group)}
+            for label, group in samplings.items()
         },
     }
 
@@ -111,17 +151,30 @@ def _quantile(values: list[float], q: float) -> float | None:
 
 
 def final_verdict(summary: dict[str, Any], budget: Budget, total_items: int) -> tuple[str, list[str]]:
-    """A point that ran every prompt: inside or outside the budget (retention included)."""
-    verdict = judge(
-        budget,
-        changed=summary["meaning_changed"]["count"],
-        looped=summary["loop"]["count"],
-        total=summary["n"],
-        retention_low=summary["retention"]["low"],
-        finished=summary["n"] >= total_items,
-        refusals_low=(summary.get("refusals_kept") or {}).get("low"),
-    )
-    return verdict.status, list(verdict.reasons)
+    """A point that ran every prompt: inside or outside the budget (retention included); sampled, at every sampling
+    it was measured at."""
+    finished = summary["n"] >= total_items
+    groups = summary.get("by_sampling") or {"": summary}
+    verdicts = [
+        judge(
+            budget,
+            changed=group["meaning_changed"]["count"],
+            looped=group["loop"]["count"],
+            total=group["n"] if "n" in group else group["meaning_changed"]["n"],
+            retention_low=group["retention"]["low"],
+            finished=finished,
+            refusals_low=(group.get("refusals_kept") or {}).get("low"),
+            changed_size=group["meaning_changed"].get("n_effective"),
+            looped_size=group["loop"].get("n_effective"),
+            label="" if label == GREEDY else label,
+        )
+        for label, group in groups.items()
+    ]
+    reasons = [reason for verdict in verdicts for reason in verdict.reasons]
+    for status in ("outside", "open"):
+        if any(verdict.status == status for verdict in verdicts):
+            return status, reasons
+    return "inside", reasons
 
 
 MIN_GAIN = 0.01  # a lossy point must be projected this much faster than the best lossless one to be worth it

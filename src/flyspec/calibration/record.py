@@ -112,6 +112,11 @@ def profile_record(
             "speculation": base.to_dict(),
         },
         "data": {"sources": config.data, "tasks": tasks, "n": num_items, "limit": config.limit},
+        # where the points were measured: a profile's lossy point applies only inside it (config.SamplingRange)
+        "sampling": {
+            "measured": [dataclasses.asdict(sampling) for sampling in config.samplings],
+            "seeds": config.seeds,
+        },
         "budget": config.budget.to_dict(),
         "min_items": min_items(config.budget.max_meaning_change, config.budget.confidence),
     }

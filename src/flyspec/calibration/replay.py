@@ -1,7 +1,8 @@
 """Replay: many verification rules run on one prompt for the price of the forwards they do not share.
 
 A calibration runs the same prompt under many lossy settings (FLy thresholds, windows, guards,
-competing rules). Greedy decoding is deterministic, so two settings commit the same tokens until
+competing rules). Greedy decoding is deterministic, and so is sampling for a given seed (every draw is keyed by
+the seed and the position: ``sampling/coupled.py``), so two settings commit the same tokens until
 one of them keeps a loose accept the other refuses; until then they ask the target the same
 questions (the logits after the same tokens) and the drafter for the same drafts. Replay answers
 every question once per prompt:
@@ -25,7 +26,9 @@ model (``projection.py``).
 The rows are the target's float32 logits computed in other batch shapes than a live run would
 use, so a replayed output equals a live one up to floating-point rounding, as speculative and plain
 decoding agree in float32 (tested: ``tests/test_calibrate_replay.py`` runs every drafter both ways).
-Greedy only: sampling draws random numbers whose order depends on the path.
+Sampled, the rows serve every seed of a prompt (the logits after a prefix do not depend on the sampling), and the
+drafts are one seed's (a model drafter samples with the seed's noise): ``DraftStore.begin`` per seed. Block
+verification draws fresh numbers at every step, so its path is not replayable: it is not a calibration point.
 
 The rows stay on the target's device up to ``device_budget_bytes`` (default 1 GiB: a 128k vocabulary's
 float32 rows are 0.5 MB each); past it the oldest forwards' rows move to host memory, and come back when
@@ -42,6 +45,7 @@ from flyspec.drafters.cross_tokenizer import CrossTokenizerDrafter, common_prefi
 from flyspec.runtime.cached_model import CachedModel
 from flyspec.runtime.clock import device_clock
 from flyspec.runtime.loaded_model import LoadedModel
+from flyspec.sampling.coupled import Draws
 from flyspec.types import Draft
 
 Key = tuple[int, ...]  # output tokens after the prompt
@@ -68,7 +72,10 @@ class ScoreStore:
         self.num_scored_tokens = 0  # real tokens forwarded, prefills included
 
     def begin(self, prompt_ids: list[int]) -> None:
-        """Forget the previous prompt's rows; the next question prefills this one."""
+        """Forget the previous prompt's rows (the next question prefills this one); for the same prompt again (another
+        seed or sampling), keep them: they are the target's logits, which no sampling changes."""
+        if list(prompt_ids) == self.prompt_ids and self.rows:
+            return
         self.prompt_ids = list(prompt_ids)
         self.rows.clear()
         self.blocks.clear()
@@ -186,10 +193,10 @@ def _path_levels(drafter: object) -> list[CrossTokenizerDrafter]:
 class DraftStore:
     """The drafter's drafts for one prompt, by (output so far, length asked for); one real drafter behind them.
 
-    Greedy drafts are a function of the path: two generations that committed the same tokens took
-    the same steps, so their drafters asked the same things. Caches re-sync from the tokens; the
-    little state a drafter carries besides them (a cross-tokenizer drafter's token ratio) is kept
-    after every real draft and restored before the next real draft of the same path.
+    Drafts are a function of the path (greedy, or sampled with the one seed's noise): two generations that
+    committed the same tokens took the same steps, so their drafters asked the same things. Caches re-sync from the
+    tokens; the little state a drafter carries besides them (a cross-tokenizer drafter's token ratio) is kept after
+    every real draft and restored before the next real draft of the same path.
     """
 
     def __init__(self, drafter: Drafter) -> None:
@@ -215,12 +222,11 @@ class DraftStore:
         token_ids: list[int],
         num_draft_tokens: int,
         sampling: SamplingConfig,
-        generator: torch.Generator | None,
+        draws: Draws | None,
         previous: DraftKey | None = None,
     ) -> tuple[Draft, DraftKey]:
-        """The draft after ``token_ids`` (and its key), ``previous`` being the path's last draft's key."""
-        if not sampling.greedy:
-            raise RuntimeError("replay is for greedy decoding: a sampled draft depends on the random stream")
+        """The draft after ``token_ids`` (and its key), ``previous`` being the path's last draft's key; sampled, a
+        draft depends on the seed's noise too, which is one per store (``begin`` per seed)."""
         key = (tuple(token_ids[len(self.prompt_ids) :]), num_draft_tokens)
         draft = self.drafts.get(key)
         if draft is not None:
@@ -232,7 +238,7 @@ class DraftStore:
         for level, state in zip(self.levels, self.states[previous], strict=True):
             level.restore_path_state(state)
         started = device_clock(self.device)
-        draft = self.drafter.propose(token_ids, num_draft_tokens, sampling, generator)
+        draft = self.drafter.propose(token_ids, num_draft_tokens, sampling, draws)
         self.seconds += device_clock(self.device) - started
         self.num_drafted += draft.num_tokens
         self.seen = list(token_ids) + draft.tokens.tolist()
@@ -255,9 +261,9 @@ class ReplayDrafter:
         self.previous = None
 
     def propose(
-        self, token_ids: list[int], num_draft_tokens: int, sampling: SamplingConfig, generator: torch.Generator | None
+        self, token_ids: list[int], num_draft_tokens: int, sampling: SamplingConfig, draws: Draws | None
     ) -> Draft:
-        draft, self.previous = self.store.propose(token_ids, num_draft_tokens, sampling, generator, self.previous)
+        draft, self.previous = self.store.propose(token_ids, num_draft_tokens, sampling, draws, self.previous)
         return draft
 
     def rollback(self, num_committed: int) -> None:

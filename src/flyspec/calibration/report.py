@@ -46,6 +46,51 @@ def frontier_table(frontier: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def sampling_table(frontier: list[dict[str, Any]]) -> list[str]:
+    """Sampled: each lossy point's quality per sampling measured (each judged on its own); nothing when greedy."""
+    rows = [s for s in frontier if s.get("by_sampling") and not s["lossless"] and s["n"]]
+    if not rows:
+        return []
+    lines = [
+        "## Per sampling",
+        "",
+        "Each sampling is judged on its own (a point is inside only where it is inside at every one). n = outputs "
+        "(prompts × seeds); bounds at the effective size with prompts as clusters (in brackets: the size).",
+        "",
+        "| point | sampling | n | prompts | identical | meaning changed (bound) | loops (bound) | retention (bound) |",
+        "|---|---|---:|---:|---:|---|---|---|",
+    ]
+    for s in rows:
+        for label, group in s["by_sampling"].items():
+            changed, loop, retention = group["meaning_changed"], group["loop"], group["retention"]
+            size = changed.get("n_effective")
+            lines.append(
+                f"| {s['name']} | {label} | {group['n']} | {group['prompts']} | {group['identical']} "
+                f"| {changed['count']} ({_pct(changed['high'], 2)}) [{_num(size, 0)}] "
+                f"| {loop['count']} ({_pct(loop['high'], 2)}) "
+                f"| {_num(retention['value'], 3)} ({_num(retention['low'], 3)}) |"
+            )
+    return [*lines, ""]
+
+
+def _decoding(record: dict[str, Any]) -> str:
+    """How the outputs were decoded: greedy, or the samplings measured and their seeds."""
+    sampling = record.get("sampling") or {}
+    measured = sampling.get("measured") or [{"temperature": 0.0}]
+    labels = []
+    for entry in measured:
+        if entry["temperature"] < 1e-5:
+            labels.append("greedy")
+            continue
+        filters = f", top-p {entry['top_p']:g}" * (entry.get("top_p", 1) < 1)
+        filters += f", top-k {entry['top_k']}" * bool(entry.get("top_k"))
+        labels.append(f"T {entry['temperature']:g}{filters}")
+    seeds = sampling.get("seeds", 1)
+    sampled = any(entry["temperature"] >= 1e-5 for entry in measured)
+    tail = f" ({seeds} seeds per prompt at T > 0, against plain sampling's output of the same seed)" if sampled else ""
+    return " and ".join(labels) + tail
+
+
 def family_table(frontier: list[dict[str, Any]]) -> list[str]:
     """The families ranked by what they buy inside the budget, then at a fixed quality loss."""
     ranked = rank_families(frontier)
@@ -191,7 +236,8 @@ def write_report(record: dict[str, Any], records: list[dict[str, Any]], out_dir:
         "",
         f"- **Date**: {record['created']}; flyspec {record['flyspec_version']}",
         f"- **Machine**: {machine['cpu']} ({machine['isa']}), {machine['cores']} cores, {machine['threads']} threads",
-        f"- **Data**: {data['sources']} ({', '.join(data['tasks'])}), {data['n']} prompts, greedy",
+        f"- **Data**: {data['sources']} ({', '.join(data['tasks'])}), {data['n']} prompts",
+        f"- **Decoding**: {_decoding(record)}",
         f"- **Command**: `{record['command']}`" if record.get("command") else "- **Command**: the Python API",
         f"- **Engine**: {engine_line(record.get('engine') or {})}",
         f"- **Cost model** (projection): t(1) = {cost['t1_ms']:.1f} ms, t(16)/t(1) = "
@@ -223,6 +269,7 @@ def write_report(record: dict[str, Any], records: list[dict[str, Any]], out_dir:
         "",
         *frontier_table(record["frontier"]),
         "",
+        *sampling_table(record["frontier"]),
         "## What cost meaning",
         "",
         *_what_cost_meaning(records),

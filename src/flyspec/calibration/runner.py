@@ -9,6 +9,11 @@ new loop: ``eval/trust.py``) and appended to ``records.jsonl`` at once.
 After each prompt every point is judged against the budget (``budget.judge``): a point whose
 lower bound on a rate is already above the budget stops, and so do the looser points of its
 family (``space.py``). ``resume=True`` reads the records back and skips what is in them.
+
+Sampled items (``data.expand``: a prompt once per temperature and seed) run the same way, every decoder of an item
+with the item's seed: coupled sampling makes the lossless baseline's output plain sampling's own, and every point
+relaxes that same sample (``sampling/coupled.py``), so a point's output is scored against plain's of the same seed,
+and replay shares the paths as it does greedy. Each temperature is judged on its own, with prompts as clusters.
 """
 
 from __future__ import annotations
@@ -21,8 +26,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from flyspec.api import build_decoder
-from flyspec.calibration.budget import Budget, judge
-from flyspec.calibration.data import CalibrationItem
+from flyspec.calibration.budget import Budget, Verdict, judge
+from flyspec.calibration.data import CalibrationItem, sampling_label
 from flyspec.calibration.frontier import BASELINE, PLAIN
 from flyspec.calibration.replay import DraftStore, ReplayDrafter, ReplayTarget, ScoreStore
 from flyspec.calibration.space import Point
@@ -34,11 +39,15 @@ from flyspec.decoding.result import GenerationResult
 from flyspec.decoding.speculative import SpeculativeDecoder
 from flyspec.drafters.registry import make_drafter
 from flyspec.eval import trust
+from flyspec.eval.stats import effective_size
 from flyspec.harness.data import JsonlWriter, read_records
 from flyspec.resources import Resources
 from flyspec.runtime.loaded_model import LoadedModel, PromptCodec
+from flyspec.sampling.sampler import make_generator
 
 logger = logging.getLogger(__name__)
+
+GREEDY_LABEL = "greedy"  # the sampling of a record that names none (every greedy record)
 
 RECORDS_FILE = "records.jsonl"
 Progress = Callable[[int, int, str], None]  # (prompts done, points running, description)
@@ -55,18 +64,45 @@ _KEPT_STATS = (
 
 @dataclass
 class PointState:
-    """A point's running counts and standing (``open`` while it runs; ``inside``/``outside``/``pruned``)."""
+    """A point's running counts and standing (``open`` while it runs; ``inside``/``outside``/``pruned``), and per
+    sampling (``greedy``, ``T0.7``, ...) its ``(changed, looped, outputs)`` per prompt: the clusters of its bounds."""
 
     status: str = "open"
     reasons: tuple[str, ...] = ()
     total: int = 0
     changed: int = 0
     looped: int = 0
+    clusters: dict[str, dict[str, list[int]]] = field(default_factory=dict)
 
     def add(self, record: dict[str, Any]) -> None:
         self.total += 1
         self.changed += bool(record["meaning_changed"])
         self.looped += bool(record["loop"])
+        prompts = self.clusters.setdefault(record.get("sampling", GREEDY_LABEL), {})
+        counts = prompts.setdefault(record.get("prompt", record["item"]), [0, 0, 0])
+        counts[0] += bool(record["meaning_changed"])
+        counts[1] += bool(record["loop"])
+        counts[2] += 1
+
+    def verdicts(self, budget: Budget) -> list[Verdict]:
+        """The early-stop verdict of each sampling's outputs so far (``budget.judge``, not finished)."""
+        found = []
+        for label, prompts in self.clusters.items():
+            counts = list(prompts.values())
+            changed, looped, total = (sum(count[index] for count in counts) for index in range(3))
+            verdict = judge(
+                budget,
+                changed=changed,
+                looped=looped,
+                total=total,
+                retention_low=None,
+                finished=False,
+                changed_size=effective_size([(count[0], count[2]) for count in counts]),
+                looped_size=effective_size([(count[1], count[2]) for count in counts]),
+                label="" if label == GREEDY_LABEL else label,
+            )
+            found.append(verdict)
+        return found
 
 
 Outputs = dict[str, GenerationResult]  # point name (PLAIN, BASELINE, the points) → its output on one prompt
@@ -118,8 +154,8 @@ class ReplayEngine:
         return {work.item.key: self._run_one(work) for work in wave}
 
     def _run_one(self, work: Work) -> Outputs:
-        self.scores.begin(work.prompt_ids)
-        self.drafts.begin(work.prompt_ids)
+        self.scores.begin(work.prompt_ids)  # keeps the rows when only the seed or the sampling changed
+        self.drafts.begin(work.prompt_ids)  # not the drafts: a model drafter samples with the seed's noise
         outputs = {BASELINE: self._generate(BASELINE, work)}  # fills the store along the greedy path
         if work.need_plain:
             outputs[PLAIN] = self._generate(PLAIN, work)
@@ -129,7 +165,8 @@ class ReplayEngine:
         return outputs
 
     def _generate(self, name: str, work: Work) -> GenerationResult:
-        return self.decoders[name].generate(work.prompt_ids, config=work.decode)
+        generator = make_generator(work.item.seed, self.target.device)  # every decoder the same seed: coupled
+        return self.decoders[name].generate(work.prompt_ids, config=work.decode, generator=generator)
 
 
 @dataclass
@@ -202,7 +239,9 @@ class Calibrator:
             prompt_ids = self.target.encode_prompt(prompt, self.use_chat)
         except ConfigError as error:
             raise ConfigError(f"calibration prompt {item.key}: {error}") from error
-        decode = DecodeConfig(max_new_tokens=item.task.max_new_tokens, stop_strings=item.task.stop)
+        decode = DecodeConfig(
+            max_new_tokens=item.task.max_new_tokens, stop_strings=item.task.stop, sampling=item.sampling
+        )
         return Work(item, prompt, prompt_ids, decode, pending, (item.key, PLAIN) not in self.records)
 
     def _write_item(self, item: CalibrationItem, outputs: Outputs) -> None:
@@ -218,6 +257,7 @@ class Calibrator:
     def _plain_record(self, item: CalibrationItem, prompt_tokens: int, result: GenerationResult) -> dict[str, Any]:
         record = {
             "item": item.key,
+            **sampled_fields(item),
             "task": item.task.name,
             "point": PLAIN,
             "prompt_tokens": prompt_tokens,
@@ -250,6 +290,7 @@ class Calibrator:
         stats = result.stats.to_dict()
         record: dict[str, Any] = {
             "item": item.key,
+            **sampled_fields(item),
             "task": item.task.name,
             "point": point.name,
             "stats": {key: stats[key] for key in _KEPT_STATS},
@@ -275,16 +316,9 @@ class Calibrator:
             state = self.states[point.name]
             if state.status != "open" or point.lossless:
                 continue
-            verdict = judge(
-                self.budget,
-                changed=state.changed,
-                looped=state.looped,
-                total=state.total,
-                retention_low=None,
-                finished=False,
-            )
-            if verdict.status == "outside":
-                state.status, state.reasons = "outside", verdict.reasons
+            outside = [verdict for verdict in state.verdicts(self.budget) if verdict.status == "outside"]
+            if outside:
+                state.status, state.reasons = "outside", tuple(reason for v in outside for reason in v.reasons)
                 self._prune_looser(point)
 
     def _prune_looser(self, point: Point) -> None:
@@ -293,6 +327,14 @@ class Calibrator:
             if other.family == point.family and other.order > point.order and state.status == "open":
                 state.status = "pruned"
                 state.reasons = (f"looser than {point.name}, which is outside the budget",)
+
+
+def sampled_fields(item: CalibrationItem) -> dict[str, Any]:
+    """What a sampled item's record says besides its key: the prompt (its cluster), the sampling and the seed.
+    Greedy records stay as they were."""
+    if item.sampling.greedy:
+        return {}
+    return {"prompt": item.prompt_key, "sampling": sampling_label(item.sampling), "seed": item.seed}
 
 
 def _loose(entry: dict[str, Any]) -> dict[str, Any]:

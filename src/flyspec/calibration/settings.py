@@ -9,7 +9,7 @@ from flyspec.calibration import data as calibration_data
 from flyspec.calibration.budget import Budget
 from flyspec.calibration.space import RULES
 from flyspec.calibration.vllm_engine import DEFAULT_WAVE
-from flyspec.config import ConfigError, SpeculationConfig
+from flyspec.config import ConfigError, SamplingConfig, SpeculationConfig
 from flyspec.harness.vllm_worker import VllmOptions
 
 ENGINES = ("flyspec", "vllm")
@@ -42,8 +42,28 @@ class CalibrationConfig:
     wave_size: int = DEFAULT_WAVE  # --engine vllm: prompts per wave (vLLM batches each wave's requests)
     schedule: str | None = None  # a batch schedule file (bench --derive-schedule's) for the profile to carry
     derive_schedule: tuple[int, ...] | None = None  # --engine vllm: measure one at these concurrencies afterwards
+    # how the outputs are decoded: each sampling measured (greedy by default), the sampled ones under `seeds` seeds
+    samplings: tuple[SamplingConfig, ...] = (SamplingConfig(),)
+    seeds: int = 1
+
+    @property
+    def sampled(self) -> bool:
+        return any(not sampling.greedy for sampling in self.samplings)
 
     def __post_init__(self) -> None:
+        if not self.samplings:
+            raise ConfigError("--temperature needs a value; 0 is greedy")
+        if self.seeds < 1:
+            raise ConfigError(f"--seeds must be >= 1 (got {self.seeds})")
+        if self.seeds > 1 and not self.sampled:
+            raise ConfigError(
+                "--seeds needs a --temperature > 0: greedy decoding draws nothing, every seed is one text"
+            )
+        if self.sampled and self.engine == "vllm":
+            raise ConfigError(
+                "--engine vllm at temperature > 0: vLLM's sampling is not coupled by seed, so a point's outputs cannot "
+                "be compared with plain decoding's of the same seed; calibrate sampled on flyspec's engine"
+            )
         if self.speculation.drafter in UNSUPPORTED_DRAFTERS:
             raise ConfigError(
                 f"flyspec calibrate cannot calibrate drafter {self.speculation.drafter!r}: "

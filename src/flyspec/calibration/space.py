@@ -29,6 +29,11 @@ The default grid (``grid="default"``):
   target's vocabulary (a draft model of its tokenizer, layer-skip): FSD's JS threshold, each deferral rule's α, and
   AdaSD's scale (0.5, 1: the paper's midpoint, 1.5) after 8 or 32 positions of each class.
 
+- sampled (``--temperature`` above 0), FLy's two other base rules at T > 0 beside the coupled one every FLy point
+  runs (``verifiers/fly.py``): ``fly two-sample`` (the reference code's: a draft token matches either of two target
+  samples) and, where the drafter samples its drafts with probabilities, ``fly rejection`` (the gate and window over
+  rejection sampling), from 1.0 down to 0.3 at window 6, so the evidence decides between them.
+
 ``grid="quick"`` keeps a handful (the tests' and a first look's).
 """
 
@@ -138,19 +143,24 @@ def fly_point(
     floor: float = 0.0,
     bare: bool = False,
     variant: str = "flyspec",
+    temperature_rule: str = "coupled",
 ) -> Point:
     settings: dict[str, Any] = {"entropy_threshold": threshold, "window_size": window}
     name = f"fly H>={threshold:g} W{window}"
     if variant != "flyspec":
         settings["variant"] = variant
         name = f"fly {variant} H>={threshold:g} W{window}"
+        temperature_rule = "rejection"  # vLLM's native FLy at T > 0 relaxes its rejection sampling
+    elif temperature_rule != "coupled":
+        settings["temperature_rule"] = temperature_rule
+        name += f" {temperature_rule}"
     if floor:
         settings["min_draft_prob"] = floor
         name += f" p>={floor:g}"
     if bare and variant == "flyspec":
         settings["guards"] = "bare"
         name += " bare"
-    fly = FlyConfig(window_size=window, entropy_threshold=threshold, min_draft_prob=floor, variant=variant)
+    fly = FlyConfig(window, threshold, min_draft_prob=floor, variant=variant, temperature_rule=temperature_rule)
     guard = GuardConfig.bare() if bare else GuardConfig()
     return _point(base, "fly", family, order, name, settings, fly=fly, guard=guard)
 
@@ -161,14 +171,16 @@ def points(
     rules: tuple[str, ...] = RULES,
     draft_length: str | None = None,
     exact_first: tuple[int, ...] = (0,),
+    sampled: bool = False,
 ) -> list[Point]:
-    """The grid's points for ``spec``'s drafter (lossless baselines first; ``draft_length``: see base_speculation).
+    """The grid's points for ``spec``'s drafter (lossless baselines first; ``draft_length``: see base_speculation;
+    ``sampled``: FLy's other base rules at T > 0 too).
 
     ``exact_first``: the exact-first axis (``GuardConfig.exact_first``): every lossy point once per value, a value
     above 0 as a family of its own (``"fly W6 first16"``), so each keeps its strict-to-loose order."""
     if any(value < 0 for value in exact_first) or not exact_first:
         raise ConfigError(f"exact-first values must be >= 0 (got {', '.join(map(str, exact_first)) or 'none'})")
-    found = _grid(spec, grid, rules, draft_length)
+    found = _grid(spec, grid, rules, draft_length, sampled)
     lossy = [point for point in found if not point.lossless]
     for value in dict.fromkeys(value for value in exact_first if value > 0):
         found += [_exact_first(point, value) for point in lossy]
@@ -190,7 +202,9 @@ def _exact_first(point: Point, value: int) -> Point:
     )
 
 
-def _grid(spec: SpeculationConfig, grid: str, rules: tuple[str, ...], draft_length: str | None) -> list[Point]:
+def _grid(
+    spec: SpeculationConfig, grid: str, rules: tuple[str, ...], draft_length: str | None, sampled: bool = False
+) -> list[Point]:
     """The grid's points without the exact-first axis."""
     if grid not in GRIDS:
         raise ConfigError(f"unknown grid {grid!r}; choose from: {', '.join(GRIDS)}")
@@ -216,6 +230,15 @@ def _grid(spec: SpeculationConfig, grid: str, rules: tuple[str, ...], draft_leng
                         fly_point(base, f"fly W{windows[0]} p>={floor:g}", order, threshold, windows[0], floor)
                     )
         found.append(fly_point(base, "fly bare", 0, 0.3, windows[0], bare=True))
+        if sampled:  # FLy's other base rules at T > 0, compared with the coupled one on the same prompts and seeds
+            others = ["two-sample"] + ["rejection"] * (base.drafter in DISTRIBUTION_DRAFTERS)
+            for rule in others:
+                for order, threshold in enumerate((0.3,) if quick else (1.0, 0.6, 0.3)):
+                    found.append(
+                        fly_point(
+                            base, f"fly W{windows[0]} {rule}", order, threshold, windows[0], temperature_rule=rule
+                        )
+                    )
         # vLLM 0.33's native rule (no guards): what `rejection_sample_method: "fly"` runs, deployable without flyspec
         for order, threshold in enumerate((0.3,) if quick else NATIVE_THRESHOLDS):
             found.append(

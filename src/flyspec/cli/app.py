@@ -10,6 +10,7 @@ import gc
 import importlib
 import json
 import logging
+import secrets
 import shlex
 import sys
 from collections.abc import Callable
@@ -88,7 +89,12 @@ def _add_generate_parser(commands: argparse._SubParsersAction) -> None:
     sampling.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     sampling.add_argument("--top-k", type=int, default=0, help="0 = off")
     sampling.add_argument("--top-p", type=float, default=1.0, help="1 = off")
-    sampling.add_argument("--seed", type=int, help="random seed for sampling (T>0)")
+    sampling.add_argument(
+        "--seed",
+        type=int,
+        help="random seed for sampling (T>0): it names the text, drafts or not (exact verification); default: a "
+        "fresh one, shared with --compare's plain run and printed with --json",
+    )
     sampling.add_argument(
         "--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, help=f"default {DEFAULT_MAX_NEW_TOKENS}"
     )
@@ -194,6 +200,8 @@ def _generate(args: argparse.Namespace) -> int:
         print(f"[profile] {decoder.profile.describe()}", file=sys.stderr)
     baseline = None
     device = decoder.device
+    if args.seed is None and not sampling.greedy:  # one seed for both runs: it decides the text (sampling/coupled.py)
+        args.seed = secrets.randbits(63)
     if args.compare:
         plain = PlainDecoder(decoder.target, decode)
         plain.generate(args.prompt, use_chat=args.use_chat, config=DecodeConfig(max_new_tokens=4))  # warm-up
@@ -204,6 +212,13 @@ def _generate(args: argparse.Namespace) -> int:
             print(piece, end="", flush=True)
     result = stream.result
     assert result is not None
+    if result.stats.exact_outside_sampling_range and not args.json:
+        measured = result.stats.exact_outside_sampling_range
+        print(
+            f"[profile] {spec.verifier}'s setting was measured at {measured}, and this generation samples at "
+            f"{sampling.temperature:g} (top-p {sampling.top_p:g}, top-k {sampling.top_k}): verified exactly (lossless)",
+            file=sys.stderr,
+        )
     record = _record(args, spec, decoder.target, result, baseline, decoder.draft_length_policy)
     record["profile"] = decoder.profile.path if decoder.profile is not None else None
     if args.json:
@@ -243,6 +258,9 @@ def _record(
         "draft_length": draft_length,  # the policy that ran (auto decided)
         "speculative_config": spec.to_dict(),
         "temperature": args.temperature,
+        "top_k": args.top_k,
+        "top_p": args.top_p,
+        "seed": args.seed,
         "num_prompt_tokens": len(result.prompt_token_ids),
         "finish_reason": result.finish_reason,
         **stats.to_dict(),
@@ -282,6 +300,14 @@ def _identity(record: dict[str, Any]) -> str:
         return "yes"
     if record["num_loose_accepts"]:
         return f"no ({record['num_loose_accepts']} loose accepts: a lossy verifier's output may differ)"
+    sampled_drafts = record["drafter"] in ("draft-model", "multilevel", "stack", "layer-skip")
+    if record["temperature"] > 0 and (
+        record["verifier"] == "block" or record["verifier"] == "rejection" and sampled_drafts
+    ):
+        return (
+            f"no, with no loose accept: {record['verifier']} commits another sample of the target's distribution "
+            "than plain sampling's (--verifier exact commits plain sampling's text for the seed)"
+        )
     if record["dtype"] != "float32":
         return (
             f"no, with no loose accept: {record['dtype']} rounds the batched verification forward differently "

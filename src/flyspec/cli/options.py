@@ -18,6 +18,7 @@ from flyspec.config import (
     DEFAULT_DEVICE,
     DEFAULT_DTYPE,
     ConfigError,
+    SamplingConfig,
     SpeculationConfig,
     check_device,
 )
@@ -84,6 +85,47 @@ def add_model_options(parser: argparse.ArgumentParser, *, chat: bool = True) -> 
             help="apply the chat template (default when the model has one)",
         )
         group.add_argument("--no-chat", dest="use_chat", action="store_false", help="feed the prompt as raw text")
+
+
+def add_sampling_options(parser: argparse.ArgumentParser, *, several: bool = False) -> None:
+    """--temperature (a comma list with ``several``), --top-p, --top-k and --seeds: the sampling every output of
+    ``eval`` / ``calibrate`` is decoded with, plain decoding and each method with the same seed (coupled:
+    ``sampling/coupled.py``)."""
+    group = parser.add_argument_group("sampling (default greedy)")
+    temperature = "comma-separated temperatures, each measured (e.g. 0,0.7,1)" if several else "the temperature"
+    group.add_argument(
+        "--temperature",
+        default="0",
+        help=f"{temperature}; 0 = greedy (default). At T > 0 every output is compared with plain sampling's of the "
+        "same seed, which a lossless method reproduces token for token",
+    )
+    group.add_argument("--top-p", type=float, default=1.0, help="nucleus filter at T > 0 (1 = off, default)")
+    group.add_argument("--top-k", type=int, default=0, help="top-k filter at T > 0 (0 = off, default)")
+    group.add_argument(
+        "--seeds",
+        type=int,
+        default=1,
+        help="at T > 0, decode each prompt under seeds 0 .. S-1 (default 1); rates are judged with prompts as "
+        "clusters, so more seeds tighten a bound only as far as a prompt's seeds disagree",
+    )
+
+
+def sampling_configs(args: argparse.Namespace) -> list[SamplingConfig]:
+    """The sampling configurations of ``--temperature`` (one per listed temperature), ``--top-p`` and ``--top-k``;
+    a bad value is a :class:`ConfigError` naming the flag."""
+    try:
+        temperatures = [float(part) for part in str(args.temperature).split(",") if part.strip()]
+    except ValueError as error:
+        raise ConfigError(
+            f"--temperature must be a number or a comma-separated list (got {args.temperature!r})"
+        ) from error
+    if not temperatures:
+        raise ConfigError("--temperature needs a value; 0 is greedy")
+    if len(set(temperatures)) != len(temperatures):
+        raise ConfigError(f"--temperature lists a value twice ({args.temperature})")
+    if args.seeds < 1:
+        raise ConfigError(f"--seeds must be >= 1 (got {args.seeds})")
+    return [SamplingConfig(temperature, args.top_k, args.top_p) for temperature in sorted(temperatures)]
 
 
 def engine_options(args: argparse.Namespace, specs: Iterable[SpeculationConfig] = ()) -> dict[str, Any]:

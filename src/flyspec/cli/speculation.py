@@ -11,7 +11,7 @@ from typing import Any
 
 from flyspec.config import PROTECT_CLASSES, ConfigError, SpeculationConfig
 from flyspec.config.names import DRAFT_LENGTH_POLICIES, DRAFTERS, VERIFIER_SUMMARIES, VERIFIERS
-from flyspec.config.rules import CASCADE_RULES, FSD_DIVERGENCES
+from flyspec.config.rules import CASCADE_RULES, FLY_TEMPERATURE_RULES, FSD_DIVERGENCES
 
 # Defaults are SpeculationConfig's (config/speculation.py); a flag left out keeps the --speculative-config value.
 _DEFAULT = SpeculationConfig()
@@ -62,7 +62,7 @@ def add_speculation_options(parser: argparse.ArgumentParser, *, components: bool
     )
     spec.add_argument(
         "--fly-temperature-rule",
-        choices=("rejection", "two-sample"),
+        choices=FLY_TEMPERATURE_RULES,
         help=f"FLy base rule at T>0 (default {_DEFAULT.fly.temperature_rule})",
     )
     spec.add_argument(

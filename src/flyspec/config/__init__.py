@@ -40,6 +40,7 @@ from flyspec.config.speculation import (
     DecodeConfig,
     GuardConfig,
     SamplingConfig,
+    SamplingRange,
     SpeculationConfig,
     check_device,
 )
@@ -73,6 +74,7 @@ __all__ = [
     "NgramCacheConfig",
     "NgramConfig",
     "SamplingConfig",
+    "SamplingRange",
     "SpeculationConfig",
     "TypicalConfig",
     "check_device",

@@ -13,6 +13,7 @@ from flyspec.config.mapping import ConfigError as ConfigError  # re-exported: ra
 from flyspec.config.mapping import require as _require
 
 FLY_VARIANTS = ("flyspec", "vllm")  # FlyConfig.variant: the reference code's window, or vLLM 0.33's native rule
+FLY_TEMPERATURE_RULES = ("coupled", "rejection", "two-sample")  # FlyConfig.temperature_rule: the base rule at T > 0
 
 
 @dataclass(frozen=True)
@@ -20,9 +21,10 @@ class FlyConfig:
     """FLy loose acceptance (arXiv 2511.22972). See ``verifiers/fly.py`` for the exact rule.
 
     ``window_size=0`` (no deferred window) and ``entropy_threshold=0`` (no entropy gate) are the
-    paper's ablations. ``temperature_rule`` picks how T>0 is handled: ``"rejection"`` applies the
-    gate and window over speculative rejection sampling; ``"two-sample"`` is the reference code's
-    rule (see ``verifiers/fly.py``). ``variant``: ``"flyspec"`` (the reference code's window: the
+    paper's ablations. ``temperature_rule`` picks how T>0 is handled: ``"coupled"`` judges the draft
+    against the target's coupled sample (plain sampling's token for the seed: ``sampling/coupled.py``);
+    ``"rejection"`` applies the gate and window over speculative rejection sampling; ``"two-sample"`` is
+    the reference code's rule (see ``verifiers/fly.py``). ``variant``: ``"flyspec"`` (the reference code's window: the
     ``W - 1`` draft tokens after a mismatch must match) or ``"vllm"`` (vLLM 0.33's native FLy: the ``W``
     tokens after it must match, the draft token needs a non-zero probability under the distribution the
     target samples from, and at T > 0 the entropy is that distribution's).
@@ -31,7 +33,7 @@ class FlyConfig:
     window_size: int = 6
     entropy_threshold: float = 0.3
     entropy_top_k: int = 3
-    temperature_rule: str = "rejection"
+    temperature_rule: str = "coupled"  # FLY_TEMPERATURE_RULES
     # a floor on the draft token's own target probability (temperature 1, full vocabulary): the FLy pull
     # request on vLLM (#53987) asks for a non-zero one; a calibration may find a higher one worth its τ
     min_draft_prob: float = 0.0
@@ -43,8 +45,9 @@ class FlyConfig:
             self.variant in FLY_VARIANTS, f"fly variant must be one of {', '.join(FLY_VARIANTS)} (got {self.variant!r})"
         )
         _require(
-            self.variant != "vllm" or (self.window_size >= 1 and self.temperature_rule == "rejection"),
-            "the vllm variant needs window_size >= 1 and temperature_rule 'rejection' (as vLLM's native FLy)",
+            self.variant != "vllm" or (self.window_size >= 1 and self.temperature_rule != "two-sample"),
+            "the vllm variant needs window_size >= 1 and temperature_rule 'coupled' or 'rejection' (vLLM's native "
+            "FLy at T > 0 is 'rejection')",
         )
         _require(
             0 <= self.min_draft_prob < 1,
@@ -56,8 +59,8 @@ class FlyConfig:
         )
         _require(self.entropy_top_k >= 2, f"entropy_top_k must be >= 2 (got {self.entropy_top_k})")
         _require(
-            self.temperature_rule in ("rejection", "two-sample"),
-            f"temperature_rule must be 'rejection' or 'two-sample' (got {self.temperature_rule!r})",
+            self.temperature_rule in FLY_TEMPERATURE_RULES,
+            f"temperature_rule must be one of {', '.join(FLY_TEMPERATURE_RULES)} (got {self.temperature_rule!r})",
         )
 
 

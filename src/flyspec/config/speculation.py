@@ -67,6 +67,59 @@ class SamplingConfig:
         return self.temperature < GREEDY_BELOW
 
 
+@dataclass(frozen=True)
+class SamplingRange:
+    """Where a lossy setting's quality was measured: the sampling of the calibration profile that chose it. Its loose
+    accepts apply to generations decoded inside the range; outside it they are verified exactly (``exact``), since
+    its quality bounds say nothing there. ``measured=False`` (the default, no profile): anywhere.
+
+    ``greedy``: greedy decoding was measured; ``temperature``: the lowest and highest temperature above 0 measured
+    (``(0, 0)``: none), every temperature between them taken as measured; ``top_p`` / ``top_k``: the filters measured,
+    each as given (a request with another filter is outside).
+    """
+
+    measured: bool = False
+    greedy: bool = True
+    temperature: tuple[float, float] = (0.0, 0.0)
+    top_p: tuple[float, ...] = (1.0,)
+    top_k: tuple[int, ...] = (0,)
+
+    @classmethod
+    def of(cls, samplings: Sequence[SamplingConfig]) -> SamplingRange:
+        """The range a calibration measured ``samplings`` over (the filters of the sampled ones)."""
+        sampled = [sampling for sampling in samplings if not sampling.greedy]
+        temperatures = [sampling.temperature for sampling in sampled]
+        return cls(
+            measured=True,
+            greedy=any(sampling.greedy for sampling in samplings),
+            temperature=(min(temperatures), max(temperatures)) if temperatures else (0.0, 0.0),
+            top_p=tuple(sorted({sampling.top_p for sampling in sampled})) or (1.0,),
+            top_k=tuple(sorted({sampling.top_k for sampling in sampled})) or (0,),
+        )
+
+    def covers(self, sampling: SamplingConfig) -> bool:
+        """Whether a generation decoded with ``sampling`` is inside the measured range."""
+        if not self.measured:
+            return True
+        if sampling.greedy:
+            return self.greedy
+        low, high = self.temperature
+        inside = high > 0 and low - 1e-9 <= sampling.temperature <= high + 1e-9
+        return inside and any(abs(sampling.top_p - p) < 1e-9 for p in self.top_p) and sampling.top_k in self.top_k
+
+    def describe(self) -> str:
+        """``greedy``, ``T 0.7-1``, ``greedy and T 0.7 (top-p 0.95)``; ``any sampling`` unmeasured."""
+        if not self.measured:
+            return "any sampling"
+        parts = ["greedy"] if self.greedy else []
+        low, high = self.temperature
+        if high > 0:
+            sampled = f"T {low:g}" if low == high else f"T {low:g}-{high:g}"
+            filters = [f"top-p {p:g}" for p in self.top_p if p < 1] + [f"top-k {k}" for k in self.top_k if k]
+            parts.append(sampled + (f" ({', '.join(filters)})" if filters else ""))
+        return " and ".join(parts)
+
+
 PROTECT_CLASSES = ("digits", "names", "identifiers")
 
 
@@ -240,6 +293,8 @@ class SpeculationConfig:
     lenience: LenienceConfig = field(default_factory=LenienceConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
+    # where the lossy settings' quality was measured (a profile's sampling): outside it a generation is verified exactly
+    sampling_range: SamplingRange = field(default_factory=SamplingRange)
     # a calibration profile (``flyspec calibrate``, ``profiles/profile.py``): a JSON file, "auto" (the one flyspec ships
     # for this model, drafter and dtype, used when a lossy verifier runs with its default settings) or "none"
     profile: str = PROFILE_AUTO

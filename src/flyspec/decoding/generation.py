@@ -21,6 +21,7 @@ from flyspec.decoding.stopping import Stopper
 from flyspec.decoding.streaming import GenerationStream, Step
 from flyspec.runtime.loaded_model import LoadedModel
 from flyspec.runtime.target import Target
+from flyspec.sampling.coupled import CoupledNoise, Draws
 from flyspec.sampling.sampler import same_device
 from flyspec.types import Draft, Verdict
 
@@ -57,6 +58,7 @@ class Generation:
     prompt_ids: list[int]
     config: DecodeConfig
     generator: torch.Generator | None  # seeds sampling (T>0); greedy decoding draws nothing
+    noise: CoupledNoise | None  # T>0: the coupled noise, keyed by one draw of the generator (sampling/coupled.py)
     stopper: Stopper
     draft_length: DraftLength | None = None  # speculative decoding only
     stats: DecodeStats = field(default_factory=DecodeStats)
@@ -68,6 +70,10 @@ class Generation:
     @property
     def finished(self) -> bool:
         return self.stopper.finished
+
+    def draws(self) -> Draws | None:
+        """The next step's random numbers (T > 0), from the next position on; None when greedy."""
+        return None if self.noise is None else Draws(self.noise, len(self.token_ids), self.generator)
 
     def draft_budget(self) -> tuple[int, int]:
         """(draft length asked for, tokens that may be drafted): never past the length limit,
@@ -123,7 +129,9 @@ class Decoder:
         """Iterate the returned stream for text pieces; its ``result`` is set at the end.
 
         ``generator`` seeds sampling (T>0); greedy decoding draws no random numbers. It must be on
-        the target's device: ``make_generator(seed, decoder.device)``.
+        the target's device: ``make_generator(seed, decoder.device)``. One number is drawn from it when the
+        generation starts, the key of every sampled token's noise (``sampling/coupled.py``): a generator made
+        with a seed names one text, whatever the speculation, and one reused gives each generation a new text.
         """
         config = config or self.config
         if generator is not None and not same_device(generator.device, self.device):
@@ -133,7 +141,9 @@ class Decoder:
             )
         prompt_ids = encode(self.target, prompt, use_chat)
         stopper = make_stopper(self.target, config, len(prompt_ids))
-        generation = Generation(prompt_ids, config, generator, stopper, self.new_draft_length(config.sampling.greedy))
+        noise = None if config.sampling.greedy else CoupledNoise.draw(generator, self.device)
+        draft_length = self.new_draft_length(config.sampling.greedy)
+        generation = Generation(prompt_ids, config, generator, noise, stopper, draft_length)
         return GenerationStream(self._steps(generation), generation.stopper, generation.stats, prompt_ids)
 
     def new_draft_length(self, greedy: bool = True) -> DraftLength | None:

@@ -13,7 +13,7 @@ import torch
 
 from flyspec.decoding.generation import Decoder, Generation
 from flyspec.decoding.streaming import Step
-from flyspec.sampling.sampler import choose_tokens
+from flyspec.sampling.coupled import choose_tokens
 
 
 class PlainDecoder(Decoder):
@@ -21,11 +21,11 @@ class PlainDecoder(Decoder):
 
     def _steps(self, generation: Generation) -> Iterator[Step]:
         self._prefill(generation)
-        token_ids, sampling, generator = generation.token_ids, generation.config.sampling, generation.generator
+        token_ids, sampling = generation.token_ids, generation.config.sampling
         no_draft = torch.empty(0, dtype=torch.long, device=self.device)
         while not generation.finished:
             with generation.stats.timing("target", self.device):
                 logits = self.scorer.score(token_ids[-1], no_draft)  # [1, vocab]
-            committed = generation.commit([int(choose_tokens(logits[0], sampling, generator))])
+            committed = generation.commit([int(choose_tokens(logits, sampling, generation.draws())[0])])
             self.scorer.rollback(token_ids)
             yield committed, ()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator
 
-from flyspec.config import DecodeConfig, SpeculationConfig
+from flyspec.config import DecodeConfig, SamplingConfig, SpeculationConfig
 from flyspec.config.names import COPY_DRAFTERS
 from flyspec.decoding.breaker import CircuitBreaker
 from flyspec.decoding.draft_length import DraftLength, decoder_policy, new_draft_length, resolve_policy
@@ -25,6 +25,7 @@ from flyspec.runtime.loaded_model import LoadedModel
 from flyspec.runtime.step_cost import StepCost
 from flyspec.types import Draft, VerifyContext
 from flyspec.verifiers.base import Verifier
+from flyspec.verifiers.exact import ExactVerifier
 from flyspec.verifiers.guard import prepare as prepare_guards
 from flyspec.verifiers.registry import check_draft_length
 from flyspec.verifiers.tokens import vocabulary_of
@@ -57,6 +58,7 @@ class SpeculativeDecoder(Decoder):
             speculation.draft_length, verifier.lossless, drafter.name, step_cost, self.config.sampling.greedy
         )
         check_draft_length(verifier, speculation)  # FLy needs window_size + 1 draft tokens
+        self.exact = ExactVerifier()  # where the lossy settings' sampling range does not cover a generation
 
     @classmethod
     def build(
@@ -86,14 +88,24 @@ class SpeculativeDecoder(Decoder):
         copies = self.drafter.name in COPY_DRAFTERS  # a copy costs nothing per token: propose all, cut later
         return new_draft_length(config, speculation.num_draft_tokens, verifier.min_draft_tokens, self.step_cost, copies)
 
+    def verifier_for(self, sampling: SamplingConfig) -> Verifier:
+        """The verifier of a generation decoded with ``sampling``: this decoder's, or ``exact`` where its lossy settings
+        were measured at other sampling (``SpeculationConfig.sampling_range``: a calibration profile's)."""
+        if self.verifier.lossless or self.speculation.sampling_range.covers(sampling):
+            return self.verifier
+        return self.exact
+
     def _steps(self, generation: Generation) -> Iterator[Step]:
-        sampling, generator, stats = generation.config.sampling, generation.generator, generation.stats
+        sampling, stats = generation.config.sampling, generation.stats
+        verifier = self.verifier_for(sampling)
+        if verifier is not self.verifier:  # said once, in the stats (the CLI's line, the server's usage field)
+            stats.exact_outside_sampling_range = self.speculation.sampling_range.describe()
         device = self.device  # every tensor of a step lives on the target's device
         self.drafter.reset(generation.prompt_ids)
         self._prefill(generation)
         token_ids = generation.token_ids  # grows in place as tokens are committed
         breaker = CircuitBreaker.of(self.speculation.breaker, stats)  # a profile's: strict once loosening runs wild
-        state = self.verifier.new_state()  # the rule's, for this generation only (adasd's running means)
+        state = verifier.new_state()  # the rule's, for this generation only (adasd's running means)
         vocabulary = vocabulary_of(self.target)
         context = VerifyContext(token_ids, len(generation.prompt_ids), vocabulary, breaker=breaker, rule_state=state)
         # The first token comes from the prefill's logits alone, as in vLLM: no draft is scored before it (the
@@ -105,12 +117,13 @@ class SpeculativeDecoder(Decoder):
                 # draft: up to k tokens after the committed ones
                 requested: int | None = None  # the draft-length policy's request (none for the first step)
                 draft, drafting_started = Draft.empty(device), stats.draft_time_s
+                draws = generation.draws()  # T > 0: the coupled noise from the next position on, for both
                 if not first:
                     requested, budget = generation.draft_budget()
                     if budget > 0:
                         with stats.timing("draft", device):
                             # a no-op unless a draft model sits on another device than the target
-                            draft = self.drafter.propose(token_ids, budget, sampling, generator).to(device)
+                            draft = self.drafter.propose(token_ids, budget, sampling, draws).to(device)
                     # the draft-length policy may verify fewer (cost-aware: the most tokens per second)
                     draft, requested = generation.to_verify(draft, stats.draft_time_s - drafting_started, requested)
                 first = False
@@ -118,7 +131,7 @@ class SpeculativeDecoder(Decoder):
                 with stats.timing("target", device):
                     target_logits = self.scorer.score(token_ids[-1], draft.tokens)  # [k + 1, vocab]
                 # verify: accepted prefix + one recovered or bonus token
-                verdict = self.verifier.verify(draft, target_logits, sampling, generator, context)
+                verdict = verifier.verify(draft, target_logits, sampling, draws, context)
                 # commit up to the first stop condition, then roll both caches back to what was committed
                 committed = generation.commit(verdict.tokens, verdict, draft.num_tokens, requested)
                 self.scorer.rollback(token_ids)

@@ -36,6 +36,9 @@ class DecodeStats:
     loose_accepts: list[dict[str, Any]] = field(default_factory=list)
     guard_vetoes: dict[str, int] = field(default_factory=dict)  # trust guard → loose accepts it refused
     breaker_tripped_at: int | None = None  # output index where the circuit breaker turned loose acceptance off
+    # the lossy settings' measured sampling, when this generation was decoded outside it and so verified exactly
+    # (config.SamplingRange: a profile's loose accepts hold only where it measured them); None: as configured
+    exact_outside_sampling_range: str | None = None
 
     @contextmanager
     def timing(
@@ -132,6 +135,7 @@ class DecodeStats:
             "loose_accepts_by_source": self.loose_accepts_by_source,
             "guard_vetoes": dict(sorted(self.guard_vetoes.items())),
             "breaker_tripped_at": self.breaker_tripped_at,
+            "exact_outside_sampling_range": self.exact_outside_sampling_range,
             "wall_time_s": self.wall_time_s,
             "time_to_first_token_s": self.time_to_first_token_s,
             "prefill_time_s": self.prefill_time_s,

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
 
-import torch
-
 from flyspec.config import SamplingConfig
+from flyspec.sampling.coupled import Draws
 from flyspec.types import Draft
 
 
@@ -32,7 +31,7 @@ class Drafter(Protocol):
         token_ids: list[int],  # every committed token: prompt + generated
         num_draft_tokens: int,
         sampling: SamplingConfig,
-        generator: torch.Generator | None,
+        draws: Draws | None,
     ) -> Draft: ...
 
     def rollback(self, num_committed: int) -> None: ...

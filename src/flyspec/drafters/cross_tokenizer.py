@@ -57,6 +57,7 @@ from transformers import PreTrainedTokenizerBase
 from flyspec.config import ConfigError, SamplingConfig
 from flyspec.drafters.base import Drafter
 from flyspec.runtime.detokenize import REPLACEMENT_CHARACTER, CommittedText, TextCodec
+from flyspec.sampling.coupled import TRANSLATED, Draws
 from flyspec.types import MODEL, Draft
 
 MAX_ANCHOR_TRIES = 4  # cut points tried before a draft-side update re-encodes the whole text
@@ -198,7 +199,7 @@ class CrossTokenizerDrafter:
         token_ids: list[int],  # every committed target token: prompt + generated
         num_draft_tokens: int,
         sampling: SamplingConfig,
-        generator: torch.Generator | None,
+        draws: Draws | None,
     ) -> Draft:
         self.num_steps += 1
         sequence = self._sync(token_ids)
@@ -206,7 +207,9 @@ class CrossTokenizerDrafter:
             self.num_empty_drafts += 1
             return Draft.empty(self.device)
         # the inner draft's probabilities are over the draft vocabulary: dropped (module docstring)
-        drafted = self.inner.propose(sequence, self._num_inner_tokens(num_draft_tokens), sampling, generator)
+        # the draft model's positions are not the target's: at T > 0 it samples with noise of its own key
+        inner_draws = None if draws is None else Draws(draws.noise.derived(TRANSLATED), len(sequence), draws.generator)
+        drafted = self.inner.propose(sequence, self._num_inner_tokens(num_draft_tokens), sampling, inner_draws)
         self._inner_sequence = sequence + drafted.tokens.tolist()
         self.num_draft_tokens += drafted.num_tokens
         text_ids = cut_at_special(drafted.tokens.tolist(), self.draft_codec.special_ids)

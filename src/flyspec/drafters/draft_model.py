@@ -2,22 +2,24 @@
 
 ``draft-model``: a smaller model with the target's tokenizer proposes tokens one forward at a
 time from its own KV cache (rolled back after each verification). Greedy (T=0) it drafts its
-argmax; at T>0 it samples from its own filtered distribution and returns those probabilities,
-so rejection sampling stays lossless. With a ``confidence_threshold`` it stops drafting once its
-own top probability falls below it (the token it was unsure of is still proposed).
+argmax; at T>0 it samples from its own filtered distribution with the target's coupled noise
+(``sampling/coupled.py``: the same noise at the same position), so it proposes the target's own sample
+wherever the two distributions are close, and returns those probabilities, so rejection sampling stays
+lossless. With a ``confidence_threshold`` it stops drafting once its own top probability falls below it
+(the token it was unsure of is still proposed).
 
 Multi-level (FLy §"multi-level acceleration", generalised as in Hierarchical Speculative
 Decoding): the draft model is itself sped up by a ``proposer`` below it — an n-gram lookup, or
 another drafter. Each round the proposer offers up to ``num_proposal_tokens`` tokens, the draft
-model checks them in *one* forward (exact match greedy; rejection sampling at T>0, against the
-proposer's probabilities or one-hot ones) and adds its own next token; rounds repeat until ``k``
-draft tokens exist. The draft is distributed exactly as the plain draft model's (greedy:
-identical tokens), in fewer forwards. A proposer can itself have a proposer: that is a stack.
+model checks them in *one* forward (exact match against its own choices: its argmax greedy, its coupled
+sample at T>0) and adds its own next token; rounds repeat until ``k`` draft tokens exist. The draft is the
+plain draft model's, token for token (greedy, and at T>0 for the same seed), in fewer forwards. A proposer
+can itself have a proposer: that is a stack.
 
 Devices: the draft model drafts on its own device (proposals are moved there) and the decoder moves
 the draft to the target's. Loaded through a ``Resources`` every model sits on the target's device;
 a draft model placed elsewhere by the caller works for greedy decoding, while sampling (T>0) needs
-it on the target's device, since random numbers come from one generator on the target's device.
+it on the target's device, where the coupled noise is drawn.
 """
 
 from __future__ import annotations
@@ -32,13 +34,8 @@ from flyspec.drafters.base import Drafter
 from flyspec.drafters.ngram import NgramDrafter
 from flyspec.runtime.cached_model import CachedModel
 from flyspec.runtime.loaded_model import LoadedModel
-from flyspec.sampling.acceptance import (
-    draft_probs_or_one_hot,
-    num_leading_true,
-    rejection_accept_mask,
-    rejection_next_token,
-)
-from flyspec.sampling.sampler import logits_to_probs, same_device, uniform
+from flyspec.sampling.coupled import Draws, choose_tokens
+from flyspec.sampling.sampler import logits_to_probs, same_device
 from flyspec.types import MODEL, Draft
 
 
@@ -46,28 +43,20 @@ def check_proposal(
     proposal: Draft,
     logits: torch.Tensor,  # [len(proposal) + 1, vocab]: the draft model's logits for each slot
     sampling: SamplingConfig,
-    generator: torch.Generator | None,
+    draws: Draws | None,  # at T > 0, positioned at the proposal's first token
 ) -> tuple[list[int], torch.Tensor | None]:
-    """The draft model's verdict on a proposal: kept prefix + its own next token, and their probs.
+    """The draft model's verdict on a proposal: kept prefix + its own next token, and (T > 0) their probs.
 
-    At T>0 a proposal without probabilities counts as one-hot, which keeps the result distributed
-    as the draft model's own samples (see ``verifiers/rejection.py``).
+    The model's choice at each slot is its argmax (greedy) or its coupled sample (T > 0): the kept prefix is
+    where the proposal equals those choices, so the result is token for token what the model drafts alone.
     """
-    if sampling.greedy:
-        # the proposal and the model's choices in one device-to-host transfer (one host sync per draft forward)
-        n = proposal.num_tokens
-        host = torch.cat([proposal.tokens.long(), logits.argmax(-1)]).tolist()
-        tokens, choice = host[:n], host[n:]
-        kept = next((i for i in range(n) if tokens[i] != choice[i]), n)
-        return tokens[:kept] + [choice[kept]], None
-    tokens = proposal.tokens.tolist() if proposal.num_tokens else []  # no transfer for an empty proposal
-    model_probs = logits_to_probs(logits, sampling)  # [len + 1, vocab]
-    proposal_probs = draft_probs_or_one_hot(proposal, model_probs.shape[-1])  # [len, vocab]
-    uniforms = uniform((len(tokens),), generator, logits.device)
-    accept = rejection_accept_mask(proposal.tokens, proposal_probs, model_probs, uniforms)
-    kept = num_leading_true(accept)
-    next_token = rejection_next_token(kept, model_probs, proposal_probs, generator)
-    return tokens[:kept] + [next_token], model_probs[: kept + 1]
+    # the proposal and the model's choices in one device-to-host transfer (one host sync per draft forward)
+    n = proposal.num_tokens
+    host = torch.cat([proposal.tokens.long(), choose_tokens(logits, sampling, draws)]).tolist()
+    tokens, choice = host[:n], host[n:]
+    kept = next((i for i in range(n) if tokens[i] != choice[i]), n)
+    model_probs = None if sampling.greedy else logits_to_probs(logits[: kept + 1], sampling)  # [kept + 1, vocab]
+    return tokens[:kept] + [choice[kept]], model_probs
 
 
 def first_unsure(logits: torch.Tensor, threshold: float) -> int | None:
@@ -112,24 +101,25 @@ class DraftModelDrafter:
         token_ids: list[int],
         num_draft_tokens: int,
         sampling: SamplingConfig,
-        generator: torch.Generator | None,
+        draws: Draws | None,
     ) -> Draft:
-        if not sampling.greedy and generator is not None and not same_device(generator.device, self.device):
+        if not sampling.greedy and draws is not None and not same_device(draws.noise.device, self.device):
             raise ConfigError(
-                f"draft model {self.draft_model.name!r} is on {self.device} but the random generator on "
-                f"{generator.device}: at temperature > 0 a draft model must be on the target's device"
+                f"draft model {self.draft_model.name!r} is on {self.device} but the sampling noise on "
+                f"{draws.noise.device}: at temperature > 0 a draft model must be on the target's device"
             )
         sequence = list(token_ids)
         drafted: list[int] = []
         probs: list[torch.Tensor] = []
         distributions: list[torch.Tensor] = []  # [kept, vocab] per forward, with keep_distribution
         while len(drafted) < num_draft_tokens:
-            proposal = self._proposal(sequence, num_draft_tokens - len(drafted) - 1, sampling, generator)
+            proposal = self._proposal(sequence, num_draft_tokens - len(drafted) - 1, sampling, draws)
             pending = sequence[self.cached_model.cached_length :]  # >= 1 token: the cache lags by one
             inputs = torch.cat([torch.tensor(pending, dtype=torch.long, device=self.device), proposal.tokens])
             logits = self.cached_model.forward(inputs, logits_to_keep=proposal.num_tokens + 1)
             self.num_forwards += 1
-            new_tokens, new_probs = check_proposal(proposal, logits, sampling, generator)
+            here = None if draws is None else draws.at(len(sequence))  # the proposal's first position
+            new_tokens, new_probs = check_proposal(proposal, logits, sampling, here)
             self.num_proposal_tokens_kept += len(new_tokens) - 1
             unsure_at = first_unsure(logits[: len(new_tokens)], self.confidence_threshold)
             keep = len(new_tokens) if unsure_at is None else unsure_at + 1
@@ -152,14 +142,12 @@ class DraftModelDrafter:
         tokens = torch.tensor(drafted, dtype=torch.long, device=self.device)
         return Draft(tokens, draft_probs, sources=(MODEL,) * len(drafted), draft_distribution=distribution)
 
-    def _proposal(
-        self, sequence: list[int], room: int, sampling: SamplingConfig, generator: torch.Generator | None
-    ) -> Draft:
+    def _proposal(self, sequence: list[int], room: int, sampling: SamplingConfig, draws: Draws | None) -> Draft:
         """The level below's proposal (at most ``room`` tokens, leaving a slot for the model's own token)."""
         room = min(self.num_proposal_tokens, room)
         if self.proposer is None or room <= 0:
             return Draft.empty(self.device)
-        proposal = self.proposer.propose(sequence, room, sampling, generator).to(self.device)
+        proposal = self.proposer.propose(sequence, room, sampling, draws).to(self.device)
         self.num_proposal_tokens_offered += proposal.num_tokens
         return proposal
 

@@ -53,6 +53,7 @@ from flyspec.drafters.base import Drafter
 from flyspec.drafters.draft_model import DraftModelDrafter
 from flyspec.drafters.skip_view import decoder_layers, skip_view, validate_skip_layers
 from flyspec.runtime.loaded_model import LoadedModel
+from flyspec.sampling.coupled import Draws
 from flyspec.types import Draft
 
 logger = logging.getLogger(__name__)
@@ -312,9 +313,9 @@ class LayerSkipDrafter:
         token_ids: list[int],
         num_draft_tokens: int,
         sampling: SamplingConfig,
-        generator: torch.Generator | None,
+        draws: Draws | None,
     ) -> Draft:
-        return self._ready().propose(token_ids, num_draft_tokens, sampling, generator)
+        return self._ready().propose(token_ids, num_draft_tokens, sampling, draws)
 
     def rollback(self, num_committed: int) -> None:
         self._ready().rollback(num_committed)

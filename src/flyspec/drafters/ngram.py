@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from flyspec.config import NgramConfig, SamplingConfig
+from flyspec.sampling.coupled import Draws
 from flyspec.types import OUTPUT_COPY, PROMPT_COPY, Draft
 
 
@@ -113,7 +114,7 @@ class NgramDrafter:
         token_ids: list[int],
         num_draft_tokens: int,
         sampling: SamplingConfig,
-        generator: torch.Generator | None,
+        draws: Draws | None,
     ) -> Draft:
         config = self.config
         indices, matched = longest_match(

@@ -30,6 +30,7 @@ import torch
 
 from flyspec.config import ConfigError, NgramCacheConfig, NgramConfig, SamplingConfig
 from flyspec.drafters.ngram import copy_sources, longest_match
+from flyspec.sampling.coupled import Draws
 from flyspec.types import CACHE, Draft
 
 logger = logging.getLogger(__name__)
@@ -300,7 +301,7 @@ class NgramCacheDrafter:
         token_ids: list[int],
         num_draft_tokens: int,
         sampling: SamplingConfig,
-        generator: torch.Generator | None,
+        draws: Draws | None,
     ) -> Draft:
         self._num_committed = len(token_ids)
         source, tokens, sources, matched = self._draft(token_ids, num_draft_tokens)

@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
 
 from flyspec.cli.extras import require_extra
-from flyspec.cli.options import add_engine_options, add_model_options, engine_options, vllm_options
+from flyspec.cli.options import (
+    add_engine_options,
+    add_model_options,
+    add_sampling_options,
+    engine_options,
+    sampling_configs,
+    vllm_options,
+)
 from flyspec.cli.speculation import add_speculation_options, speculation_config
 from flyspec.config import ConfigError
 from flyspec.config.names import DRAFTERS
@@ -61,6 +69,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     work.add_argument("--skip-bad-lines", action="store_true", help="skip malformed data lines (with a warning)")
     add_model_options(parser)
     add_engine_options(parser, "plain decoding and every method run")
+    add_sampling_options(parser)
     add_speculation_options(parser, components=False)
     out = parser.add_argument_group("output and statistics")
     out.add_argument("--out", default="eval-results", help="output directory (default eval-results)")
@@ -102,7 +111,12 @@ def _build_config(args: argparse.Namespace) -> Any:
     if not tasks:
         raise ConfigError("no tasks given; use --tasks and/or --task-file")
     cache_dir = None if args.no_cache else Path(args.cache_dir) if args.cache_dir else cache_root() / "eval"
+    samplings = sampling_configs(args)
+    if len(samplings) > 1:
+        raise ConfigError("eval takes one --temperature per run (calibrate measures several)")
     return EvalConfig(
+        sampling=samplings[0],
+        seeds=args.seeds,
         tasks=tuple(tasks),
         methods=tuple(methods),
         out_dir=Path(args.out),
@@ -129,6 +143,7 @@ def _meta(args: argparse.Namespace, config: Any, target: Any, skipped: list[str]
         "drafter": config.speculation.drafter,
         "speculative_config": config.speculation.to_dict(),
         "methods": ", ".join(method.name for method in config.methods),
+        "sampling": {**dataclasses.asdict(config.sampling), "seeds": config.seeds},
         "limit per task": config.limit,
         "skipped data lines": len(skipped),
         "task_metrics": {task.name: list(task.metrics) for task in config.tasks},

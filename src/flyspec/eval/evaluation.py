@@ -6,6 +6,11 @@ Plain decoding's outputs are also cached in ``<cache_dir>/baseline.jsonl`` keyed
 dtype, task, item, prompt, token limit and prompt format, and reused by later runs with the
 same configuration (their timings then come from the run that made them: ``baseline_cached``).
 The loop is item-major (plain, then every method, for one item) so a partial run stays paired.
+
+Sampled (``sampling`` at T > 0), each item is decoded under ``seeds`` seeds (0 .. seeds - 1), plain decoding and
+every method with the same seed: coupled sampling (``sampling/coupled.py``) makes a lossless method's output plain's
+own, so each output is scored against plain's output of the same seed (identical, meaning changed, new loop,
+refusals kept), and the rates are judged with prompts as clusters (``stats.py``).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from flyspec.api import build_decoder
-from flyspec.config import ConfigError, DecodeConfig, SpeculationConfig
+from flyspec.config import ConfigError, DecodeConfig, SamplingConfig, SpeculationConfig
 from flyspec.config.names import DISTRIBUTION_VERIFIERS, LOSSLESS_VERIFIERS, LOSSY_VERIFIERS
 from flyspec.decoding.generation import Decoder
 from flyspec.decoding.plain import PlainDecoder
@@ -34,6 +39,7 @@ from flyspec.harness.vllm_worker import VllmOptions
 from flyspec.profiles import resolve as resolve_profile
 from flyspec.resources import Resources
 from flyspec.runtime.loaded_model import LoadedModel, ServedModel
+from flyspec.sampling.coupled import COUPLED_SAMPLING
 from flyspec.sampling.sampler import make_generator
 from flyspec.verifiers.registry import rule_mapping
 
@@ -64,10 +70,29 @@ class EvalConfig:
     engine: str = "flyspec"  # or "vllm": every method inside vLLM through the plugin, a wave of items at a time
     vllm: VllmOptions = field(default_factory=VllmOptions)
     wave_size: int = 64  # --engine vllm: items per submission (each with plain decoding and every method)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)  # greedy by default
+    seeds: int = 1  # T > 0: each item under seeds 0 .. seeds - 1
 
     def __post_init__(self) -> None:
+        if self.seeds < 1:
+            raise ConfigError(f"--seeds must be >= 1 (got {self.seeds})")
+        if self.sampling.greedy and self.seeds > 1:
+            raise ConfigError("--seeds needs --temperature > 0: greedy decoding draws nothing, every seed is one text")
+        if not self.sampling.greedy:
+            refused = [m.name for m in self.methods if m.engine != "flyspec"] + (
+                ["--engine vllm"] * (self.engine != "flyspec")
+            )
+            if refused:
+                raise ConfigError(
+                    f"{refused[0]} at temperature > 0: vLLM's sampling is not coupled by seed, so its outputs cannot "
+                    "be compared with plain decoding's of the same seed; evaluate sampled on flyspec's engine"
+                )
         if self.engine == "vllm":
             check_vllm_methods(self.methods, self.speculation)
+
+    @property
+    def seed_values(self) -> tuple[int, ...]:
+        return tuple(range(self.seeds))
 
 
 def check_vllm_methods(methods: tuple[Method, ...], speculation: SpeculationConfig) -> None:
@@ -88,8 +113,8 @@ def load_all_items(config: EvalConfig, report: LoadReport) -> dict[str, list[Eva
     return {task.name: load_items(task, config.limit, config.skip_bad_lines, report) for task in config.tasks}
 
 
-def _record_key(task: str, method: str, item_id: str) -> str:
-    return f"{task}\t{method}\t{item_id}"
+def _record_key(task: str, method: str, item_id: str, seed: int = 0) -> str:
+    return f"{task}\t{method}\t{item_id}\t{seed}"
 
 
 class BaselineCache:
@@ -101,10 +126,20 @@ class BaselineCache:
         self.writer = JsonlWriter(self.path, append=True) if self.path else None
 
     @staticmethod
-    def key(target: LoadedModel, task: Task, item_id: str, prompt_ids: list[int], max_new_tokens: int) -> str:
+    def key(
+        target: LoadedModel,
+        task: Task,
+        item_id: str,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        sampling: SamplingConfig | None = None,
+        seed: int = 0,
+    ) -> str:
         fields = [target.name, str(target.dtype), task.name, item_id, max_new_tokens, task.stop, PROMPT_FORMAT]
         if target.device.type != "cpu":  # a GPU rounds differently; CPU keys stay as they were
             fields.append(target.device.type)
+        if sampling is not None and not sampling.greedy:  # greedy keys stay as they were
+            fields += ["sampled", sampling.temperature, sampling.top_k, sampling.top_p, seed, COUPLED_SAMPLING]
         return hashlib.sha256(json.dumps([*fields, prompt_ids]).encode()).hexdigest()
 
     def get(self, key: str) -> dict[str, Any] | None:
@@ -151,6 +186,7 @@ class ItemRun:
     prompt: str
     prompt_ids: list[int]
     plain: Output
+    seed: int = 0  # the seed every output of this run samples with (T > 0)
 
 
 class Evaluation:
@@ -176,7 +212,9 @@ class Evaluation:
         self.cache = BaselineCache(config.cache_dir if session is None else None)
         records_path = config.out_dir / RECORDS_FILE
         self.done = {
-            _record_key(r["task"], r["method"], r["item_id"]) for r in read_records(records_path) if config.resume
+            _record_key(r["task"], r["method"], r["item_id"], r.get("seed", 0))
+            for r in read_records(records_path)
+            if config.resume
         }
         self.writer = JsonlWriter(records_path, append=config.resume)
         self.skipped: list[str] = []  # items that could not run (and why)
@@ -191,7 +229,7 @@ class Evaluation:
 
     @property
     def total_outputs(self) -> int:
-        return sum(len(items) for items in self.items.values()) * (1 + len(self.config.methods))
+        return sum(len(items) for items in self.items.values()) * (1 + len(self.config.methods)) * self.config.seeds
 
     def run(self, progress: Progress | None = None) -> None:
         try:
@@ -211,17 +249,21 @@ class Evaluation:
 
     def _decoders(self, task: Task) -> dict[str, Decoder]:
         max_new_tokens = self._max_new_tokens(task)
-        plain_config = DecodeConfig(max_new_tokens=max_new_tokens, stop_strings=task.stop)
+        sampling = self.config.sampling
+        plain_config = DecodeConfig(max_new_tokens=max_new_tokens, stop_strings=task.stop, sampling=sampling)
         decoders: dict[str, Decoder] = {PLAIN: PlainDecoder(self.loaded, plain_config)}
         for method in self.config.methods:
             if method.engine == "vllm":
                 decoders[method.name] = self._vllm_decoder(method, plain_config)
                 continue
-            decode = DecodeConfig(max_new_tokens=max_new_tokens, stop_strings=task.stop)
+            decode = DecodeConfig(max_new_tokens=max_new_tokens, stop_strings=task.stop, sampling=sampling)
             spec = self.method_spec(method, task)
             decoders[method.name] = build_decoder(self.loaded, spec, decode, resources=self.resources[method.name])
         for decoder in decoders.values():  # warm-up: the first call pays one-off costs
-            decoder.generate("Hello", config=DecodeConfig(max_new_tokens=2), use_chat=self.config.use_chat)
+            warm = DecodeConfig(max_new_tokens=2, sampling=sampling)
+            decoder.generate(
+                "Hello", config=warm, generator=make_generator(0, self.loaded.device), use_chat=self.config.use_chat
+            )
         return decoders
 
     def method_spec(self, method: Method, task: Task) -> SpeculationConfig:
@@ -291,37 +333,44 @@ class Evaluation:
         decoders = self._decoders(task)
         for item in self.items[task.name]:
             prompt = task.prompt(item)
-            try:
-                prompt_ids = self.target.encode_prompt(prompt, self.config.use_chat)
-                plain = self._plain_output(task, item, decoders[PLAIN], prompt_ids)
-            except ConfigError as error:  # e.g. a prompt longer than the model's context window
-                logger.warning("skipping %s %s: %s", task.name, item.id, error)
-                self.skipped.append(f"{task.name} {item.id}: {error}")
-                for _ in range(1 + len(self.config.methods)):
-                    progress(f"{task.name} {item.id} skipped")
-                continue
-            run = ItemRun(task, item, prompt, prompt_ids, plain)
-            self._write(run, None, plain)
-            progress(f"{task.name} {item.id} plain")
-            for method in self.config.methods:
-                if _record_key(task.name, method.name, item.id) not in self.done:
-                    result = decoders[method.name].generate(prompt_ids, generator=make_generator(0, self.loaded.device))
-                    self._write(run, method, Output.of(result))
-                progress(f"{task.name} {item.id} {method.name}")
+            for seed in self.config.seed_values:
+                label = f"{task.name} {item.id}" + (f" seed {seed}" if self.config.seeds > 1 else "")
+                try:
+                    prompt_ids = self.target.encode_prompt(prompt, self.config.use_chat)
+                    plain = self._plain_output(task, item, decoders[PLAIN], prompt_ids, seed)
+                except ConfigError as error:  # e.g. a prompt longer than the model's context window
+                    logger.warning("skipping %s %s: %s", task.name, item.id, error)
+                    self.skipped.append(f"{task.name} {item.id}: {error}")
+                    for _ in range(len(self.config.seed_values) * (1 + len(self.config.methods))):
+                        progress(f"{label} skipped")
+                    break
+                run = ItemRun(task, item, prompt, prompt_ids, plain, seed)
+                self._write(run, None, plain)
+                progress(f"{label} plain")
+                for method in self.config.methods:
+                    if _record_key(task.name, method.name, item.id, seed) not in self.done:
+                        generator = make_generator(seed, self.loaded.device)  # plain's seed: coupled (coupled.py)
+                        self._write(
+                            run, method, Output.of(decoders[method.name].generate(prompt_ids, generator=generator))
+                        )
+                    progress(f"{label} {method.name}")
 
-    def _plain_output(self, task: Task, item: EvalItem, decoder: Decoder, prompt_ids: list[int]) -> Output:
-        key = BaselineCache.key(self.loaded, task, item.id, prompt_ids, self._max_new_tokens(task))
+    def _plain_output(
+        self, task: Task, item: EvalItem, decoder: Decoder, prompt_ids: list[int], seed: int = 0
+    ) -> Output:
+        max_new_tokens = self._max_new_tokens(task)
+        key = BaselineCache.key(self.loaded, task, item.id, prompt_ids, max_new_tokens, self.config.sampling, seed)
         entry = self.cache.get(key)
         if entry is not None:
             return Output(**{**entry["output"], "cached": True})
-        output = Output.of(decoder.generate(prompt_ids, generator=make_generator(0, self.loaded.device)))
+        output = Output.of(decoder.generate(prompt_ids, generator=make_generator(seed, self.loaded.device)))
         self.cache.put(key, {"task": task.name, "item_id": item.id, "output": output.__dict__})
         return output
 
     def _write(self, run: ItemRun, method: Method | None, output: Output) -> None:
         """Score one output, compare it with plain decoding's, and append its record."""
         name = method.name if method else PLAIN
-        key = _record_key(run.task.name, name, run.item.id)
+        key = _record_key(run.task.name, name, run.item.id, run.seed)
         if key in self.done:
             return
         score = run.task.score(run.item, output.text)
@@ -329,6 +378,7 @@ class Evaluation:
             "task": run.task.name,
             "task_kind": run.task.kind,
             "item_id": run.item.id,
+            "seed": run.seed,
             "method": name,
             "verifier": method.verifier if method else PLAIN,
             "protect": list(method.protect(run.task.kind)) if method else [],
@@ -385,8 +435,12 @@ class Evaluation:
 
 
 def iter_pairs(records: list[dict[str, Any]]) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
-    """``(plain record, method record)`` for every method output whose item also has a plain record."""
-    plain = {(r["task"], r["item_id"]): r for r in records if r["method"] == PLAIN}
+    """``(plain record, method record)`` for every method output whose item (and seed) also has a plain record."""
+
+    def key(record: dict[str, Any]) -> tuple[str, str, int]:
+        return record["task"], record["item_id"], record.get("seed", 0)
+
+    plain = {key(r): r for r in records if r["method"] == PLAIN}
     for record in records:
-        if record["method"] != PLAIN and (record["task"], record["item_id"]) in plain:
-            yield plain[(record["task"], record["item_id"])], record
+        if record["method"] != PLAIN and key(record) in plain:
+            yield plain[key(record)], record

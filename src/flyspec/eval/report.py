@@ -122,11 +122,27 @@ def guard_table(summary: dict[str, Any]) -> list[str]:
     return lines
 
 
+def sampling_note(sampling: dict[str, Any] | None) -> str:
+    """How the outputs were decoded, and what "plain decoding's output" means then."""
+    if not sampling or sampling["temperature"] < 1e-5:
+        return "Decoding: greedy; every output is compared with plain greedy decoding's."
+    filters = f", top-p {sampling['top_p']:g}" * (sampling["top_p"] < 1) + f", top-k {sampling['top_k']}" * (
+        sampling["top_k"] > 0
+    )
+    return (
+        f"Decoding: sampled at temperature {sampling['temperature']:g}{filters}, {sampling['seeds']} seed(s) per "
+        "prompt; every output is compared with plain sampling's of the same seed (coupled sampling: a lossless "
+        "method's output is plain's, token for token). n counts prompts; rates are judged at their effective size "
+        "with prompts as clusters, and retention resamples prompts (each the mean of its seeds)."
+    )
+
+
 def markdown_report(summary: dict[str, Any], meta: dict[str, Any]) -> str:
     lines = ["# flyspec eval report", ""]
     lines += [f"- {key}: {value}" for key, value in meta.items() if not isinstance(value, dict | list)]
     if meta.get("earlier commands"):
         lines.append("- resumed from: " + "; ".join(f"`{command}`" for command in meta["earlier commands"]))
+    lines += ["", sampling_note(meta.get("sampling"))]
     lines += [
         "",
         "Retention = method score ÷ plain decoding's score on the same items; 95% paired bootstrap "

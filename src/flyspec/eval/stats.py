@@ -16,6 +16,14 @@ Wilson interval
 floor
     With a small model a task's baseline score can be near zero, and a ratio of two tiny numbers
     says nothing. Below ``floor`` no retention is reported, only the absolute scores.
+prompts as clusters
+    Sampled (T > 0) each prompt is decoded under several seeds, and a prompt's outputs are not independent
+    (a prompt where a rule changes one answer tends to change the others). A rate over outputs is then
+    judged at its *effective* size ``n / deff``, the design effect ``deff`` being the ratio of the
+    cluster-robust variance of the rate (the outputs' events summed per prompt) to the binomial one,
+    clamped to [1, outputs per prompt]; with no event at all it is the number of prompts (as if a prompt's
+    seeds were one output), so a seed never buys a tighter bound than a prompt would. One output per prompt
+    (greedy) is ``deff = 1``. Retention's bootstrap resamples prompts, each with the mean of its seeds.
 """
 
 from __future__ import annotations
@@ -143,9 +151,10 @@ class Rate:
         return asdict(self)
 
 
-def wilson_interval(count: int, total: int, confidence: float = 0.95) -> tuple[float, float] | None:
-    """Wilson score interval of the proportion ``count / total``; None when ``total`` is 0."""
-    if not 0 <= count <= total:
+def wilson_interval(count: float, total: float, confidence: float = 0.95) -> tuple[float, float] | None:
+    """Wilson score interval of the proportion ``count / total``; None when ``total`` is 0. ``total`` may be an
+    effective size (:func:`effective_size`), ``count`` then the rate times it."""
+    if not 0 <= count <= total + 1e-9:
         raise ValueError(f"count must be in [0, total] (got {count} of {total})")
     if total == 0:
         return None
@@ -157,10 +166,44 @@ def wilson_interval(count: int, total: int, confidence: float = 0.95) -> tuple[f
     return max(0.0, center - half_width), min(1.0, center + half_width)
 
 
-def rate(flags: Sequence[bool], confidence: float = 0.95) -> Rate:
-    """How many of ``flags`` are True, as a count, a rate and its Wilson interval."""
+def rate(flags: Sequence[bool], confidence: float = 0.95, clusters: Sequence[Any] | None = None) -> Rate:
+    """How many of ``flags`` are True, as a count, a rate and its Wilson interval; ``clusters`` (one label per
+    flag: its prompt) judges it at its effective size (module docstring)."""
     count, total = sum(bool(flag) for flag in flags), len(flags)
-    interval = wilson_interval(count, total, confidence)
-    if interval is None:
+    if total == 0:
         return Rate(0, 0, None, None, None)
+    size = total if clusters is None else effective_size(cluster_counts(flags, clusters))
+    interval = wilson_interval(count / total * size, size, confidence)
+    assert interval is not None
     return Rate(count, total, count / total, *interval)
+
+
+def cluster_counts(flags: Sequence[bool], clusters: Sequence[Any]) -> list[tuple[int, int]]:
+    """``(events, outputs)`` per cluster, in first-seen order."""
+    if len(flags) != len(clusters):
+        raise ValueError("one cluster label per flag")
+    counts: dict[Any, list[int]] = {}
+    for flag, cluster in zip(flags, clusters, strict=True):
+        entry = counts.setdefault(cluster, [0, 0])
+        entry[0] += bool(flag)
+        entry[1] += 1
+    return [(events, outputs) for events, outputs in counts.values()]
+
+
+def effective_size(counts: Sequence[tuple[int, int]]) -> float:
+    """The effective number of outputs of a rate over clustered outputs: ``n / deff`` (module docstring)."""
+    total = sum(outputs for _, outputs in counts)
+    if total == 0:
+        return 0.0
+    largest = max(outputs for _, outputs in counts)
+    if largest == 1:
+        return float(total)  # one output per prompt: independent
+    events = sum(events for events, _ in counts)
+    if events in (0, total):  # no variance to estimate a design effect from: a prompt counts once
+        return float(len(counts))
+    share = events / total
+    clusters = len(counts)
+    robust = clusters / (clusters - 1) * sum((e - share * n) ** 2 for e, n in counts) / total**2
+    binomial = share * (1 - share) / total
+    design_effect = min(max(robust / binomial, 1.0), float(largest))
+    return total / design_effect

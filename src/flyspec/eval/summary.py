@@ -31,12 +31,23 @@ def _speed(records: list[dict[str, Any]]) -> float:
     return sum(r["stats"]["num_new_tokens"] for r in records) / seconds if seconds > 0 else 0.0
 
 
+def _prompt(record: dict[str, Any]) -> tuple[str, str]:
+    """The cluster an output belongs to: its prompt (a sampled evaluation decodes each under several seeds)."""
+    return record.get("task", ""), str(record.get("item_id", id(record)))
+
+
 def _retention(
     pairs: list[tuple[dict[str, Any], dict[str, Any]]], metric: str, floor: float, resamples: int
 ) -> dict[str, Any]:
-    """Retention over the items both outputs have a score for (an adversarial prompt without a reference has none)."""
+    """Retention over the items both outputs have a score for (an adversarial prompt without a reference has none);
+    with several seeds per item, each item's scores are the means of its seeds (the bootstrap resamples items)."""
     both = [(p, m) for p, m in pairs if metric in p["scores"] | m["scores"]]
-    scored = [(p["scores"][metric], m["scores"][metric]) for p, m in both]
+    per_prompt: dict[tuple[str, str], list[tuple[float, float]]] = defaultdict(list)
+    for p, m in both:
+        per_prompt[_prompt(m)].append((p["scores"][metric], m["scores"][metric]))
+    scored = [
+        (float(np.mean([a for a, _ in seeds])), float(np.mean([b for _, b in seeds]))) for seeds in per_prompt.values()
+    ]
     result = retention(
         [method for _, method in scored], [plain for plain, _ in scored], floor=floor, resamples=resamples
     ).to_dict()
@@ -57,10 +68,13 @@ def _refusals_kept(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> dict[s
 
 
 def _trust(outputs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Rate, count and Wilson 95% interval of each trust flag (records from before trust.py have none)."""
-    return {
-        name: rate([m["fidelity"][name] for m in outputs if name in m["fidelity"]]).to_dict() for name in TRUST_METRICS
-    }
+    """Rate, count and Wilson 95% interval of each trust flag (records from before trust.py have none), at the
+    effective size of the outputs with prompts as clusters (``stats.py``)."""
+    summary = {}
+    for name in TRUST_METRICS:
+        flagged = [m for m in outputs if name in m["fidelity"]]
+        summary[name] = rate([m["fidelity"][name] for m in flagged], clusters=[_prompt(m) for m in flagged]).to_dict()
+    return summary
 
 
 def _method_summary(
@@ -72,7 +86,9 @@ def _method_summary(
     new_tokens = sum(m["stats"]["num_new_tokens"] for m in outputs)
     forwards = sum(m["stats"]["num_target_forwards"] for m in outputs)
     return {
-        "num_items": len(pairs),
+        "num_items": len({_prompt(m) for m in outputs}),
+        "num_outputs": len(pairs),
+        "seeds": len({m.get("seed", 0) for m in outputs}),
         "lossless": outputs[0]["lossless"],
         "protect": outputs[0]["protect"],
         "scores": scores,

@@ -180,7 +180,7 @@ def _within_file(profile: Profile, spec: SpeculationConfig, done: SpeculationCon
     reasons = looser(limit, done)
     if reasons:
         raise ConfigError(f"these settings are looser than profile {profile.path} allows: {'; '.join(reasons)}")
-    return done
+    return dataclasses.replace(done, sampling_range=profile.sampling_range)  # its loose accepts only where measured
 
 
 def lossy_settings_are_defaults(spec: SpeculationConfig) -> bool:

@@ -47,7 +47,9 @@ def _looser_fly(limit: SpeculationConfig, spec: SpeculationConfig) -> list[str]:
     reasons = _below("entropy_threshold", mine.entropy_threshold, theirs.entropy_threshold)
     reasons += _below("window_size", mine.window_size, theirs.window_size)
     reasons += _below("min_draft_prob", mine.min_draft_prob, theirs.min_draft_prob)
-    for name in ("entropy_top_k", "temperature_rule"):
+    # the base rule at T > 0 matters only where the profile measured sampling
+    names = ("entropy_top_k", "temperature_rule") if limit.sampling_range.temperature[1] > 0 else ("entropy_top_k",)
+    for name in names:
         if getattr(mine, name) != getattr(theirs, name):
             reasons.append(f"fly {name} differs from the profile's")
     return reasons

@@ -2,7 +2,8 @@
 
 A profile is a JSON file: the model's identity (name, a fingerprint of its weights, a fingerprint of
 its tokenizer), the dtype, the drafter (with a layer-skip set pinned, and the draft model's identity),
-the budget, the data and its size, the date, the flyspec version and the machine, the chosen point
+the sampling it was measured at (``sampling``: greedy, temperatures, filters and seeds; a profile without one
+was measured greedy), the budget, the data and its size, the date, the flyspec version and the machine, the chosen point
 (None when no lossy point beat the lossless baseline inside the budget), the best point of each
 rule, the circuit breaker's limit, and the whole frontier. ``profile.json`` in a calibration's output
 directory is one; flyspec ships one per packaged model pair beside this file. How a
@@ -17,7 +18,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from flyspec.config import ConfigError, SpeculationConfig
+from flyspec.config import ConfigError, SamplingConfig, SamplingRange, SpeculationConfig
 from flyspec.config.names import LOSSY_RULE_FIELDS
 from flyspec.runtime.loaded_model import LoadedModel, ServedModel
 
@@ -77,6 +78,12 @@ class Profile:
         return self.record["chosen"]
 
     @property
+    def sampling_range(self) -> SamplingRange:
+        """Where its points were measured (``SamplingRange``): greedy for a profile that says nothing of sampling."""
+        measured = (self.record.get("sampling") or {}).get("measured") or [{}]
+        return SamplingRange.of([SamplingConfig(**sampling) for sampling in measured])
+
+    @property
     def engine(self) -> str:
         """The engine the profile was measured on: ``flyspec`` (its own, the default of older profiles) or ``vllm``."""
         return str((self.record.get("engine") or {}).get("name", "flyspec"))
@@ -113,14 +120,17 @@ class Profile:
         if point is None:
             return None if rule is not None else dataclasses.replace(spec, verifier="exact")
         settings = SpeculationConfig.from_dict(point["speculation"])
-        return dataclasses.replace(spec, **{name: getattr(settings, name) for name in RULE_FIELDS})
+        chosen = {name: getattr(settings, name) for name in RULE_FIELDS}
+        return dataclasses.replace(spec, **chosen, sampling_range=self.sampling_range)
 
     def describe(self) -> str:
         """One line: the chosen point and what it measured (or that none was chosen)."""
         budget = self.record["budget"]
         data = self.record["data"]
         where = f"{self.model['name']} {self.dtype} {self.drafter}, n={data['n']}"
-        where += f", budget {budget['max_meaning_change']:.0%}"
+        where += f", budget {budget['max_meaning_change']:.0%}, {self.sampling_range.describe()}"
+        seeds = (self.record.get("sampling") or {}).get("seeds", 1)
+        where += f" × {seeds} seeds" if seeds > 1 else ""
         chosen = self.chosen
         if chosen is None:
             return f"{self.name} ({where}): no lossy point beat exact inside the budget: exact"

@@ -11,7 +11,8 @@ from collections.abc import Callable
 
 import torch
 
-from flyspec.sampling.sampler import sample
+from flyspec.config import SamplingConfig
+from flyspec.sampling.coupled import RESIDUAL, Draws, choose_tokens
 from flyspec.types import Draft
 
 
@@ -48,6 +49,38 @@ def where_needed(
     return out
 
 
+def exact_match(
+    draft_tokens: torch.Tensor,  # [k]
+    target_logits: torch.Tensor,  # [k + 1, vocab]
+    sampling: SamplingConfig,
+    draws: Draws | None,
+    prefix_only: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``([k] bool, [k + 1])``: exact match on the target's own choices (argmax greedy, coupled sample at T > 0),
+    and the choices.
+
+    ``prefix_only`` (a lossless rule: nothing after the first mismatch decides anything): on a CPU at T > 0
+    (:data:`SELECT_ROWS_ON`, where a row's host sync is free) the samples are drawn row by row only through the
+    first mismatch, since each costs a vocabulary of noise; the mask is False and the choices ``-1`` after it."""
+    lazy = prefix_only and not sampling.greedy and target_logits.device.type in SELECT_ROWS_ON
+    if not lazy:
+        target_tokens = choose_tokens(target_logits, sampling, draws)  # [k + 1]
+        return exact_accept_mask(draft_tokens, target_tokens), target_tokens
+    assert draws is not None, "sampling draws"
+    k = draft_tokens.shape[0]
+    drafted = draft_tokens.tolist()
+    choices: list[int] = []
+    for row in range(k + 1):
+        choices.append(int(draws.at(draws.position + row).choose(target_logits[row : row + 1], sampling)[0]))
+        if row == k or choices[row] != drafted[row]:
+            break
+    matched = len(choices) - 1  # rows before the last choice matched
+    accept = torch.arange(k, device=target_logits.device) < matched
+    target_tokens = torch.full((k + 1,), -1, dtype=torch.long, device=target_logits.device)
+    target_tokens[: len(choices)] = torch.tensor(choices, dtype=torch.long, device=target_logits.device)
+    return accept, target_tokens
+
+
 def exact_accept_mask(draft_tokens: torch.Tensor, target_tokens: torch.Tensor) -> torch.Tensor:
     """``[k]`` bool: draft token equals the target's choice at its position (``target_tokens``: ``[k+1]``)."""
     return draft_tokens == target_tokens[: draft_tokens.shape[0]]
@@ -79,12 +112,16 @@ def rejection_next_token(
     position: int,
     target_probs: torch.Tensor,  # [k + 1, vocab]
     draft_probs: torch.Tensor,  # [k, vocab]
-    generator: torch.Generator | None,
+    draws: Draws,
 ) -> int:
-    """Recovered token at a rejected ``position < k`` (residual), bonus token at ``position == k``."""
+    """Recovered token at a rejected ``position < k`` (residual), bonus token at ``position == k``.
+
+    Both are drawn from the residual stream, not the token noise: the draft token at a rejected position was
+    drawn with that position's token noise (the residual must not depend on it), and one drafted past the verified
+    draft may have been drawn at the bonus's. Each position's residual draw is used once: when it is committed."""
     if position == draft_probs.shape[0]:
-        return int(sample(target_probs[position], generator))
-    return int(sample(residual_probs(target_probs[position], draft_probs[position]), generator))
+        return draws.sample(target_probs[position], position, RESIDUAL)
+    return draws.sample(residual_probs(target_probs[position], draft_probs[position]), position, RESIDUAL)
 
 
 def draft_probs_or_one_hot(draft: Draft, vocab_size: int) -> torch.Tensor:

@@ -42,6 +42,8 @@ def usage(result: GenerationResult) -> dict[str, Any]:
         "num_loose_accepts": stats.num_loose_accepts,
         "mean_requested_draft_length": round(stats.mean_requested_draft_length, 4),
         "drafter": this_request_only(stats.drafter),  # draft forwards, n-gram cache hits, skipped layers
+        # set when the request's sampling is outside the profile's measured range: verified exactly (lossless)
+        "exact_outside_sampling_range": stats.exact_outside_sampling_range,
     }
 
 

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
 from flyspec.config import PROTECT_CLASSES
 from flyspec.config.names import DRAFT_LENGTH_POLICIES
-from flyspec.config.rules import CASCADE_RULES, FSD_DIVERGENCES
+from flyspec.config.rules import CASCADE_RULES, FLY_TEMPERATURE_RULES, FSD_DIVERGENCES
 from flyspec.drafters.registry import DRAFTERS
 from flyspec.verifiers.registry import VERIFIERS
 
@@ -100,7 +100,7 @@ class SpeculativeOptions(_Strict):
     num_draft_tokens: Annotated[int, Field(ge=1, le=MAX_DRAFT_TOKENS)] | None = None
     window_size: Annotated[int, Field(ge=0, le=MAX_DRAFT_TOKENS)] | None = None
     entropy_threshold: Annotated[float, Field(ge=0)] | None = None
-    fly_temperature_rule: Literal["rejection", "two-sample"] | None = None
+    fly_temperature_rule: Literal[FLY_TEMPERATURE_RULES] | None = None  # type: ignore[valid-type]
     margin_ratio: Annotated[float, Field(gt=0, lt=1)] | None = None
     typical_epsilon: Annotated[float, Field(gt=0, le=1)] | None = None
     typical_delta: Annotated[float, Field(gt=0, le=1)] | None = None

@@ -42,8 +42,8 @@ from typing import TypeVar
 import torch
 
 from flyspec.config import AdasdConfig, SamplingConfig
-from flyspec.sampling.acceptance import exact_accept_mask, where_needed
-from flyspec.sampling.sampler import choose_tokens
+from flyspec.sampling.acceptance import where_needed
+from flyspec.sampling.coupled import Draws
 from flyspec.types import Draft, Verdict, VerifyContext
 from flyspec.verifiers.base import GREEDY, LooseRule, NextToken, loose_verdict
 from flyspec.verifiers.distributions import divergence, draft_distribution, no_plugin_candidates, target_distribution
@@ -118,19 +118,12 @@ class AdasdVerifier(LooseRule):
     def new_state(self) -> AdasdState:
         return AdasdState()
 
-    def strict(
-        self, draft: Draft, target_logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None
-    ) -> tuple[torch.Tensor, NextToken]:
-        """Exact match against the target's own choice, which is also what follows the accepted prefix."""
-        target_tokens = choose_tokens(target_logits, sampling, generator)  # [k + 1]
-        return exact_accept_mask(draft.tokens, target_tokens), target_tokens
-
     def relax(
         self,
         draft: Draft,
         target_logits: torch.Tensor,  # [k + 1, vocab]
         sampling: SamplingConfig,
-        generator: torch.Generator | None,
+        draws: Draws | None,
         context: VerifyContext | None,
         accept: torch.Tensor,  # [k] bool, the exact rule's acceptance
         next_token: NextToken,

@@ -18,7 +18,8 @@ accepted
     A draft token that is kept. A verifier accepts a prefix ``d_0 .. d_{n-1}``.
 recovered
     The token committed at the first rejected position ``n < k``: the target's argmax (greedy),
-    or a sample from the target / the residual ``max(0, target_probs - draft_probs)``.
+    or its sample there (T > 0: the coupled sample, plain sampling's token for the seed, ``sampling/coupled.py``;
+    rejection sampling of a sampled draft: a sample of the residual ``max(0, target_probs - draft_probs)``).
 bonus
     The target's next token when all ``k`` draft tokens are accepted (from row ``k``).
 loose accept
@@ -46,7 +47,8 @@ number of leading positions its acceptance mask keeps.
 
 A rule is one small file that says only what it accepts (as vLLM's samplers do): a lossless rule subclasses
 :class:`StrictRule` and overrides ``strict`` (its acceptance mask and what follows the accepted prefix) where
-it is not the default (exact match when greedy, rejection sampling at T>0); a lossy rule subclasses
+it is not the default (exact match on the target's own choice: its argmax when greedy, its coupled sample at T > 0,
+``sampling/coupled.py``); a lossy rule subclasses
 :class:`LooseRule` and writes ``candidates`` (the mismatches of the strict rule it would keep, and its measure
 there). :class:`Rule` does the rest: the strict rule, the trust guards, the verdict.
 """
@@ -62,11 +64,12 @@ import torch
 from flyspec.config import GuardConfig, SamplingConfig
 from flyspec.sampling.acceptance import (
     draft_probs_or_one_hot,
-    exact_accept_mask,
+    exact_match,
     rejection_accept_mask,
     rejection_next_token,
 )
-from flyspec.sampling.sampler import logits_to_probs, uniform
+from flyspec.sampling.coupled import ACCEPT, Draws
+from flyspec.sampling.sampler import logits_to_probs
 from flyspec.types import Draft, LooseAccept, Verdict, VerifyContext
 from flyspec.verifiers.guard import guard_loose_mask
 
@@ -103,7 +106,7 @@ class Verifier(Protocol):
         draft: Draft,
         target_logits: torch.Tensor,  # [k + 1, vocab]
         sampling: SamplingConfig,
-        generator: torch.Generator | None,
+        draws: Draws | None,
         context: VerifyContext | None = None,
     ) -> Verdict: ...
 
@@ -160,8 +163,11 @@ def loose_verdict(
     if not positions:
         return replace(verdict, vetoes=vetoes.get(verdict.num_accepted, ()))
     index = torch.tensor(positions, dtype=torch.long, device=target_logits.device)
+    # what the strict rule would have committed there: the target's choices where known (its argmax greedy, its
+    # coupled sample at T > 0: plain decoding's token), else (a residual rule) its argmax
+    wanted = next_token[index] if isinstance(next_token, torch.Tensor) else target_logits[index].argmax(-1)
     # one transfer for every explanation: [2, loose accepts] (float64 holds token ids exactly)
-    explained = torch.stack([target_logits[index].argmax(-1).double(), evidence[index].double()])
+    explained = torch.stack([wanted.double(), evidence[index].double()])
     target_tokens, evidences = explained.tolist()
     loose = tuple(
         LooseAccept(
@@ -180,19 +186,38 @@ def strict_base_rule(
     draft: Draft,
     target_logits: torch.Tensor,  # [k + 1, vocab]
     sampling: SamplingConfig,
-    generator: torch.Generator | None,
+    draws: Draws | None,
+    prefix_only: bool = False,
 ) -> tuple[torch.Tensor, NextToken]:
-    """The lossless rule the lossy verifiers relax: exact match on the argmax when greedy,
-    rejection sampling at T>0. Returns the ``[k]`` acceptance mask and the recovered (residual)
-    or bonus token: the ``[k + 1]`` argmaxes when greedy, ``position -> token`` at T>0."""
-    if sampling.greedy:
-        target_tokens = target_logits.argmax(-1)  # [k + 1]
-        return exact_accept_mask(draft.tokens, target_tokens), target_tokens
+    """The lossless rule the lossy verifiers relax: exact match on the target's own choice, its argmax when greedy
+    and its coupled sample at T > 0 (``sampling/coupled.py``), which is plain sampling's token at that position
+    for the same seed. Returns the ``[k]`` acceptance mask and the ``[k + 1]`` choices (recovered or bonus);
+    ``prefix_only``: only through the first mismatch (``acceptance.exact_match``)."""
+    return exact_match(draft.tokens, target_logits, sampling, draws, prefix_only)
+
+
+def rejection_rule(
+    draft: Draft,
+    target_logits: torch.Tensor,  # [k + 1, vocab]
+    sampling: SamplingConfig,
+    draws: Draws | None,
+    prefix_only: bool = False,
+) -> tuple[torch.Tensor, NextToken]:
+    """Speculative rejection sampling of a sampled draft (``draft_probs``): ``[k]`` acceptance and
+    ``position -> token`` (residual or bonus), every draw keyed by its position (``sampling/coupled.py``).
+
+    Greedy, and for deterministic drafts (one-hot ``draft_probs``), it is :func:`strict_base_rule`: a one-hot
+    draft token is accepted with probability ``target_probs[d]`` by either rule, and the token after a rejection
+    is distributed as the target's without ``d`` by either; exact match against the coupled sample also commits
+    plain sampling's text."""
+    if sampling.greedy or draft.draft_probs is None:
+        return strict_base_rule(draft, target_logits, sampling, draws, prefix_only=prefix_only)
+    assert draws is not None, "sampling draws"
     target_probs = logits_to_probs(target_logits, sampling)  # [k + 1, vocab]
     draft_probs = draft_probs_or_one_hot(draft, target_probs.shape[-1])  # [k, vocab]
-    uniforms = uniform((draft.num_tokens,), generator, target_logits.device)  # [k]
+    uniforms = draws.uniforms(draft.num_tokens, ACCEPT)  # [k]
     accept = rejection_accept_mask(draft.tokens, draft_probs, target_probs, uniforms)
-    return accept, lambda n: rejection_next_token(n, target_probs, draft_probs, generator)
+    return accept, lambda n: rejection_next_token(n, target_probs, draft_probs, draws)
 
 
 class Rule:
@@ -216,29 +241,29 @@ class Rule:
         draft: Draft,
         target_logits: torch.Tensor,  # [k + 1, vocab]
         sampling: SamplingConfig,
-        generator: torch.Generator | None,
+        draws: Draws | None,
     ) -> tuple[torch.Tensor, NextToken]:
         """The ``[k]`` strict acceptance and the recovered or bonus token (:data:`NextToken`): by default
-        :func:`strict_base_rule` (exact match when greedy, rejection sampling at T>0)."""
-        return strict_base_rule(draft, target_logits, sampling, generator)
+        :func:`strict_base_rule` (exact match on the target's argmax, or on its coupled sample at T > 0)."""
+        return strict_base_rule(draft, target_logits, sampling, draws)
 
     def verify(
         self,
         draft: Draft,
         target_logits: torch.Tensor,  # [k + 1, vocab]
         sampling: SamplingConfig,
-        generator: torch.Generator | None,
+        draws: Draws | None,
         context: VerifyContext | None = None,
     ) -> Verdict:
-        accept, next_token = self.strict(draft, target_logits, sampling, generator)
-        return self.relax(draft, target_logits, sampling, generator, context, accept, next_token)
+        accept, next_token = self.strict(draft, target_logits, sampling, draws)
+        return self.relax(draft, target_logits, sampling, draws, context, accept, next_token)
 
     def relax(
         self,
         draft: Draft,
         target_logits: torch.Tensor,  # [k + 1, vocab]
         sampling: SamplingConfig,
-        generator: torch.Generator | None,
+        draws: Draws | None,
         context: VerifyContext | None,
         accept: torch.Tensor,  # [k] bool, the strict acceptance
         next_token: NextToken,
@@ -253,6 +278,16 @@ class StrictRule(Rule):
     @property
     def lossless(self) -> bool:
         return True
+
+    def strict(
+        self,
+        draft: Draft,
+        target_logits: torch.Tensor,  # [k + 1, vocab]
+        sampling: SamplingConfig,
+        draws: Draws | None,
+    ) -> tuple[torch.Tensor, NextToken]:
+        """:func:`strict_base_rule` through the first mismatch: nothing after it decides a lossless verdict."""
+        return strict_base_rule(draft, target_logits, sampling, draws, prefix_only=True)
 
 
 @dataclass(frozen=True)
@@ -271,12 +306,12 @@ class LooseRule(Rule):
         draft: Draft,
         target_logits: torch.Tensor,  # [k + 1, vocab]
         sampling: SamplingConfig,
-        generator: torch.Generator | None,
+        draws: Draws | None,
         context: VerifyContext | None,
         accept: torch.Tensor,  # [k] bool, the strict acceptance
         next_token: NextToken,
     ) -> Verdict:
-        candidates, evidence = self.judge(accept, draft, target_logits, sampling, generator)
+        candidates, evidence = self.judge(accept, draft, target_logits, sampling, draws)
         return loose_verdict(draft, target_logits, accept, candidates, evidence, next_token, self.guard, context)
 
     def judge(
@@ -285,7 +320,7 @@ class LooseRule(Rule):
         draft: Draft,
         target_logits: torch.Tensor,  # [k + 1, vocab]
         sampling: SamplingConfig,
-        generator: torch.Generator | None = None,
+        draws: Draws | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`candidates` of the draft's tokens; a rule that reads more of the draft than its tokens (the draft
         model's distribution: ``names.DISTRIBUTION_VERIFIERS``) or draws at T > 0 (lenience) overrides this."""

@@ -12,9 +12,10 @@ too, but the large model then writes the very same token and the small model dra
 so the output is the same. The loose accepts are the mismatches with ``d_i <= rollback_threshold``.
 
 Base rule: exact match when greedy. At T>0 (flyspec's extension; the paper decodes greedily) the rule relaxes
-rejection sampling: a rejected draft token within the threshold is kept, the others are recovered from the
-residual. BiLD's *fallback* policy (the small model hands over when its own top probability falls below
-``α_FB``) decides how long a draft is, not which tokens to keep: it is not part of this verifier.
+exact match on the target's coupled sample (plain sampling's token for the seed, ``sampling/coupled.py``): a
+mismatching draft token within the threshold is kept, at the others the sample is committed. BiLD's *fallback*
+policy (the small model hands over when its own top probability falls below ``α_FB``) decides how long a draft
+is, not which tokens to keep: it is not part of this verifier.
 """
 
 from __future__ import annotations

@@ -15,7 +15,9 @@ at least as many tokens in expectation while its output is still distributed exa
 
 Written from vLLM 0.32's kernels (``v1/worker/gpu/spec_decode/rejection_sampler_utils.py``: the
 ``USE_BLOCK_VERIFICATION`` branches, ``rejection_sample_method="block"``), which cite the paper. Greedy (T = 0)
-it is exact match, which is what runs (no random numbers are drawn); :func:`block_accepted_length` is the
+it is exact match, which is what runs (no random numbers are drawn). At T > 0 its uniforms and tokens come from the
+generation's ``torch.Generator``, not the position-keyed noise (``sampling/coupled.py``): its text depends on the
+draft length; :func:`block_accepted_length` is the
 statistical test's subject (``tests/test_block_verification.py``: it reproduces the target's distribution).
 """
 
@@ -27,6 +29,7 @@ import torch
 
 from flyspec.config import SamplingConfig
 from flyspec.sampling.acceptance import draft_probs_or_one_hot
+from flyspec.sampling.coupled import Draws
 from flyspec.sampling.sampler import logits_to_probs, sample, uniform
 from flyspec.types import Draft
 from flyspec.verifiers.base import NextToken, StrictRule, strict_base_rule
@@ -81,10 +84,14 @@ class BlockVerifier(StrictRule):
     name: str = "block"
 
     def strict(
-        self, draft: Draft, target_logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None
+        self, draft: Draft, target_logits: torch.Tensor, sampling: SamplingConfig, draws: Draws | None
     ) -> tuple[torch.Tensor, NextToken]:
         if sampling.greedy:
-            return strict_base_rule(draft, target_logits, sampling, generator)  # exact match, no draws
+            return strict_base_rule(draft, target_logits, sampling, draws)  # exact match, no draws
+        assert draws is not None, "sampling draws"
+        # fresh draws from the generation's generator: tau depends on every position's uniform, so a position's
+        # draw is looked at before that position is committed and must not be drawn again (sampling/coupled.py)
+        generator = draws.generator
         target_probs = logits_to_probs(target_logits, sampling)  # [k + 1, vocab]
         draft_probs = draft_probs_or_one_hot(draft, target_probs.shape[-1])  # [k, vocab]
         uniforms = uniform((draft.num_tokens,), generator, target_logits.device)  # [k]

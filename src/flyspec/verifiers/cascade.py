@@ -13,7 +13,8 @@ stands. With q and p the draft model's and the target's distributions at tempera
 Verification is speculative sampling against ``π = q`` where the rule does not defer and ``π = p`` where it does
 (the paper's ``π = (1 − r)·q + r·p``): a draft token at a position that is not deferred is always kept, one at a
 deferred position is judged by the lossless rule (greedy: it must be the target's argmax, else the argmax is
-committed; T > 0: rejection sampling against p, a rejection recovered from the residual). In flyspec's terms the
+committed; T > 0: it must be the target's coupled sample, plain sampling's token for the seed, else that sample
+is committed: ``sampling/coupled.py``). In flyspec's terms the
 strict rule is :func:`~flyspec.verifiers.base.strict_base_rule`, and the loose accepts are its rejections at the
 positions the rule does not defer. The rule's evidence at a loose accept is ``max q``, the draft's confidence.
 
@@ -29,6 +30,7 @@ import torch
 
 from flyspec.config import CascadeConfig, SamplingConfig
 from flyspec.sampling.acceptance import where_needed
+from flyspec.sampling.coupled import Draws
 from flyspec.types import Draft
 from flyspec.verifiers.base import GREEDY, LooseRule
 from flyspec.verifiers.distributions import (
@@ -61,7 +63,7 @@ class CascadeVerifier(LooseRule):
         draft: Draft,
         target_logits: torch.Tensor,
         sampling: SamplingConfig,
-        generator: torch.Generator | None = None,
+        draws: Draws | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``([k] bool, [k])``: the rejections at positions the rule does not defer, and ``max q`` there."""
         distribution = draft_distribution(draft, self.name, target_logits.shape[-1])  # [k, vocab]

@@ -37,11 +37,14 @@ anywhere), ``entropy_threshold=0`` drops the gate. The committed tokens are the 
 first position that is neither accepted nor loosely accepted, plus the base rule's recovered (or
 bonus) token there.
 
-Base rule by temperature: greedy → exact match on the target's argmax. T>0 with
-``temperature_rule="rejection"`` → speculative rejection sampling (gate and window apply to its
-rejections; recovered tokens come from the residual). T>0 with ``"two-sample"`` → the reference
-code's rule: draw two samples from the target per position, a draft token matches if it equals
-either, the recovered token is the first sample.
+Base rule by temperature: greedy → exact match on the target's argmax. At T > 0 (``temperature_rule``):
+``"coupled"`` (the default) → exact match on the target's coupled sample (``sampling/coupled.py``): the gate and
+the window judge the draft against the tokens plain sampling commits for the same seed, as greedy FLy judges it
+against plain greedy decoding's, and a recovered token is that sample; ``"rejection"`` → speculative rejection
+sampling of a sampled draft (gate and window apply to its rejections; recovered tokens from the residual), which is
+the coupled rule for deterministic drafts; ``"two-sample"`` → the reference code's rule: two samples from the target
+per position (the coupled one and one of an independent stream), a draft token matches if it equals either, the
+recovered token is the first sample.
 """
 
 from __future__ import annotations
@@ -54,9 +57,10 @@ import torch
 
 from flyspec.config import FlyConfig, SamplingConfig
 from flyspec.sampling.acceptance import where_needed
-from flyspec.sampling.sampler import choose_tokens, logits_to_probs
+from flyspec.sampling.coupled import SECOND, Draws, choose_tokens
+from flyspec.sampling.sampler import logits_to_probs
 from flyspec.types import Draft
-from flyspec.verifiers.base import GREEDY, LooseRule, NextToken, strict_base_rule
+from flyspec.verifiers.base import GREEDY, LooseRule, NextToken, rejection_rule, strict_base_rule
 
 
 def topk_entropy(logits: torch.Tensor, top_k: int) -> torch.Tensor:
@@ -177,14 +181,19 @@ class FlyVerifier(LooseRule):
         return self.config.window_size + 1
 
     def strict(
-        self, draft: Draft, target_logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None
+        self, draft: Draft, target_logits: torch.Tensor, sampling: SamplingConfig, draws: Draws | None
     ) -> tuple[torch.Tensor, NextToken]:
-        if sampling.greedy or self.config.temperature_rule == "rejection":
-            return strict_base_rule(draft, target_logits, sampling, generator)
-        # the reference code's two-sample rule
-        samples = choose_tokens(target_logits.unsqueeze(0).expand(2, -1, -1), sampling, generator)  # [2, k + 1]
-        base_accept = (samples[:, : draft.num_tokens] == draft.tokens).any(0)  # [k]
-        return base_accept, samples[0]  # [k + 1]: the recovered token is the first sample
+        rule = self.config.temperature_rule
+        if sampling.greedy or rule == "coupled":
+            return strict_base_rule(draft, target_logits, sampling, draws)
+        if rule == "rejection":
+            return rejection_rule(draft, target_logits, sampling, draws)
+        # the reference code's two-sample rule: the coupled sample and a second one of its own stream
+        assert draws is not None, "sampling draws"
+        first = choose_tokens(target_logits, sampling, draws)  # [k + 1]
+        second = draws.choose(target_logits, sampling, SECOND)  # [k + 1]
+        base_accept = (first[: draft.num_tokens] == draft.tokens) | (second[: draft.num_tokens] == draft.tokens)
+        return base_accept, first  # [k + 1]: the recovered token is the first sample
 
     def candidates(
         self,

@@ -7,10 +7,11 @@ the first position above it the target's own token is committed. Divergences (``
 (Jensen-Shannon in nats, the README's example), ``kl`` (the official code's ``kl_div``, KL(draft || target)),
 ``tv`` (total variation).
 
-In flyspec's terms the strict rule is exact match against the target's own choice (its argmax; a sample from it at
-T > 0), and the loose accepts are the mismatches within the threshold. A matching token is kept even where the
-divergence is above it: FSD would end the step there, commit the target's choice (the same token) and draft on
-from the same prefix, so the output is the same and only the step boundary moves. Two differences from the
+In flyspec's terms the strict rule is exact match against the target's own choice (its argmax; its coupled sample
+at T > 0, :func:`~flyspec.verifiers.base.strict_base_rule`), and the loose accepts are the mismatches within the
+threshold. A matching token is kept even where the divergence is above it: FSD would end the step there, commit
+the target's choice (the same token) and draft on from the same prefix, so the output is the same and only the
+step boundary moves. Two differences from the
 official code: greedy, the committed token is the target's argmax (the code samples it even with sampling off),
 and its JS is the textbook one (the code's ``js_div`` averages KL(m || p) and KL(m || q), an unbounded variant),
 so its thresholds are not interchangeable with ours.
@@ -26,10 +27,10 @@ from dataclasses import dataclass, field
 import torch
 
 from flyspec.config import FsdConfig, SamplingConfig
-from flyspec.sampling.acceptance import exact_accept_mask, where_needed
-from flyspec.sampling.sampler import choose_tokens
+from flyspec.sampling.acceptance import where_needed
+from flyspec.sampling.coupled import Draws
 from flyspec.types import Draft
-from flyspec.verifiers.base import GREEDY, LooseRule, NextToken
+from flyspec.verifiers.base import GREEDY, LooseRule
 from flyspec.verifiers.distributions import divergence, draft_distribution, no_plugin_candidates, target_distribution
 
 
@@ -38,20 +39,13 @@ class FsdVerifier(LooseRule):
     config: FsdConfig = field(default_factory=FsdConfig)
     name: str = "fsd"
 
-    def strict(
-        self, draft: Draft, target_logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None
-    ) -> tuple[torch.Tensor, NextToken]:
-        """Exact match against the target's own choice, which is also what follows the accepted prefix."""
-        target_tokens = choose_tokens(target_logits, sampling, generator)  # [k + 1]
-        return exact_accept_mask(draft.tokens, target_tokens), target_tokens
-
     def judge(
         self,
         base_accept: torch.Tensor,
         draft: Draft,
         target_logits: torch.Tensor,
         sampling: SamplingConfig,
-        generator: torch.Generator | None = None,
+        draws: Draws | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``([k] bool, [k])``: the mismatches whose divergence is within the threshold, and the divergence there."""
         distribution = draft_distribution(draft, self.name, target_logits.shape[-1])  # [k, vocab]

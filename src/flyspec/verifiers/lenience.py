@@ -12,10 +12,12 @@ be exact match); at T > 0 the distributions decoding samples from (``target_prob
 appendix leaves the token after a rejection open; as the speculative-cascades authors' notebook does, it is drawn
 from the usual residual ``max(0, p − q)``.
 
-In flyspec's terms the strict rule is :func:`~flyspec.verifiers.base.strict_base_rule` and a loose accept is a
-token it rejects that lenience keeps. At T > 0 that is one more draw: given that rejection sampling rejected x
-(its uniform u ≥ p/q), u is uniform on [p/q, 1), so lenience keeps x with probability
-``(min(1, p/(l·q)) − p/q) / (1 − p/q)``, drawn from the same generator. Needs only the target's logits (and the
+In flyspec's terms the strict rule is rejection sampling (:func:`~flyspec.verifiers.base.rejection_rule`: for
+deterministic drafts, exact match on the target's coupled sample, which rejects x with the same probability) and a
+loose accept is a token it rejects that lenience keeps. At T > 0 that is one more draw: given that rejection
+sampling rejected x (its uniform u ≥ p/q), u is uniform on [p/q, 1), so lenience keeps x with probability
+``(min(1, p/(l·q)) − p/q) / (1 − p/q)``, drawn from a stream of its own keyed by the position
+(``sampling/coupled.py``). Needs only the target's logits (and the
 draft's probabilities, which every drafter gives): works with n-gram drafts and in the vLLM plugin (greedy).
 """
 
@@ -27,9 +29,10 @@ import torch
 
 from flyspec.config import LenienceConfig, SamplingConfig
 from flyspec.sampling.acceptance import draft_probs_or_one_hot, where_needed
-from flyspec.sampling.sampler import logits_to_probs, uniform
+from flyspec.sampling.coupled import LENIENCE, Draws
+from flyspec.sampling.sampler import logits_to_probs
 from flyspec.types import Draft
-from flyspec.verifiers.base import GREEDY, LooseRule
+from flyspec.verifiers.base import GREEDY, LooseRule, NextToken, rejection_rule
 
 
 def top_ratio(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
@@ -42,6 +45,11 @@ def top_ratio(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> torch.
 class LenienceVerifier(LooseRule):
     config: LenienceConfig = field(default_factory=LenienceConfig)
     name: str = "lenience"
+
+    def strict(
+        self, draft: Draft, target_logits: torch.Tensor, sampling: SamplingConfig, draws: Draws | None
+    ) -> tuple[torch.Tensor, NextToken]:
+        return rejection_rule(draft, target_logits, sampling, draws)
 
     def candidates(
         self,
@@ -65,7 +73,7 @@ class LenienceVerifier(LooseRule):
         draft: Draft,
         target_logits: torch.Tensor,
         sampling: SamplingConfig,
-        generator: torch.Generator | None = None,
+        draws: Draws | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """At T > 0: the rejections lenience keeps (one draw each, see the module docstring), and ``p(x) / q(x)``."""
         if sampling.greedy:
@@ -78,6 +86,7 @@ class LenienceVerifier(LooseRule):
         strict = ratio.clamp(max=1.0)
         lenient = (ratio / self.config.lenience).clamp(max=1.0)
         chance = (lenient - strict) / (1.0 - strict).clamp_min(1e-20)  # given the rejection
-        draws = uniform((k,), generator, target_logits.device)  # [k]
+        assert draws is not None, "sampling draws"
+        chances = draws.uniforms(k, LENIENCE)  # [k]
         rejected = ~base_accept
-        return rejected & (draws < chance), torch.where(rejected, ratio, torch.full_like(ratio, float("nan")))
+        return rejected & (chances < chance), torch.where(rejected, ratio, torch.full_like(ratio, float("nan")))

@@ -6,10 +6,11 @@ so a draft token that is *either* of the two is kept. Closeness is ``z2 / z1 > l
 either is <= 0, so there we fall back to the probability ratio ``p2 / p1 = exp(z2 - z1) >
 logit_ratio`` (temperature-free, i.e. a logit gap below ``-ln(logit_ratio)`` ≈ 0.105 at the default).
 
-Base rule: exact match when greedy, rejection sampling at T>0 (recovered tokens from the residual,
-so a position the margin rule does not keep is handled losslessly). When greedy only the runner-up
-can be a mismatch; at T>0 rejection sampling also rejects the target's own top-1 token part of
-the time, and MARS keeps it too (the reference keeps "top-1 or top-2" at a low-margin position).
+Base rule: exact match on the target's own choice (its argmax when greedy, its coupled sample at T>0: plain
+sampling's token for the seed, ``sampling/coupled.py``), which is also the token committed at a position the margin
+rule does not keep. When greedy only the runner-up can be a mismatch; at T>0 the sample is another token than the
+top-1 part of the time, and MARS keeps the top-1 there too (the reference keeps "top-1 or top-2" at a low-margin
+position).
 """
 
 from __future__ import annotations

@@ -4,9 +4,10 @@ Keep draft token ``d_i`` when ``target_probs[i, d_i] > min(epsilon, delta * exp(
 ``H_i`` is the entropy of ``target_probs[i]``. The target's argmax always passes (its
 probability is at least ``exp(-H)``). ``target_probs`` are at the sampling temperature, or at
 temperature 1 when decoding greedily: at T=0 every distribution is one-hot and the rule would
-collapse to exact match. The token after the accepted prefix is the target's argmax (greedy)
-or a sample from ``target_probs`` (T>0). A loose accept is a kept token that is not the
-target's argmax.
+collapse to exact match. The strict base is exact match on the target's own choice (its argmax greedy, its
+coupled sample at T > 0: plain sampling's token for the seed), which is also the token after the accepted prefix;
+a loose accept is a kept token that is not that choice (at T > 0 the argmax, where the sample was another token,
+is one).
 """
 
 from __future__ import annotations
@@ -17,9 +18,8 @@ import torch
 
 from flyspec.config import SamplingConfig, TypicalConfig
 from flyspec.sampling.acceptance import where_needed
-from flyspec.sampling.sampler import choose_tokens, logits_to_probs
-from flyspec.types import Draft
-from flyspec.verifiers.base import GREEDY, LooseRule, NextToken
+from flyspec.sampling.sampler import logits_to_probs
+from flyspec.verifiers.base import GREEDY, LooseRule
 
 
 def typical_accept_mask(
@@ -40,16 +40,9 @@ class TypicalVerifier(LooseRule):
     config: TypicalConfig = field(default_factory=TypicalConfig)
     name: str = "typical"
 
-    def strict(
-        self, draft: Draft, target_logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None
-    ) -> tuple[torch.Tensor, NextToken]:
-        """A draft token matching the target's argmax is kept at any T; what follows is the target's choice."""
-        greedy_match = draft.tokens == target_logits[: draft.num_tokens].argmax(-1)  # [k]
-        return greedy_match, choose_tokens(target_logits, sampling, generator)  # [k + 1]
-
     def candidates(
         self,
-        base_accept: torch.Tensor,  # [k] bool: the draft token is the target's argmax
+        base_accept: torch.Tensor,  # [k] bool: the draft token is the target's choice
         draft_tokens: torch.Tensor,  # [k]
         target_logits: torch.Tensor,  # [k (+1), vocab]
         sampling: SamplingConfig = GREEDY,
