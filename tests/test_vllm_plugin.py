@@ -327,6 +327,31 @@ def test_an_operator_profile_sets_fly_and_refuses_looser_requests(tmp_path) -> N
         operator_profile({PROFILE_VARIABLE: str(path)})
 
 
+def test_an_operator_profile_measured_only_sampled_loosens_no_request(tmp_path, caplog) -> None:
+    """The plugin loosens greedy requests only: a profile that measured no greedy decoding loosens none (said once)."""
+    from flyspec_vllm.options import PROFILE_VARIABLE, operator_profile
+
+    from conftest import make_tiny_model, make_tokenizer
+    from flyspec.profiles import Profile
+    from test_profile import make_profile
+
+    record = make_profile(make_tiny_model(make_tokenizer(), 0))
+    record["engine"] = {"name": "vllm", "version": "0.32.0"}
+    path = tmp_path / "profile.json"
+    fly = {"rejection_sample_method": "fly"}
+    Profile(record).save(path)
+    limit = operator_profile({PROFILE_VARIABLE: str(path)})  # no "sampling": measured greedy
+    assert limit is not None and limit.sampling.describe() == "greedy"
+    assert request_options(fly, greedy=True, switch="request", limit=limit).rule is not None
+    record["sampling"] = {"measured": [{"temperature": 0.7, "top_k": 0, "top_p": 1.0}], "seeds": 2}
+    Profile(record).save(path)
+    with caplog.at_level(logging.WARNING):
+        limit = operator_profile({PROFILE_VARIABLE: str(path)})
+    assert limit is not None and "measured at T 0.7, not greedy" in caplog.text
+    assert request_options(fly, greedy=True, switch="request", limit=limit).rule is None  # verified exactly
+    assert request_options(fly, greedy=False, switch="request", limit=limit).rule is None
+
+
 def _forward_calling_the_module_global(self):  # as vLLM's RejectionSampler.forward does
     return rejection_sample()  # type: ignore[name-defined]  # noqa: F821
 

@@ -13,12 +13,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+from vllm.triton_utils import tl, triton
 from vllm.v1.sample import rejection_sampler as v1
 from vllm.v1.sample.logits_processor import LogitsProcessors
 from vllm.v1.sample.metadata import SamplingMetadata
 from vllm.v1.worker.gpu.spec_decode import rejection_sampler_utils as v2
 
 VOCAB = 40
+
+
+@triton.jit
+def interpreted_log1p(x):  # noqa: ANN001, ANN201 - libdevice's log1p (a compiled op) for Triton's interpreter
+    return tl.log(1.0 + x)
 
 
 @dataclass

@@ -25,10 +25,12 @@ from guard_words import EOS, VOCAB, VOCABULARY
 WRAPPED = {  # everything patch.install may replace, to put back after each test
     "vllm.v1.sample.rejection_sampler": ("rejection_sample", "apply_fly_greedy_acceptance_kernel",
                                           "apply_fly_random_acceptance_kernel"),
-    "vllm.v1.worker.gpu_model_runner": (("GPUModelRunner", "_sample"), ("GPUModelRunner", "load_model")),
+    "vllm.v1.worker.gpu_model_runner": (("GPUModelRunner", "_sample"), ("GPUModelRunner", "load_model"),
+                                        ("GPUModelRunner", "initialize_kv_cache")),
     "vllm.v1.worker.gpu.spec_decode.rejection_sampler": ("rejection_sample",),
     "vllm.v1.worker.gpu.model_runner": (("GPUModelRunner", "sample"), ("GPUModelRunner", "add_requests"),
-                                        ("GPUModelRunner", "_remove_request")),
+                                        ("GPUModelRunner", "_remove_request"),
+                                        ("GPUModelRunner", "initialize_kv_cache")),
     "vllm.config": (("VllmConfig", "__post_init__"),),
     "vllm.sampling_params": (("SamplingParams", "verify"),),
 }  # fmt: skip

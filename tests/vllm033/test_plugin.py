@@ -13,10 +13,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 from flyspec_vllm import internals, metrics
-from kernels import Step
+from kernels import Step, interpreted_log1p
 from plugin_harness import exact_greedy, guarded_accepted, guarded_greedy, installed, random_requests
 from runners import Request, fly_config, v1_runner, v1_step, v2_runner, v2_step
-from vllm.triton_utils import tl, triton
 from vllm.v1.sample import rejection_sampler as v1_module
 from vllm.v1.spec_decode.fly import compute_fly_entropy
 from vllm.v1.worker.gpu.spec_decode import rejection_sampler_utils
@@ -27,11 +26,6 @@ from flyspec.verifiers.registry import make_verifier
 from guard_words import BOB, CAT, VOCAB, VOCABULARY
 
 BATCH, BATCHES = 12, 6
-
-
-@triton.jit
-def interpreted_log1p(x):  # noqa: ANN001, ANN201 - libdevice's log1p (a compiled op) for Triton's interpreter
-    return tl.log(1.0 + x)
 
 
 def test_the_plugin_finds_vllm_033s_internals_on_both_runners() -> None:

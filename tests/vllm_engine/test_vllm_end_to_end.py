@@ -175,6 +175,7 @@ def test_a_batch_schedule_in_speculative_config_reaches_flyspecs_proposer(
     and its steps skip vLLM's rejection sampler (``patch.without_empty_drafts``).
 
     Last in the session: its engine's logger takes over vLLM's metrics from the shared engine (``conftest.py``)."""
+    from flyspec_vllm.sampling_check import NUM_DRAFT_TOKENS as CHECK_DRAFTS
     from vllm.v1.sample import rejection_sampler
 
     verified: list[int] = []
@@ -187,6 +188,8 @@ def test_a_batch_schedule_in_speculative_config_reaches_flyspecs_proposer(
     monkeypatch.setattr(rejection_sampler.RejectionSampler, "forward", counting)
     schedule = [(1, 1, NUM_DRAFT_TOKENS), (2, 64, 0)]
     engine = make_engine(model_dir, {**NGRAM, "num_speculative_tokens_per_batch_size": schedule})
+    assert verified == [CHECK_DRAFTS] * 2, "the start-up check of speculative sampling: the engine's own sampler"
+    verified.clear()  # from here on: engine steps only
     params = vllm.SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)  # all three finish together
     before = accepted_counts(engine)
     batch = [list(output.outputs[0].token_ids) for output in engine.generate(

@@ -1,6 +1,15 @@
 """Everything the plugin takes from flyspec, imported in this one place (the core API may move)."""
 
-from flyspec.config import BreakerConfig, ConfigError, FlyConfig, GuardConfig, NgramConfig, SpeculationConfig
+from flyspec.config import (
+    BreakerConfig,
+    ConfigError,
+    FlyConfig,
+    GuardConfig,
+    NgramConfig,
+    SamplingConfig,
+    SamplingRange,
+    SpeculationConfig,
+)
 from flyspec.config.names import DISTRIBUTION_VERIFIERS, LOSSY_VERIFIERS
 from flyspec.config.schedule import BatchSchedule
 from flyspec.decoding.breaker import CircuitBreaker
@@ -29,6 +38,8 @@ __all__ = [
     "LOSSY_VERIFIERS",
     "NgramConfig",
     "Profile",
+    "SamplingConfig",
+    "SamplingRange",
     "SpeculationConfig",
     "VerifyContext",
     "Vocabulary",

@@ -25,19 +25,26 @@ MAX_LOGGED_FAULTS = 20  # a fault that repeats every step is counted, not logged
 _logged = {"faults": 0, "bypass": 0}
 
 
-def fault(hook: str, error: BaseException, request_ids: Iterable[str] | Callable[[], Iterable[str]]) -> None:
-    """A hook raised during a step: count it and log one line (the caller verifies the step exactly)."""
+def fault(
+    hook: str,
+    error: BaseException,
+    request_ids: Iterable[str] | Callable[[], Iterable[str]],
+    outcome: str = "verified exactly, lossless",
+) -> None:
+    """A hook raised during a step: count it and log one line saying what became of the step's drafts (``outcome``;
+    the caller makes it so: exact verification, except where the caller says otherwise)."""
     metrics.add(faults=1)
     if _logged["faults"] >= MAX_LOGGED_FAULTS:
         return
     _logged["faults"] += 1
     last = _logged["faults"] == MAX_LOGGED_FAULTS
     logger.error(
-        "flyspec-vllm: %s raised %s: %s; the step's drafts (requests %s) were verified exactly, lossless%s",
+        "flyspec-vllm: %s raised %s: %s; the step's drafts (requests %s) were %s%s",
         hook,
         type(error).__name__,
         " ".join(str(error).split())[:300],
         ", ".join(_ids(request_ids)) or "-",
+        outcome,
         " (further faults are counted in flyspec_vllm_faults, not logged)" if last else "",
     )
 

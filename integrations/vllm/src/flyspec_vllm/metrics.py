@@ -29,6 +29,8 @@ class Counters:
     verified_steps: int = 0  # steps whose drafts went through the plugin's verification hook
     faults: int = 0  # steps verified exactly because a plugin hook raised (fail closed)
     bypassed_steps: int = 0  # steps whose drafts vLLM verified without the plugin's hook (then: exact from there)
+    sampled_undrafted: int = 0  # sampled request-steps decoded without drafts: the engine failed sampling_check
+    greedy_undrafted: int = 0  # greedy request-steps that lost their drafts to a sampled request in the same step
 
 
 HELP = {
@@ -40,6 +42,10 @@ HELP = {
     "native_vetoed": "loose accepts of vLLM's own FLy that flyspec's trust guards refused",
     "faults": "steps verified exactly (lossless) because a flyspec-vllm hook raised",
     "bypassed_steps": "steps vLLM verified without flyspec-vllm's hook (loose accepts refused from then on)",
+    "sampled_undrafted": "request-steps at temperature > 0 sampled without drafts: the engine's speculative sampling "
+    "failed flyspec-vllm's start-up check",
+    "greedy_undrafted": "greedy request-steps sampled without drafts because a request at temperature > 0 shared "
+    "the step on an engine that failed the check",
 }
 
 _lock = threading.Lock()

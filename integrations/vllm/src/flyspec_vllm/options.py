@@ -76,6 +76,8 @@ from flyspec_vllm._flyspec import (
     FlyConfig,
     GuardConfig,
     Profile,
+    SamplingConfig,
+    SamplingRange,
     SpeculationConfig,
     looser,
     make_verifier,
@@ -140,6 +142,9 @@ class OperatorProfile:
     fly: SpeculationConfig | None  # the best FLy point's rule
     tokenizer: str  # the profile's tokenizer fingerprint (flyspec.runtime.loaded_model.tokenizer_fingerprint)
     breaker: BreakerConfig = field(default_factory=BreakerConfig)  # the chosen point's circuit breaker
+    # where the profile measured its points: its rules apply only to requests inside it (the plugin loosens greedy
+    # requests only, so a profile that did not measure greedy decoding loosens none)
+    sampling: SamplingRange = field(default_factory=lambda: SamplingRange(measured=True))
 
     @property
     def guard(self) -> GuardConfig:
@@ -163,7 +168,12 @@ def operator_profile(environ: Mapping[str, str] = os.environ) -> OperatorProfile
         return None if point is None else lossy_rule(SpeculationConfig.from_dict(point["speculation"]))
 
     breaker = SpeculationConfig.from_dict((chosen or fly or {"speculation": {}})["speculation"]).breaker
-    return OperatorProfile(profile.name, rule_of(chosen), rule_of(fly), profile.model["tokenizer"], breaker)
+    sampling = profile.sampling_range
+    if not sampling.covers(SamplingConfig()):
+        logger.warning("flyspec-vllm: profile %s was measured at %s, not greedy: no request gets its loose accepts "
+                       "(the plugin loosens greedy requests only)", profile.name, sampling.describe())  # fmt: skip
+    name, tokenizer = profile.name, profile.model["tokenizer"]
+    return OperatorProfile(name, rule_of(chosen), rule_of(fly), tokenizer, breaker, sampling)
 
 
 def lossy_rule(spec: SpeculationConfig) -> SpeculationConfig:
@@ -328,6 +338,8 @@ def _request_rule(
     _vllm_fly_options(args, FlyConfig())  # checked whether or not a rule applies (T > 0, the switch off)
     wanted = asked is not None or method == "fly" or (switch == "all" and method is None)
     if switch == "off" or not wanted or not greedy:
+        return None
+    if limit is not None and not limit.sampling.covers(SamplingConfig()):  # a profile measured only sampled
         return None
     if rule is not None:
         if "guard" not in (mapping or {}):

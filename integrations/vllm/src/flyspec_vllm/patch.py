@@ -20,7 +20,10 @@ flyspec's guards. Every hook fails closed (``failsafe.py``): a hook that raises 
 (exact verification, one error line, a counter), a step vLLM verifies without the hook turns loose acceptance off.
 
 A step in which no request has a draft token (a batch schedule's ``k = 0``, no n-gram match anywhere) is sampled as
-a plain engine samples it (:func:`without_empty_drafts`), also when the operator turned FLy off.
+a plain engine samples it (:func:`without_empty_drafts`), also when the operator turned FLy off. So is a step that
+holds a sampled request (temperature > 0) on an engine whose own rejection sampler failed the start-up check of
+speculative sampling (``sampling_guard.py``, run at the end of the runner's ``initialize_kv_cache``), whatever the
+operator's switch.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from flyspec_vllm import failsafe, metrics, native, v2
+from flyspec_vllm import failsafe, metrics, native, sampling_guard, v2
 from flyspec_vllm._flyspec import ConfigError, prepare_guards
 from flyspec_vllm.internals import (
     RUNNER_MODULE,
@@ -81,6 +84,7 @@ def install(import_module: Callable[[str], Any] = importlib.import_module) -> bo
     """Check vLLM's internals and wrap those of each runner that passes; True where flyspec's rules run."""
     global STATE
     setup = Setup(_version(import_module))
+    sampling_guard.set_version(setup.version)
     try:
         switch, profile, trusted = operator_switch(), operator_profile(), operator_trusts_requests()
         guard = profile.guard if profile is not None else operator_guards()
@@ -97,8 +101,9 @@ def install(import_module: Callable[[str], Any] = importlib.import_module) -> bo
     }
     install_checks(setup, lambda: STATE, import_module)
     if switch == "off":
-        if not isinstance(v1_internals, list):  # lossless: only the shortcut for steps without drafts
+        if not isinstance(v1_internals, list):  # lossless: the shortcut for steps without drafts, the sampling guard
             wrap(v1_internals.runner_class, "_sample", _wrap_sample)
+            wrap_sampling_check(v1_internals.runner_class, V1)
         logger.info("flyspec-vllm: flyspec's rules off by the operator (FLYSPEC_VLLM_FLY=off); drafters offered")
         return False
     for runner, problems in setup.problems.items():
@@ -120,10 +125,12 @@ def install(import_module: Callable[[str], Any] = importlib.import_module) -> bo
             native.install(v1_internals.sampler_module, current_rules)
         wrap(v1_internals.sampler_module, "rejection_sample", _wrap_rejection_sample)
         wrap(v1_internals.runner_class, "_sample", _wrap_sample)
+        wrap_sampling_check(v1_internals.runner_class, V1)
         if callable(getattr(v1_internals.runner_class, "load_model", None)):  # else: tables at the first FLy step
             wrap(v1_internals.runner_class, "load_model", _wrap_load_model)
     if not isinstance(v2_internals, list):
         v2.install(v2_internals, lambda: STATE)
+        wrap_sampling_check(v2_internals.runner_class, V2)
     logger.info("flyspec-vllm: hooks on the %s model runner (switch=%s, guards=%s)", " and ".join(hooked), switch,
                 guard)  # fmt: skip
     return True
@@ -156,10 +163,55 @@ def without_empty_drafts(spec_decode_metadata: Any) -> Any:
     return spec_decode_metadata
 
 
+def wrap_sampling_check(runner_class: Any, runner_name: str) -> None:
+    """The sampling check at the end of the runner's ``initialize_kv_cache`` (where it has one; else at its first
+    step, ``sampling_guard.verdict_of``)."""
+    if callable(getattr(runner_class, "initialize_kv_cache", None)):
+        wrap(runner_class, "initialize_kv_cache", functools.partial(_wrap_initialize_kv_cache, runner_name=runner_name))
+
+
+def _wrap_initialize_kv_cache(original: Callable[..., Any], runner_name: str) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def initialize_kv_cache(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        try:
+            sampling_guard.check_runner(self, runner_name)
+        except Exception as error:  # noqa: BLE001 - not fatal: the runner's first step checks instead
+            logger.warning("flyspec-vllm: the sampling check did not run at start-up (%s); it runs at the first step",
+                           error)  # fmt: skip
+        return result
+
+    return initialize_kv_cache
+
+
+def _guarded(runner: Any) -> bool:
+    """This step is sampled without drafts (``sampling_guard.v1_guarded``); a guard that raises guards (fail closed:
+    a plain sample is right on every engine)."""
+    try:
+        return sampling_guard.v1_guarded(runner)
+    except Exception as error:  # noqa: BLE001 - fail closed
+        failsafe.fault("the V1 sampling guard", error, lambda: runner.input_batch.req_ids, SAMPLED_PLAINLY)
+        sampling_guard.GUARD.step_guarded = True
+        return True
+
+
+SAMPLED_PLAINLY = "sampled without drafts, as a plain engine samples"
+UNGUARDED = "verified by vLLM's own rejection sampler, which FAILED the sampling check"
+
+
 def _wrap_sample(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def _sample(self: Any, logits: Any, spec_decode_metadata: Any) -> Any:
         spec_decode_metadata = without_empty_drafts(spec_decode_metadata)
+        if _guarded(self):  # a sampled request on an engine that failed the sampling check: no drafts this step
+            if spec_decode_metadata is None:
+                return original(self, logits, None)
+            try:
+                return sampling_guard.sample_without_drafts(functools.partial(original, self), logits,
+                                                            spec_decode_metadata)  # fmt: skip
+            except Exception as error:  # noqa: BLE001 - never the engine: vLLM's own path, said in an error line
+                failsafe.fault("the V1 sampling guard", error, lambda: self.input_batch.req_ids, UNGUARDED)
+                return original(self, logits, spec_decode_metadata)
         state = STATE
         if state is None:
             return original(self, logits, spec_decode_metadata)

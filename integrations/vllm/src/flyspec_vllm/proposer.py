@@ -4,7 +4,8 @@ Use ``"model": "flyspec_vllm.NgramProposer"``. The lookup is flyspec's own ``ngr
 (most recent match, LZ77-style periodic extension; ``drafters/ngram.py``), compiled for the whole batch
 (``lookup.py``, numba), so vLLM and ``flyspec generate --drafter ngram`` propose the same tokens. n-gram sizes: vLLM's
 ``prompt_lookup_max`` / ``prompt_lookup_min`` where given, else flyspec's ``NgramConfig``. A request that
-asks for none (``extra_args={"flyspec_draft": false}``) gets no drafts: plain decoding in the same engine. A
+asks for none (``extra_args={"flyspec_draft": false}``) gets no drafts: plain decoding in the same engine; so does
+a batch holding a sampled request on an engine that failed the sampling check (``sampling_guard.py``). A
 calibration's baseline that names its output (``flyspec_reference``) gets its drafts cut to what its shadow
 rules read (``reference.py``).
 
@@ -117,7 +118,10 @@ class NgramProposer:
     ) -> list[list[int]]:
         from flyspec_vllm.patch import draftless as draftless_rows  # set by the _sample wrapper this step
         from flyspec_vllm.patch import references as reference_rows
+        from flyspec_vllm.sampling_guard import GUARD
 
+        if GUARD.step_guarded:  # a sampled request on an engine that failed the sampling check: no drafts verified
+            return [[] for _ in sampled_token_ids]
         draftless = draftless_rows()  # rows whose request asked for plain decoding (flyspec_draft: false)
         references = reference_rows()  # rows whose drafts are cut to what their shadow rules read (reference.py)
         batch = len(sampled_token_ids)

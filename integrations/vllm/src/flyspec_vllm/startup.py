@@ -8,6 +8,9 @@
 * **Each request** (the end of ``SamplingParams.verify``, where vLLM refuses a bad request): :func:`check_request`
   parses its flyspec options; one refused is vLLM's ``VLLMValidationError`` naming ``vllm_xargs.<field>``, which
   vLLM's OpenAI server answers with a 400 (and ``LLM.generate`` raises).
+* **Worker start** (the model runner's ``initialize_kv_cache``, ``sampling_guard.py``): whether this engine's own
+  rejection sampler reproduces the target distribution at temperature > 0 (``sampling_check.py``), in one line
+  (:func:`sampling_line`); where it does not, steps that hold a sampled request are sampled without drafts.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from flyspec_vllm._flyspec import GuardConfig
 from flyspec_vllm.internals import TESTED_VLLM_VERSIONS, V1, V2, runner_of, uses_native_fly, wrap
 from flyspec_vllm.options import REQUEST_KEYS, RequestError, request_options
 from flyspec_vllm.requests import GREEDY_TEMPERATURE_EPSILON, PluginState
+from flyspec_vllm.sampling_check import Verdict
 
 logger = logging.getLogger(__name__)
 
@@ -117,8 +121,21 @@ def mode_line(runner: str, native_fly: bool, switch: str, version: str, hooked: 
         return (f"{where}: vLLM's own FLy with flyspec's trust guards and circuit breaker vetoing its loose accepts "
                 f"({how}); flyspec's per-request rules are not applied while it runs")  # fmt: skip
     return (f"{where}: flyspec's per-request rules (FLy, MARS, typical acceptance) with the trust guards for "
-            f"{'every greedy request' if switch == 'all' else 'the greedy requests that ask'}; sampled requests and "
-            "the others get vLLM's lossless rule")  # fmt: skip
+            f"{'every greedy request' if switch == 'all' else 'the greedy requests that ask'}; the others get vLLM's "
+            "lossless rule (sampled requests where the workers' check of speculative sampling passes)")  # fmt: skip
+
+
+def sampling_line(version: str, runner: str, verdict: Verdict) -> str:
+    """The one worker start-up line that says whether sampled requests (temperature > 0) are drafted here, and why."""
+    where = f"flyspec-vllm: vLLM {version}, {runner} model runner"
+    if verdict.sound:
+        return (f"{where}: speculative sampling at temperature > 0 matches the target distribution "
+                f"({verdict.describe()}): sampled requests are drafted")  # fmt: skip
+    failed = "could not be checked" if verdict.error else "does NOT match the target distribution"
+    return (f"{where}: speculative sampling at temperature > 0 {failed} ({verdict.describe()}): a step that holds a "
+            "sampled request is sampled without drafts, as a plain engine samples it (greedy requests beside it too); "
+            "steps of greedy requests only are drafted and verified as before; counted in "
+            "flyspec_vllm_sampled_undrafted and flyspec_vllm_greedy_undrafted")  # fmt: skip
 
 
 def _wrap_verify(original: Callable[..., Any]) -> Callable[..., Any]:

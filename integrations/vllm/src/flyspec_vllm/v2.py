@@ -21,6 +21,10 @@ FLy inside it), called by ``RejectionSampler._verify`` through the module global
 ``tests/vllm033`` runs this on vLLM 0.33.0's real sampler under Triton's interpreter: the commits are flyspec's
 verdicts, vLLM's FLy minus the vetoes. Block verification and synthetic acceptance rates keep vLLM's rule alone
 (FLy is off there too). A hook that raises verifies its step exactly (``failsafe.py``).
+
+On an engine whose sampler failed the start-up check of speculative sampling (``sampling_guard.py``), a step that
+holds a sampled request verifies no drafts: every draft row goes to the kernel as a ``-1`` placeholder, and the kernel
+samples each request's first position from the target, as a plain engine does.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from typing import Any
 
 import torch
 
-from flyspec_vllm import failsafe, metrics
+from flyspec_vllm import failsafe, metrics, sampling_guard
 from flyspec_vllm._flyspec import ConfigError, FlyConfig, fly_candidates
 from flyspec_vllm.internals import wrap
 from flyspec_vllm.native import guarded
@@ -49,6 +53,7 @@ PARAMS = "_flyspec_sampling_params"  # on the runner: request id -> SamplingPara
 class V2Step:
     runner: Any
     verified: bool = False
+    guarded: bool = False  # sampled without drafts: a sampled request on an engine that failed the sampling check
 
 
 @dataclass
@@ -106,7 +111,7 @@ def _wrap_sample(original: Callable[..., Any]) -> Callable[..., Any]:
         state = _state_of()
         if state is None:
             return original(self, hidden_states, input_batch, grammar_output)
-        step = V2Step(self)
+        step = V2Step(self, guarded=_guarded(self, input_batch))
         token = _step.set(step)
         try:
             result = original(self, hidden_states, input_batch, grammar_output)
@@ -122,6 +127,15 @@ def _wrap_sample(original: Callable[..., Any]) -> Callable[..., Any]:
         return result
 
     return sample
+
+
+def _guarded(runner: Any, input_batch: Any) -> bool:
+    """This step is sampled without drafts (``sampling_guard.v2_guarded``); a guard that raises guards (fail closed)."""
+    try:
+        return sampling_guard.v2_guarded(runner, runner.__dict__.get(PARAMS, {}), input_batch)
+    except Exception as error:  # noqa: BLE001 - fail closed: a plain sample is right on every engine
+        failsafe.fault("the V2 sampling guard", error, (), "sampled without drafts, as a plain engine samples")
+        return True
 
 
 def _exact_sampler(sampler: Any) -> bool:
@@ -143,6 +157,9 @@ def _wrap_rejection_sample(original: Callable[..., Any]) -> Callable[..., Any]:
             step.verified = True
         native = int(arguments.get("fly_window_size") or 0) > 0
         exact = arguments | {"fly_window_size": 0} if native else arguments
+        if step is not None and step.guarded:  # no drafts: each request's first position sampled from the target
+            rows = sampling_guard.without_draft_rows(arguments["draft_sampled"], arguments["expanded_local_pos"])
+            return original(**(exact | {"draft_sampled": rows}))
         if step is None or state is None or not state.enabled:
             return original(**exact)  # no rules for this step: exact, vLLM's FLy off
         if arguments.get("synthetic_conditional_rates") is not None or arguments.get("use_block_verification"):

@@ -13,7 +13,10 @@ is each request's time to first token as vLLM's own metrics measured it (``Reque
 arrival; None where vLLM keeps no metrics). Optional, for flyspec's
 proposer: ``"num_draft_tokens": k`` (at most k drafts per request in this call) or ``"schedule": [[start, end, k],
 ...]`` (a batch-size schedule for this call, ``flyspec.config.schedule``) — one engine sweeps every draft length;
-``"extra_args": {...}``: every prompt's ``SamplingParams.extra_args`` (its rule, ``flyspec_vllm.options``).
+``"extra_args": {...}``: every prompt's ``SamplingParams.extra_args`` (its rule, ``flyspec_vllm.options``);
+``"sampling": {"temperature": t, "top_p": p, "top_k": k}`` with ``"seeds": [s, ...]`` (one per prompt): sampled
+requests, each seeded by vLLM itself (``SamplingParams.seed``; ``flyspec bench --temperature``); without
+``sampling`` every prompt is greedy.
 With ``--colocated-plain`` the worker also starts a plain engine (no speculation) in the same process, and a line
 with ``"engine": "plain"`` goes to it: a control that shares the speculative engine's process, memory and threads
 (``flyspec bench``'s ``vllm-plain-colocated``).
@@ -187,6 +190,20 @@ def call_schedule(request: dict[str, Any]) -> list[list[int]] | None:
     return None
 
 
+def prompt_params(sampling_params: Any, request: dict[str, Any]) -> Any:
+    """A ``"prompts"`` line's ``SamplingParams`` (``sampling_params`` is vLLM's class): one for every prompt when
+    greedy, else one per prompt with its own seed (``"sampling"`` and ``"seeds"``: the module docstring)."""
+    common = {"max_tokens": int(request["max_tokens"]), "ignore_eos": False, "extra_args": request.get("extra_args")}
+    sampling = request.get("sampling")
+    if not sampling:
+        return sampling_params(temperature=0.0, **common)
+    seeds = request.get("seeds") or [None] * len(request["prompts"])
+    if len(seeds) != len(request["prompts"]):
+        raise ValueError(f"{len(seeds)} seeds for {len(request['prompts'])} prompts: give one per prompt")
+    options = {name: sampling[name] for name in ("temperature", "top_p", "top_k") if name in sampling}
+    return [sampling_params(**options, seed=seed, **common) for seed in seeds]
+
+
 def answer(llm: Any, ranks: Ranks, request: dict[str, Any]) -> dict[str, Any]:
     """One request line's reply (see the module docstring); the plugin's records and counters from ``ranks``."""
     from vllm import SamplingParams
@@ -201,8 +218,7 @@ def answer(llm: Any, ranks: Ranks, request: dict[str, Any]) -> dict[str, Any]:
     else:
         items = []
         prompts = [{"prompt_token_ids": ids} for ids in request["prompts"]]
-        params = SamplingParams(temperature=0.0, max_tokens=int(request["max_tokens"]), ignore_eos=False,
-                                extra_args=request.get("extra_args"))  # fmt: skip
+        params = prompt_params(SamplingParams, request)
     before, loose_before = spec_counters(llm), ranks.metrics()["loose_accepts"]
     started = time.perf_counter()
     with ranks.schedule(call_schedule(request)):
