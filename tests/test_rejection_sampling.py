@@ -11,6 +11,7 @@ rejects them, so it can fail.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -232,41 +233,27 @@ class TargetResampleVerifier:
         assert draws is not None
         target_probs = logits_to_probs(target_logits, sampling)
         draft_probs = draft_probs_or_one_hot(draft, VOCAB)
-        accept = rejection_accept_mask(
-            draft.tokens, draft_probs, target_probs, draws.uniforms(draft.num_tokens, ACCEPT)
-        )
+        uniforms = draws.uniforms(draft.num_tokens, ACCEPT)
+        accept = rejection_accept_mask(draft.tokens, draft_probs, target_probs, uniforms)
         return build_verdict(
-            draft.tokens, accept, torch.zeros_like(accept), lambda n: draws.sample(target_probs[n], n, ACCEPT + 10)
+            draft.tokens, accept, torch.zeros_like(accept), self.next_token(draft, target_probs, draft_probs, draws)
         )
 
+    @staticmethod
+    def next_token(draft: Draft, target_probs: torch.Tensor, draft_probs: torch.Tensor, draws: Draws) -> Any:
+        return lambda n: draws.sample(target_probs[n], n, ACCEPT + 10)
 
-class SharedNoiseResidualVerifier:
+
+class SharedNoiseResidualVerifier(TargetResampleVerifier):
     """Broken on purpose: rejection sampling whose residual token reuses the noise that drew the draft token."""
 
     name = "shared-noise-residual"
-    lossless = False
 
-    def verify(
-        self,
-        draft: Draft,
-        target_logits: torch.Tensor,
-        sampling: SamplingConfig,
-        draws: Draws | None,
-    ) -> Verdict:
-        assert draws is not None
-        target_probs = logits_to_probs(target_logits, sampling)
-        draft_probs = draft_probs_or_one_hot(draft, VOCAB)
-        accept = rejection_accept_mask(
-            draft.tokens, draft_probs, target_probs, draws.uniforms(draft.num_tokens, ACCEPT)
-        )
+    @staticmethod
+    def next_token(draft: Draft, target_probs: torch.Tensor, draft_probs: torch.Tensor, draws: Draws) -> Any:
         residual = (target_probs[: draft.num_tokens] - draft_probs).clamp_min(0)
         residual = residual / residual.sum(-1, keepdim=True)
-        return build_verdict(
-            draft.tokens,
-            accept,
-            torch.zeros_like(accept),
-            lambda n: draws.sample(residual[n] if n < draft.num_tokens else target_probs[n], n, TOKEN),
-        )
+        return lambda n: draws.sample(residual[n] if n < draft.num_tokens else target_probs[n], n, TOKEN)
 
 
 @pytest.mark.parametrize(

@@ -43,6 +43,7 @@ from flyspec.eval.stats import effective_size
 from flyspec.harness.data import JsonlWriter, read_records
 from flyspec.resources import Resources
 from flyspec.runtime.loaded_model import LoadedModel, PromptCodec
+from flyspec.sampling.coupled import NoiseRows
 from flyspec.sampling.sampler import make_generator
 
 logger = logging.getLogger(__name__)
@@ -137,6 +138,9 @@ class ReplayEngine:
     def __init__(self, target: LoadedModel, base: SpeculationConfig, points: list[Point], resources: Resources) -> None:
         self.target, self.points, self.resources = target, points, resources
         self.scores = ScoreStore(target)
+        # sampled: every decoder of an item samples with the item's seed, the same noise rows (a function of the
+        # seed and the position): drawn once per item, not once per point
+        self.noise_rows = NoiseRows(limit=None)
         keep = any(point.speculation.verifier in DISTRIBUTION_VERIFIERS for point in points)  # fsd, cascade, adasd
         self.drafts = DraftStore(make_drafter(base, target, resources, keep_distribution=keep))
         self.decoders: dict[str, Decoder] = {PLAIN: self._replayed(PlainDecoder(target))}
@@ -146,6 +150,7 @@ class ReplayEngine:
 
     def _replayed(self, decoder: Decoder) -> Decoder:
         decoder.scorer = ReplayTarget(self.scores)  # type: ignore[assignment]
+        decoder.noise_rows = self.noise_rows
         if isinstance(decoder, SpeculativeDecoder):
             decoder.drafter = ReplayDrafter(self.drafts, decoder.drafter.name)
         return decoder
@@ -155,6 +160,7 @@ class ReplayEngine:
 
     def _run_one(self, work: Work) -> Outputs:
         self.scores.begin(work.prompt_ids)  # keeps the rows when only the seed or the sampling changed
+        self.noise_rows.clear()  # another item: another seed or prompt (keyed by seed, so only for memory)
         self.drafts.begin(work.prompt_ids)  # not the drafts: a model drafter samples with the seed's noise
         outputs = {BASELINE: self._generate(BASELINE, work)}  # fills the store along the greedy path
         if work.need_plain:

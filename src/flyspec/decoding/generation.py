@@ -21,7 +21,7 @@ from flyspec.decoding.stopping import Stopper
 from flyspec.decoding.streaming import GenerationStream, Step
 from flyspec.runtime.loaded_model import LoadedModel
 from flyspec.runtime.target import Target
-from flyspec.sampling.coupled import CoupledNoise, Draws
+from flyspec.sampling.coupled import CoupledNoise, Draws, NoiseRows
 from flyspec.sampling.sampler import same_device
 from flyspec.types import Draft, Verdict
 
@@ -108,6 +108,8 @@ class Decoder:
         self.target = target
         self.scorer = Target(target)  # the target model's KV cache for this decoder's generations
         self.config = config or DecodeConfig()
+        # sampling noise rows shared with other decoders of the same seeds (calibration's replay); None: per generation
+        self.noise_rows: NoiseRows | None = None
 
     @property
     def device(self) -> torch.device:
@@ -141,7 +143,7 @@ class Decoder:
             )
         prompt_ids = encode(self.target, prompt, use_chat)
         stopper = make_stopper(self.target, config, len(prompt_ids))
-        noise = None if config.sampling.greedy else CoupledNoise.draw(generator, self.device)
+        noise = None if config.sampling.greedy else CoupledNoise.draw(generator, self.device, self.noise_rows)
         draft_length = self.new_draft_length(config.sampling.greedy)
         generation = Generation(prompt_ids, config, generator, noise, stopper, draft_length)
         return GenerationStream(self._steps(generation), generation.stopper, generation.stats, prompt_ids)

@@ -73,47 +73,75 @@ def block_size(width: int) -> int:
     return max(SMALL, 1 << (width - 1).bit_length())
 
 
+RowKey = tuple[int, int, int, int]  # (key, stream, position, block size)
+
+
+@dataclass
+class NoiseRows:
+    """Drawn noise rows, by (key, stream, position, block size): a pure function of them, so any generation of the
+    same key may read a row another drew. A generation keeps its own, the last ``limit``; a caller that runs many
+    generations of one seed over the same positions (a calibration's points, ``calibration/runner.py``) shares one
+    (``Decoder.noise_rows``) and clears it when its seed changes (``limit=None``: until then, all)."""
+
+    limit: int | None = KEPT_ROWS
+    _rows: OrderedDict[RowKey, torch.Tensor] = field(default_factory=OrderedDict, repr=False)
+
+    def get(self, key: RowKey, width: int) -> torch.Tensor | None:
+        row = self._rows.get(key)
+        if row is None or row.shape[0] < width:
+            return None
+        self._rows.move_to_end(key)
+        return row
+
+    def put(self, key: RowKey, row: torch.Tensor) -> None:
+        self._rows[key] = row
+        while self.limit is not None and len(self._rows) > self.limit:
+            self._rows.popitem(last=False)
+
+    def clear(self) -> None:
+        self._rows.clear()
+
+
 @dataclass
 class CoupledNoise:
     """One generation's noise: Gumbel(0, 1) rows keyed by (``key``, stream, absolute position), drawn on ``device``.
 
-    Rows are remembered (the last :data:`KEPT_ROWS`), since a step asks the drafter's and the target's positions
-    alike; a forgotten row is drawn again, identically.
+    Rows are remembered (:class:`NoiseRows`), since a step asks the drafter's and the target's positions alike; a
+    forgotten row is drawn again, identically.
     """
 
     key: int
     device: torch.device
     num_rows_drawn: int = 0  # rows drawn (a remembered row is not drawn again): what a step's sampling cost
-    _rows: OrderedDict[tuple[int, int, int], torch.Tensor] = field(default_factory=OrderedDict, repr=False)
+    rows: NoiseRows = field(default_factory=NoiseRows, repr=False)
 
     @classmethod
-    def draw(cls, generator: torch.Generator | None, device: torch.device | str) -> CoupledNoise:
+    def draw(
+        cls, generator: torch.Generator | None, device: torch.device | str, rows: NoiseRows | None = None
+    ) -> CoupledNoise:
         """The generation's key: one draw from ``generator`` (torch's default one when None), so a generator made
-        with a seed names one text, and one reused across generations gives each a new one."""
+        with a seed names one text, and one reused across generations gives each a new one. ``rows``: a store
+        shared with other generations (default: its own)."""
         source = generator.device if generator is not None else torch.device(device)
         key = int(torch.randint(0, 1 << 62, (1,), generator=generator, device=source))
-        return cls(key, torch.device(device))
+        return cls(key, torch.device(device), rows=rows if rows is not None else NoiseRows())
 
     def derived(self, stream: int) -> CoupledNoise:
         """Noise of another key, for a drafter whose positions are not the target's (another tokenizer)."""
-        return CoupledNoise(mix(self.key, stream), self.device)
+        return CoupledNoise(mix(self.key, stream), self.device, rows=self.rows)
 
     def gumbel(self, position: int, width: int, stream: int = TOKEN) -> torch.Tensor:
         """``[width]`` i.i.d. Gumbel(0, 1) draws of ``position`` in ``stream``."""
         size = block_size(width)
-        key = (stream, position, size)
-        row = self._rows.get(key)
-        if row is None or row.shape[0] < width:
+        key = (self.key, stream, position, size)
+        row = self.rows.get(key, width)
+        if row is None:
             blocks = [
                 self._block(mix(self.key, stream, position, size, block), size) for block in range(-(-width // size))
             ]
             row = torch.cat(blocks)[:width] if len(blocks) > 1 else blocks[0][:width]
             self.num_rows_drawn += 1
-            self._rows[key] = row
-            while len(self._rows) > KEPT_ROWS:
-                self._rows.popitem(last=False)
-        else:
-            self._rows.move_to_end(key)
+            self.rows.put(key, row)
         return row[:width]
 
     def _block(self, seed: int, size: int) -> torch.Tensor:
@@ -159,8 +187,10 @@ class Draws:
     def choose(self, logits: torch.Tensor, sampling: SamplingConfig, stream: int = TOKEN) -> torch.Tensor:
         """``[rows, vocab]`` logits → ``[rows]`` int64: the sampled token of each row's position (Gumbel-max over
         the filtered, temperature-scaled logits)."""
-        scaled = filtered_logits(logits, sampling)  # [rows, vocab], -inf where filtered
-        return (scaled + self.gumbel(scaled.shape[0], scaled.shape[-1], stream)).argmax(-1)
+        scaled = filtered_logits(logits, sampling)  # [rows, vocab], -inf where filtered (a new tensor: ours to add to)
+        for row in range(scaled.shape[0]):  # row by row, in place: no [rows, vocab] copy of the noise
+            scaled[row] += self.noise.gumbel(self.position + row, scaled.shape[-1], stream)
+        return scaled.argmax(-1)
 
     def sample(self, probs: torch.Tensor, offset: int, stream: int) -> int:
         """A token of ``probs`` (``[vocab]``) at position ``position + offset`` in ``stream`` (Gumbel-max on its
