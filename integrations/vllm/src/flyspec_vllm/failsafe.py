@@ -32,21 +32,25 @@ def fault(
     outcome: str = "verified exactly, lossless",
 ) -> None:
     """A hook raised during a step: count it and log one line saying what became of the step's drafts (``outcome``;
-    the caller makes it so: exact verification, except where the caller says otherwise)."""
-    metrics.add(faults=1)
-    if _logged["faults"] >= MAX_LOGGED_FAULTS:
+    the caller makes it so: exact verification, except where the caller says otherwise). Never raises: counting and
+    logging cannot turn a handled fault into a crash."""
+    try:
+        metrics.add(faults=1)
+        if _logged["faults"] >= MAX_LOGGED_FAULTS:
+            return
+        _logged["faults"] += 1
+        last = _logged["faults"] == MAX_LOGGED_FAULTS
+        logger.error(
+            "flyspec-vllm: %s raised %s: %s; the step's drafts (requests %s) were %s%s",
+            hook,
+            type(error).__name__,
+            " ".join(str(error).split())[:300],
+            ", ".join(_ids(request_ids)) or "-",
+            outcome,
+            " (further faults are counted in flyspec_vllm_faults, not logged)" if last else "",
+        )
+    except Exception:  # noqa: BLE001 - the step goes on as the caller decided; only the report is lost
         return
-    _logged["faults"] += 1
-    last = _logged["faults"] == MAX_LOGGED_FAULTS
-    logger.error(
-        "flyspec-vllm: %s raised %s: %s; the step's drafts (requests %s) were %s%s",
-        hook,
-        type(error).__name__,
-        " ".join(str(error).split())[:300],
-        ", ".join(_ids(request_ids)) or "-",
-        outcome,
-        " (further faults are counted in flyspec_vllm_faults, not logged)" if last else "",
-    )
 
 
 def _ids(request_ids: Iterable[str] | Callable[[], Iterable[str]]) -> list[str]:
@@ -58,25 +62,36 @@ def _ids(request_ids: Iterable[str] | Callable[[], Iterable[str]]) -> list[str]:
 
 def bypassed(runner_name: str, sampler: Any, exact: Callable[[Any], bool]) -> None:
     """vLLM verified drafts without the plugin's hook: vLLM's own FLy off on ``sampler`` (``exact(sampler)``, False
-    where it cannot be switched off) and one error line."""
-    metrics.add(bypassed_steps=1)
+    where it cannot be switched off) and one error line. Never raises."""
     switched = False
     try:
         switched = exact(sampler)
     except Exception:  # noqa: BLE001 - reported below
         switched = False
-    if _logged["bypass"]:
+    try:
+        metrics.add(bypassed_steps=1)
+        if _logged["bypass"]:
+            return
+        _logged["bypass"] += 1
+        logger.error(
+            "flyspec-vllm: the %s verified drafts without flyspec's hook (sampler %s): flyspec's rules and guards are "
+            "not on its path; %s. Run the V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0) or report this vLLM version",
+            runner_name,
+            type(sampler).__name__,
+            "vLLM's own FLy is switched off on it, every step is verified exactly from now on"
+            if switched
+            else "its own loose acceptance, if any, could not be switched off and runs WITHOUT flyspec's guards",
+        )
+    except Exception:  # noqa: BLE001 - the caller turned loose acceptance off already; only the report is lost
         return
-    _logged["bypass"] += 1
-    logger.error(
-        "flyspec-vllm: the %s verified drafts without flyspec's hook (sampler %s): flyspec's rules and guards are "
-        "not on its path; %s. Run the V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0) or report this vLLM version",
-        runner_name,
-        type(sampler).__name__,
-        "vLLM's own FLy is switched off on it, every step is verified exactly from now on"
-        if switched
-        else "its own loose acceptance, if any, could not be switched off and runs WITHOUT flyspec's guards",
-    )
+
+
+def warning(message: str, *args: Any) -> None:
+    """One warning line (``flyspec-vllm: `` and ``message % args``) from a handler that must not raise. Never raises."""
+    try:
+        logger.warning("flyspec-vllm: " + message, *args)
+    except Exception:  # noqa: BLE001 - nothing left to report with
+        return
 
 
 def reset_logging() -> None:

@@ -137,8 +137,13 @@ def check_v2_internals(import_module: Callable[[str], Any]) -> V2Internals | lis
         missing = [name for name in V2_KEYWORDS if name not in parameters]
         if missing and has_builtin_fly(import_module):
             problems.append(f"rejection_sample: lacks the keywords {', '.join(missing)}")
-    if not _calls(getattr(getattr(sampler_module, "RejectionSampler", None), "_verify", None), "rejection_sample"):
+    sampler_class = getattr(sampler_module, "RejectionSampler", None)
+    if not _calls(getattr(sampler_class, "_verify", None), "rejection_sample"):
         problems.append("RejectionSampler._verify: does not call the module's rejection_sample")
+    # wrapped: this rank's sampler got drafts (no false bypass); its own, not a base class's
+    call = vars(sampler_class).get("__call__") if isinstance(sampler_class, type) else None
+    if call is None or _parameters(call)[:3] != ("self", "logits", "input_batch"):
+        problems.append(f"RejectionSampler.__call__: {'missing' if call is None else _parameters(call)}")
     runner_class = getattr(runner_module, "GPUModelRunner", None)
     expected = {
         "sample": ("self", "hidden_states", "input_batch", "grammar_output"),

@@ -7,6 +7,7 @@ default registry is the one vLLM's ``/metrics`` serves where they share a proces
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from dataclasses import asdict, dataclass
@@ -65,17 +66,22 @@ def _prometheus_counters() -> dict[str, object]:
 
 
 def add(**increments: int) -> None:
-    """Add to the named counters (in-process and Prometheus)."""
-    with _lock:
+    """Add to the named counters (in-process and Prometheus). Never raises: a counter that cannot count loses the
+    count, not the step it counts (one warning)."""
+    try:
+        with _lock:
+            for name, value in increments.items():
+                setattr(_counters, name, getattr(_counters, name) + value)
+        prometheus = _prometheus_counters()
         for name, value in increments.items():
-            setattr(_counters, name, getattr(_counters, name) + value)
-    prometheus = _prometheus_counters()
-    for name, value in increments.items():
-        if name in prometheus and value:
-            prometheus[name].inc(value)  # type: ignore[attr-defined]
+            if name in prometheus and value:
+                prometheus[name].inc(value)  # type: ignore[attr-defined]
+    except Exception as error:  # noqa: BLE001 - counting is not worth a step
+        _lost(error)
 
 
 def record(outcome: BatchOutcome) -> None:
+    """A batch's FLy outcome into the counters (and every ``LOG_EVERY_STEPS`` steps one log line). Never raises."""
     if not outcome.fly_requests:
         return
     add(
@@ -84,10 +90,25 @@ def record(outcome: BatchOutcome) -> None:
         vetoed=outcome.vetoed,
         loose_accepts=len(outcome.loose_positions),
     )
-    with _lock:
-        _counters.steps += 1
-        if _counters.steps % LOG_EVERY_STEPS == 0:
-            logger.info("flyspec-vllm: %s", asdict(_counters))
+    try:
+        with _lock:
+            _counters.steps += 1
+            if _counters.steps % LOG_EVERY_STEPS == 0:
+                logger.info("flyspec-vllm: %s", asdict(_counters))
+    except Exception as error:  # noqa: BLE001 - counting is not worth a step
+        _lost(error)
+
+
+_warned: list[bool] = []
+
+
+def _lost(error: BaseException) -> None:
+    if _warned:
+        return
+    _warned.append(True)
+    with contextlib.suppress(Exception):  # nothing left to report with
+        logger.warning("flyspec-vllm: a counter could not count (%s: %s); the steps go on, their counts may be short",
+                       type(error).__name__, error)  # fmt: skip
 
 
 def snapshot() -> dict[str, int]:

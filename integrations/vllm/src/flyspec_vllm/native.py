@@ -43,29 +43,45 @@ class GuardedKernel:
 
     def _launch(self, grid: Any, *args: Any, **kwargs: Any) -> Any:
         rules = self.rules()
-        if not rules:  # no rules published for this step (the plugin's step hook did not run): no FLy, exact
+        if rules is None:  # outside a runner step (vLLM's warm-up, a direct call): vLLM's own FLy, untouched
+            return self.kernel[grid](*args, **kwargs)
+        if not rules:  # the step hook published no rules (it failed, or loose acceptance is off): no FLy, exact
             return None
-        cu_num, draft = args[0], args[1]
+        decided_at = DECIDED_ARGUMENT[self.name]
+        decided = args[decided_at]  # what vLLM's rejection kernel reads next: the argmax, or the uniform numbers
+        try:
+            proposal = decided.clone()  # vLLM's kernel writes its loose accepts here; ``decided`` changes only below
+            launched = (*args[:decided_at], proposal, *args[decided_at + 1 :])
+            base_accept = self._base_accept(args)
+        except Exception as error:  # noqa: BLE001 - fail closed: vLLM's FLy is not launched, the step is exact
+            failsafe.fault(f"the guards on vLLM's FLy ({self.name})", error, lambda: [rule.req_id for rule in rules])
+            return None
+        result = self.kernel[grid](*launched, **kwargs)
+        try:
+            changed = proposal != decided  # [num_tokens]: the positions vLLM's FLy kept loosely
+            refused = veto_mask(args[0], args[1], base_accept, changed, self._logits(args), rules,
+                                self.name == RANDOM_KERNEL)  # fmt: skip
+            kept = proposal if refused is None else torch.where(refused, decided, proposal)
+            decided.copy_(kept)  # the only write to vLLM's tensor: the loose accepts the guards keep
+        except Exception as error:  # noqa: BLE001 - fail closed: the step keeps none of vLLM's loose accepts
+            failsafe.fault(f"the guards on vLLM's FLy ({self.name})", error, lambda: [rule.req_id for rule in rules])
+        return result
+
+    def _base_accept(self, args: tuple[Any, ...]) -> torch.Tensor:
+        """``[num_tokens]`` bool: what vLLM's rule accepts before FLy."""
         if self.name == GREEDY_KERNEL:
             # cu_num_draft_tokens, draft_token_ids, target_argmax, target_logits, fly_entropy, is_greedy, vocab, ...
-            decided, logits = args[2], args[3]
-            base_accept = draft.long() == decided.long()  # vLLM's greedy rule, before FLy
-        else:
-            # cu_num_draft_tokens, draft_token_ids, draft_probs, target_probs, uniform_probs, fly_entropy, ...
-            draft_probs, target_probs, decided = args[2], args[3], args[4]
-            logits = target_probs  # the guards compare probabilities: their log, per request, below
-            base_accept = random_accepts(draft, draft_probs, target_probs, decided)
-        before = decided.clone()
-        result = self.kernel[grid](*args, **kwargs)
-        changed = decided != before  # [num_tokens]: the positions vLLM's FLy kept loosely
-        try:
-            refused = veto_mask(cu_num, draft, base_accept, changed, logits, rules, self.name == RANDOM_KERNEL)
-        except Exception as error:  # noqa: BLE001 - fail closed: the step keeps none of vLLM's loose accepts
-            failsafe.fault(f"the guards on vLLM's FLy ({self.name})", error, [rule.req_id for rule in rules])
-            refused = changed
-        if refused is not None:
-            decided.copy_(torch.where(refused, before, decided))
-        return result
+            return args[1].long() == args[2].long()  # vLLM's greedy rule, before FLy
+        # cu_num_draft_tokens, draft_token_ids, draft_probs, target_probs, uniform_probs, fly_entropy, ...
+        return random_accepts(args[1], args[2], args[3], args[4])
+
+    def _logits(self, args: tuple[Any, ...]) -> torch.Tensor:
+        """The target's scores the guards read: its logits (greedy kernel) or probabilities (random kernel; the
+        guards take their log, per request, in :func:`veto_mask`)."""
+        return args[3]
+
+
+DECIDED_ARGUMENT = {GREEDY_KERNEL: 2, RANDOM_KERNEL: 4}  # the argument each kernel writes: target_argmax, uniform_probs
 
 
 def random_accepts(

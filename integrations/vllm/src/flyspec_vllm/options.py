@@ -5,8 +5,9 @@ Request fields (``SamplingParams.extra_args``; the OpenAI server fills them from
 #53987), so a request reads the same whichever implementation serves it:
 
 ``rejection_sample_method``
-    ``"fly"`` asks for FLy; ``"standard"`` asks for vLLM's lossless rule (an opt-out where the
-    operator switched FLy on for all requests).
+    ``"fly"`` asks for FLy; ``"standard"`` asks for vLLM's lossless rule: an opt-out where the
+    operator switched FLy on for all requests, and under vLLM's own FLy (configured engine-wide) a request
+    verified exactly (every loose accept vLLM's FLy makes for it is vetoed, on V1 and V2).
 ``fly_window_size`` / ``fly_entropy_threshold`` / ``fly_entropy_top_k``
     FLy's deferred window ``W``, entropy gate (nats) and the number of top probabilities in the
     entropy; defaults from flyspec's ``FlyConfig`` (6, 0.3, 3). flyspec's window: the ``W - 1`` draft
@@ -221,6 +222,7 @@ class RequestOptions:
     shadow: tuple[tuple[SpeculationConfig, ...], ...] = ()
     prompt_length: int | None = None  # the user's prompt within the request's (a continuation's: the rest is output)
     reference: tuple[int, ...] | None = None  # the output a shadow request will produce (reference.py)
+    exact: bool = False  # rejection_sample_method "standard": vLLM's lossless rule, also under vLLM's own FLy
 
 
 class RequestError(ConfigError):
@@ -313,7 +315,8 @@ def request_options(
     if shadow and rule is not None:
         raise RequestError("flyspec_shadow", "flyspec_shadow follows a lossless request's path: leave its own lossy "
                            "rule out")  # fmt: skip
-    return RequestOptions(rule, draft, record, shadow, prompt_length, reference)
+    exact = args.get("rejection_sample_method") == "standard"
+    return RequestOptions(rule, draft, record, shadow, prompt_length, reference, exact)
 
 
 def _request_rule(

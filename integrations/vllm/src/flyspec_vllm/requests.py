@@ -49,9 +49,9 @@ def options_of(state: PluginState, req_id: str, params: Any) -> RequestOptions:
 def step_options(state: PluginState, req_id: str, params: Any, native: bool) -> RequestOptions | None:
     """What the request gets this step: its options when a rule (or, with vLLM's own FLy, the guards) must look at
     it, None when vLLM's lossless rule serves it alone. A :class:`ConfigError` when its options are refused."""
-    if native:  # vLLM's FLy runs for every request: the guards look at every one
-        return RequestOptions()
     options = options_of(state, req_id, params)
+    if native:  # vLLM's FLy runs for every request: the guards look at every one (all vetoed where it asks exact)
+        return RequestOptions(exact=options.exact)
     return options if options.rule is not None or options.shadow else None
 
 
@@ -87,7 +87,8 @@ def make_rule(
     )
     start = num_tokens - prompt_length  # the output index of this step's first draft position
     guard = state.guard if native else None
-    return RequestRule(options.rule, context, start, options.record, options.shadow, guard, req_id=req_id)
+    return RequestRule(options.rule, context, start, options.record, options.shadow, guard, req_id=req_id,
+                       exact=native and options.exact)  # fmt: skip
 
 
 def refused(req_id: str, error: ConfigError, native: bool) -> RequestRule:
@@ -138,14 +139,14 @@ def _breaker(state: PluginState, memo: dict[str, Any], generated: int) -> Circui
 
 def draftless_rows(runner: Any) -> frozenset[int]:
     """The batch rows whose request asked for no drafts (``flyspec_draft: false``), for the plugin's proposer."""
-    rows = set()
-    for index, req_id in enumerate(runner.input_batch.req_ids):
-        params = runner.requests[req_id].sampling_params
-        extra_args = getattr(params, "extra_args", None) or {}
-        try:
-            if not flag(extra_args.get("flyspec_draft", True), "flyspec_draft"):  # 0 / "false" as vLLM's server sends
-                rows.add(index)
-        except ConfigError:
-            pass  # refused when vLLM validated the request (patch.py); drafts as usual
+    return frozenset(index for index, req_id in enumerate(runner.input_batch.req_ids)
+                     if not wants_drafts(runner.requests[req_id].sampling_params))  # fmt: skip
 
-    return frozenset(rows)
+
+def wants_drafts(params: Any) -> bool:
+    """False where the request asked for no drafts (``flyspec_draft: false``; 0 / "false" as vLLM's server sends)."""
+    extra_args = getattr(params, "extra_args", None) or {}
+    try:
+        return flag(extra_args.get("flyspec_draft", True), "flyspec_draft")
+    except ConfigError:
+        return True  # refused when vLLM validated the request (startup.check_request); drafts as usual

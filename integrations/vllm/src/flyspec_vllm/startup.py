@@ -38,6 +38,7 @@ class Setup:
     switch: str | None = None  # the operator's switch; None: the operator's settings were refused
     error: str = ""
     problems: dict[str, list[str]] = field(default_factory=dict)  # per runner: failed checks (empty: hooked)
+    breaker: bool = False  # the operator's profile has a circuit breaker (FLYSPEC_VLLM_PROFILE)
 
 
 SETUP: Setup | None = None
@@ -85,7 +86,8 @@ def check_engine(vllm_config: Any) -> None:
     if problems and setup.switch != "off" and (native_fly or setup.switch == "all"):
         raise ValueError(refusal(setup, runner, native_fly, problems))
     unguarded = bool(problems) or (setup.switch == "off" and native_fly)
-    line = mode_line(runner, native_fly, setup.switch or "off", setup.version, hooked=not problems)
+    line = mode_line(runner, native_fly, setup.switch or "off", setup.version, hooked=not problems,
+                     breaker=setup.breaker)  # fmt: skip
     logger.log(logging.WARNING if unguarded else logging.INFO, "%s", line)
 
 
@@ -105,8 +107,10 @@ def refusal(setup: Setup, runner: str, native_fly: bool, problems: list[str]) ->
             f"({'; '.join(problems)}): {what}; {fix}, or FLYSPEC_VLLM_FLY=off to serve without flyspec")  # fmt: skip
 
 
-def mode_line(runner: str, native_fly: bool, switch: str, version: str, hooked: bool = True) -> str:
-    """The one start-up line that says what flyspec does on this engine (true on each runner and mode)."""
+def mode_line(runner: str, native_fly: bool, switch: str, version: str, hooked: bool = True,
+              breaker: bool = False) -> str:  # fmt: skip
+    """The one start-up line that says what flyspec does on this engine (true on each runner and mode; ``breaker``:
+    the operator's profile brings a circuit breaker, which only then vetoes)."""
     where = f"flyspec-vllm: vLLM {version}, {runner} model runner"
     if not hooked:  # only reached with switch 'request' and no native FLy: requests that ask get lossless
         return f"{where}: not hooked (its internals differ): a request that asks for a flyspec rule gets vLLM's rule"
@@ -114,13 +118,15 @@ def mode_line(runner: str, native_fly: bool, switch: str, version: str, hooked: 
         if native_fly:
             return f"{where}: vLLM's own FLy runs WITHOUT flyspec's guards (FLYSPEC_VLLM_FLY=off)"
         return f"{where}: flyspec's rules off (FLYSPEC_VLLM_FLY=off): vLLM's lossless rule"
+    vetoes = "flyspec's trust guards and the profile's circuit breaker" if breaker else "flyspec's trust guards"
     if native_fly:
         how = "its pre-pass kernels guarded" if runner == V1 else (
             "decided by flyspec's copy of the same rule (variant 'vllm'), then vLLM's rejection kernel with its FLy "
             "off commits them")  # fmt: skip
-        return (f"{where}: vLLM's own FLy with flyspec's trust guards and circuit breaker vetoing its loose accepts "
-                f"({how}); flyspec's per-request rules are not applied while it runs")  # fmt: skip
-    return (f"{where}: flyspec's per-request rules (FLy, MARS, typical acceptance) with the trust guards for "
+        return (f"{where}: vLLM's own FLy with {vetoes} vetoing its loose accepts ({how}); a request sending "
+                "rejection_sample_method 'standard' gets none of them; flyspec's per-request rules are not applied "
+                "while it runs")  # fmt: skip
+    return (f"{where}: flyspec's per-request rules (FLy, MARS, typical acceptance) with {vetoes} for "
             f"{'every greedy request' if switch == 'all' else 'the greedy requests that ask'}; the others get vLLM's "
             "lossless rule (sampled requests where the workers' check of speculative sampling passes)")  # fmt: skip
 

@@ -43,7 +43,7 @@ from flyspec_vllm._flyspec import ConfigError, FlyConfig, fly_candidates
 from flyspec_vllm.internals import wrap
 from flyspec_vllm.native import guarded
 from flyspec_vllm.options import REQUEST_KEYS
-from flyspec_vllm.requests import PluginState, forget_finished, make_rule, refused, step_options
+from flyspec_vllm.requests import PluginState, forget_finished, make_rule, refused, step_options, wants_drafts
 from flyspec_vllm.rule import RequestRule, apply_batch
 
 PARAMS = "_flyspec_sampling_params"  # on the runner: request id -> SamplingParams
@@ -52,8 +52,9 @@ PARAMS = "_flyspec_sampling_params"  # on the runner: request id -> SamplingPara
 @dataclass
 class V2Step:
     runner: Any
-    verified: bool = False
+    verified: bool = False  # the module's rejection_sample ran (the plugin's verification hook)
     guarded: bool = False  # sampled without drafts: a sampled request on an engine that failed the sampling check
+    sampler_ran: bool = False  # this rank's rejection sampler was called (it had drafts to verify)
 
 
 @dataclass
@@ -79,6 +80,7 @@ def install(internals: Any, state_of: Callable[[], PluginState | None]) -> None:
     wrap(internals.runner_class, "_remove_request", _wrap_remove_request)
     wrap(internals.runner_class, "sample", _wrap_sample)
     wrap(internals.sampler_module, "rejection_sample", _wrap_rejection_sample)
+    wrap(internals.sampler_module.RejectionSampler, "__call__", _wrap_call)
 
 
 def _wrap_add_requests(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -99,7 +101,10 @@ def _wrap_add_requests(original: Callable[..., Any]) -> Callable[..., Any]:
 def _wrap_remove_request(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def _remove_request(self: Any, req_id: str) -> Any:
-        self.__dict__.get(PARAMS, {}).pop(req_id, None)
+        try:
+            self.__dict__.get(PARAMS, {}).pop(req_id, None)
+        except Exception as error:  # noqa: BLE001 - a stale record is dropped at the next add_requests of the id
+            failsafe.fault("the V2 request hook", error, (req_id,), "unaffected")
         return original(self, req_id)
 
     return _remove_request
@@ -108,25 +113,55 @@ def _wrap_remove_request(original: Callable[..., Any]) -> Callable[..., Any]:
 def _wrap_sample(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def sample(self: Any, hidden_states: Any, input_batch: Any, grammar_output: Any) -> Any:
-        state = _state_of()
-        if state is None:
+        if _state_of() is None:
             return original(self, hidden_states, input_batch, grammar_output)
-        step = V2Step(self, guarded=_guarded(self, input_batch))
+        step = _before_step(self, input_batch)
         token = _step.set(step)
         try:
             result = original(self, hidden_states, input_batch, grammar_output)
         finally:
             _step.reset(token)
-        sampler = getattr(self, "rejection_sampler", None)
-        if getattr(input_batch, "num_draft_tokens", 0) and sampler is not None:
-            if step.verified:
-                metrics.add(verified_steps=1)
-            else:
-                state.enabled = False
-                failsafe.bypassed("V2 model runner", sampler, _exact_sampler)
+        _after_step(self, step)
         return result
 
     return sample
+
+
+def _before_step(runner: Any, input_batch: Any) -> V2Step:
+    """The step's record: whether it is sampled without drafts (``_guarded``, which never raises)."""
+    return V2Step(runner, guarded=_guarded(runner, input_batch))
+
+
+def _after_step(runner: Any, step: V2Step) -> None:
+    """After vLLM sampled the step: the verification hook ran (counted), or vLLM's rejection sampler verified drafts
+    without it (a bypass: loose acceptance off from now on). Whether drafts were verified is what this rank's
+    rejection sampler was given (``_wrap_verify``), not the batch's count: under batch-sharded sampling (tensor
+    parallelism) a rank that owns none of the step's drafts verifies none. Never raises."""
+    try:
+        if not step.sampler_ran:
+            return
+        if step.verified:
+            metrics.add(verified_steps=1)
+            return
+        state = _state_of()
+        if state is not None:
+            state.enabled = False
+        failsafe.bypassed("V2 model runner", getattr(runner, "rejection_sampler", None), _exact_sampler)
+    except Exception as error:  # noqa: BLE001 - the step is sampled already; only its bookkeeping is lost
+        failsafe.fault("the V2 step's bookkeeping", error, (), "committed as sampled")
+
+
+def _wrap_call(original: Callable[..., Any]) -> Callable[..., Any]:
+    """V2's ``RejectionSampler.__call__``: the step's drafts reached this rank's rejection sampler."""
+
+    @functools.wraps(original)
+    def __call__(self: Any, logits: Any, input_batch: Any, *args: Any, **kwargs: Any) -> Any:
+        step = _step.get()
+        if step is not None:
+            step.sampler_ran = True
+        return original(self, logits, input_batch, *args, **kwargs)
+
+    return __call__
 
 
 def _guarded(runner: Any, input_batch: Any) -> bool:
@@ -151,29 +186,56 @@ def _wrap_rejection_sample(original: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(original)
     def rejection_sample(*args: Any, **kwargs: Any) -> Any:
-        arguments = signature.bind(*args, **kwargs).arguments
-        step, state = _step.get(), _state_of()
-        if step is not None:
-            step.verified = True
-        native = int(arguments.get("fly_window_size") or 0) > 0
-        exact = arguments | {"fly_window_size": 0} if native else arguments
-        if step is not None and step.guarded:  # no drafts: each request's first position sampled from the target
-            rows = sampling_guard.without_draft_rows(arguments["draft_sampled"], arguments["expanded_local_pos"])
-            return original(**(exact | {"draft_sampled": rows}))
-        if step is None or state is None or not state.enabled:
-            return original(**exact)  # no rules for this step: exact, vLLM's FLy off
-        if arguments.get("synthetic_conditional_rates") is not None or arguments.get("use_block_verification"):
-            return original(**arguments)  # vLLM's own rule (its FLy is off there)
+        step = _step.get()
+        if step is None:  # outside a runner step (vLLM's warm-up, a direct call): vLLM's own rule, its FLy included
+            return original(*args, **kwargs)
+        step.verified = True
+        arguments = signature.bind(*args, **kwargs).arguments  # vLLM's own call: it binds, or vLLM's call fails
+        exact = arguments | {"fly_window_size": 0} if "fly_window_size" in arguments else arguments
         try:
-            forced = loose_accepts(step.runner, state, arguments, native)
+            call = verified_call(step, arguments)
         except Exception as error:  # noqa: BLE001 - fail closed: this step is verified exactly
             failsafe.fault("the V2 verification hook", error, lambda: _request_ids(step.runner, arguments))
-            return original(**exact)
-        if forced is None:
-            return original(**exact)
-        return original(**(exact | {"target_logits": force(arguments["target_logits"], *forced)}))
+            call = exact
+        return original(**call)
 
     return rejection_sample
+
+
+def verified_call(step: V2Step, arguments: dict[str, Any]) -> dict[str, Any]:
+    """The arguments vLLM's kernel gets for this step: FLy off (``fly_window_size`` 0), the loose accepts flyspec
+    keeps forced in a copy of their logits rows, the draft rows of requests that get no drafts made placeholders."""
+    state = _state_of()
+    native = int(arguments.get("fly_window_size") or 0) > 0
+    exact = arguments | {"fly_window_size": 0} if native else arguments
+    if step.guarded:  # no drafts: each request's first position sampled from the target
+        rows = sampling_guard.without_draft_rows(arguments["draft_sampled"], arguments["expanded_local_pos"])
+        return exact | {"draft_sampled": rows}
+    if state is None or not state.enabled:
+        return exact  # no rules for this step: exact, vLLM's FLy off
+    if arguments.get("synthetic_conditional_rates") is not None or arguments.get("use_block_verification"):
+        return arguments  # vLLM's own rule (its FLy is off there)
+    drafted = without_drafts_of(step.runner, arguments)
+    exact = drafted | {"fly_window_size": 0} if native else drafted
+    forced = loose_accepts(step.runner, state, drafted, native)
+    if forced is None:
+        return exact
+    return exact | {"target_logits": force(arguments["target_logits"], *forced)}
+
+
+def without_drafts_of(runner: Any, arguments: dict[str, Any]) -> dict[str, Any]:
+    """The arguments with the draft rows of every request that asked for none (``flyspec_draft: false``) made ``-1``
+    placeholders: the kernel samples that request's first position from the target, as a plain engine does."""
+    params = runner.__dict__.get(PARAMS, {})
+    names = runner.req_states.index_to_req_id
+    draftless = [index for index, req_id in names.items() if not wants_drafts(params.get(req_id))]
+    if not draftless:
+        return arguments
+    mapping = arguments["expanded_idx_mapping"].long()
+    rows = torch.isin(mapping, torch.tensor(draftless, dtype=torch.long, device=mapping.device))
+    drafted = arguments["draft_sampled"].masked_fill(rows & (arguments["expanded_local_pos"] > 0),
+                                                     sampling_guard.PLACEHOLDER_TOKEN_ID)  # fmt: skip
+    return arguments | {"draft_sampled": drafted}
 
 
 def _request_ids(runner: Any, arguments: dict[str, Any]) -> list[str]:
