@@ -27,15 +27,25 @@ def source_members(names: list[str]) -> list[str]:
     return [name for name in names if name.endswith(".py") or ".dist-info/" in name]
 
 
-def main(argv: list[str]) -> int:
+def checked(argv: list[str], usage: str) -> tuple[Path, Path] | int:
+    """``ARCHIVE SHA256 DEST`` from the command line: the archive and the destination where the archive's hash is the
+    pinned one, else the exit code (2: a usage error; 1: another hash, said on stderr)."""
     if len(argv) != 3:
-        print("usage: vllm_source.py WHEEL SHA256 DEST", file=sys.stderr)
+        print(f"usage: {usage}", file=sys.stderr)
         return 2
-    wheel, expected, dest = Path(argv[0]), argv[1], Path(argv[2])
-    found = sha256(wheel)
+    archive, expected, dest = Path(argv[0]), argv[1], Path(argv[2])
+    found = sha256(archive)
     if found != expected:
-        print(f"{wheel}: sha256 {found}, expected {expected} (delete it to download it again)", file=sys.stderr)
+        print(f"{archive}: sha256 {found}, expected {expected} (delete it to download it again)", file=sys.stderr)
         return 1
+    return archive, dest
+
+
+def main(argv: list[str]) -> int:
+    paths = checked(argv, "vllm_source.py WHEEL SHA256 DEST")
+    if isinstance(paths, int):
+        return paths
+    wheel, dest = paths
     with zipfile.ZipFile(wheel) as archive:
         archive.extractall(dest, source_members(archive.namelist()))
     return 0

