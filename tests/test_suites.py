@@ -45,7 +45,7 @@ def run(command: list[str], **variables: str) -> None:
     assert done.returncode == 0, f"`{' '.join(command)}` exited {done.returncode}:\n{output[-8000:]}"
 
 
-@pytest.mark.heavy(seconds=400)
+@pytest.mark.heavy(seconds=260)
 @pytest.mark.vllm_engine
 @needs_vllm_venv
 def test_vllm_cpu_end_to_end() -> None:
@@ -53,7 +53,7 @@ def test_vllm_cpu_end_to_end() -> None:
     run([str(VLLM_PYTHON), "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/vllm_engine"])
 
 
-@pytest.mark.heavy(seconds=190)
+@pytest.mark.heavy(seconds=125)
 @needs_vllm_venv
 @pytest.mark.skipif(
     not VLLM033_SOURCE.exists() and not REQUIRED, reason="needs vLLM 0.33's source: make vllm033-source"
