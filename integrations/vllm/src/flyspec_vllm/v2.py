@@ -115,7 +115,7 @@ def _wrap_sample(original: Callable[..., Any]) -> Callable[..., Any]:
     def sample(self: Any, hidden_states: Any, input_batch: Any, grammar_output: Any) -> Any:
         if _state_of() is None:
             return original(self, hidden_states, input_batch, grammar_output)
-        step = _before_step(self, input_batch)
+        step = V2Step(self, guarded=_guarded(self, input_batch))
         token = _step.set(step)
         try:
             result = original(self, hidden_states, input_batch, grammar_output)
@@ -127,15 +127,10 @@ def _wrap_sample(original: Callable[..., Any]) -> Callable[..., Any]:
     return sample
 
 
-def _before_step(runner: Any, input_batch: Any) -> V2Step:
-    """The step's record: whether it is sampled without drafts (``_guarded``, which never raises)."""
-    return V2Step(runner, guarded=_guarded(runner, input_batch))
-
-
 def _after_step(runner: Any, step: V2Step) -> None:
     """After vLLM sampled the step: the verification hook ran (counted), or vLLM's rejection sampler verified drafts
     without it (a bypass: loose acceptance off from now on). Whether drafts were verified is what this rank's
-    rejection sampler was given (``_wrap_verify``), not the batch's count: under batch-sharded sampling (tensor
+    rejection sampler was given (``_wrap_call``), not the batch's count: under batch-sharded sampling (tensor
     parallelism) a rank that owns none of the step's drafts verifies none. Never raises."""
     try:
         if not step.sampler_ran:
@@ -191,7 +186,7 @@ def _wrap_rejection_sample(original: Callable[..., Any]) -> Callable[..., Any]:
             return original(*args, **kwargs)
         step.verified = True
         arguments = signature.bind(*args, **kwargs).arguments  # vLLM's own call: it binds, or vLLM's call fails
-        exact = arguments | {"fly_window_size": 0} if "fly_window_size" in arguments else arguments
+        exact = fly_off(arguments)  # what a fault falls back to
         try:
             call = verified_call(step, arguments)
         except Exception as error:  # noqa: BLE001 - fail closed: this step is verified exactly
@@ -206,21 +201,23 @@ def verified_call(step: V2Step, arguments: dict[str, Any]) -> dict[str, Any]:
     """The arguments vLLM's kernel gets for this step: FLy off (``fly_window_size`` 0), the loose accepts flyspec
     keeps forced in a copy of their logits rows, the draft rows of requests that get no drafts made placeholders."""
     state = _state_of()
-    native = int(arguments.get("fly_window_size") or 0) > 0
-    exact = arguments | {"fly_window_size": 0} if native else arguments
     if step.guarded:  # no drafts: each request's first position sampled from the target
         rows = sampling_guard.without_draft_rows(arguments["draft_sampled"], arguments["expanded_local_pos"])
-        return exact | {"draft_sampled": rows}
+        return fly_off(arguments) | {"draft_sampled": rows}
     if state is None or not state.enabled:
-        return exact  # no rules for this step: exact, vLLM's FLy off
+        return fly_off(arguments)  # no rules for this step: exact, vLLM's FLy off
     if arguments.get("synthetic_conditional_rates") is not None or arguments.get("use_block_verification"):
         return arguments  # vLLM's own rule (its FLy is off there)
     drafted = without_drafts_of(step.runner, arguments)
-    exact = drafted | {"fly_window_size": 0} if native else drafted
-    forced = loose_accepts(step.runner, state, drafted, native)
+    forced = loose_accepts(step.runner, state, drafted, int(arguments.get("fly_window_size") or 0) > 0)
     if forced is None:
-        return exact
-    return exact | {"target_logits": force(arguments["target_logits"], *forced)}
+        return fly_off(drafted)
+    return fly_off(drafted) | {"target_logits": force(arguments["target_logits"], *forced)}
+
+
+def fly_off(arguments: dict[str, Any]) -> dict[str, Any]:
+    """The kernel's arguments with vLLM's own FLy off (``fly_window_size`` 0 where the call passes it)."""
+    return arguments | {"fly_window_size": 0} if "fly_window_size" in arguments else arguments
 
 
 def without_drafts_of(runner: Any, arguments: dict[str, Any]) -> dict[str, Any]:
