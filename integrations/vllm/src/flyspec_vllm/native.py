@@ -59,8 +59,8 @@ class GuardedKernel:
         result = self.kernel[grid](*launched, **kwargs)
         try:
             changed = proposal != decided  # [num_tokens]: the positions vLLM's FLy kept loosely
-            refused = veto_mask(args[0], args[1], base_accept, changed, self._logits(args), rules,
-                                self.name == RANDOM_KERNEL)  # fmt: skip
+            # the target's scores at args[3]: logits (greedy kernel) or probabilities (random: their log, per request)
+            refused = veto_mask(args[0], args[1], base_accept, changed, args[3], rules, self.name == RANDOM_KERNEL)
             kept = proposal if refused is None else torch.where(refused, decided, proposal)
             decided.copy_(kept)  # the only write to vLLM's tensor: the loose accepts the guards keep
         except Exception as error:  # noqa: BLE001 - fail closed: the step keeps none of vLLM's loose accepts
@@ -74,11 +74,6 @@ class GuardedKernel:
             return args[1].long() == args[2].long()  # vLLM's greedy rule, before FLy
         # cu_num_draft_tokens, draft_token_ids, draft_probs, target_probs, uniform_probs, fly_entropy, ...
         return random_accepts(args[1], args[2], args[3], args[4])
-
-    def _logits(self, args: tuple[Any, ...]) -> torch.Tensor:
-        """The target's scores the guards read: its logits (greedy kernel) or probabilities (random kernel; the
-        guards take their log, per request, in :func:`veto_mask`)."""
-        return args[3]
 
 
 DECIDED_ARGUMENT = {GREEDY_KERNEL: 2, RANDOM_KERNEL: 4}  # the argument each kernel writes: target_argmax, uniform_probs
