@@ -100,12 +100,12 @@ def resolve_to_tiny(monkeypatch: pytest.MonkeyPatch, dirs: dict[str, str]) -> No
     import flyspec
 
     loading = sys.modules[flyspec.load_model.__module__]
-    resolve = loading._resolve_to_hf_source
+    resolve = loading.hf_source
 
     def resolve_tiny(name_or_path: str) -> str:
         return resolve(dirs.get(name_or_path, name_or_path))
 
-    monkeypatch.setattr(loading, "_resolve_to_hf_source", resolve_tiny)
+    monkeypatch.setattr(loading, "hf_source", resolve_tiny)
 
 
 # --- evaluators ---------------------------------------------------------------------------------------

@@ -48,6 +48,7 @@ _COMMAND_MODULES = (
     "flyspec.eval.command",
     "flyspec.calibration.command",
     "flyspec.server.command",
+    "flyspec.cli.export",
 )
 
 

@@ -170,14 +170,16 @@ def quiet_transformers() -> None:
 ENGINE_NAMES = ("flyspec", "vllm")
 
 
-def add_engine_options(parser: argparse.ArgumentParser, what: str) -> None:
-    """``--engine`` and how a vLLM engine runs (``flyspec calibrate`` and ``flyspec eval``)."""
+def add_engine_options(parser: argparse.ArgumentParser, what: str, *, engine_help: str | None = None) -> None:
+    """``--engine`` and how a vLLM engine runs (``flyspec calibrate``, ``flyspec eval``; ``flyspec serve`` with its
+    own ``engine_help`` and no ``--wave``)."""
     group = parser.add_argument_group("engine")
     group.add_argument(
         "--engine",
         choices=ENGINE_NAMES,
         default="flyspec",
-        help=f"flyspec (default): {what} on flyspec's own engine, one prompt at a time; vllm: on vLLM with the "
+        help=engine_help
+        or f"flyspec (default): {what} on flyspec's own engine, one prompt at a time; vllm: on vLLM with the "
         "flyspec-vllm plugin (its venv: --vllm-venv), every prompt and setting of a wave batched, the model "
         "loaded only there (here only its tokenizer): what a vLLM deployment runs, on a CPU or a GPU cluster",
     )
@@ -196,9 +198,10 @@ def add_engine_options(parser: argparse.ArgumentParser, what: str) -> None:
         help="size vLLM's KV cache as this fraction of the device's memory instead (on a GPU cluster)",
     )
     group.add_argument("--max-num-seqs", type=int, help="vLLM's max_num_seqs: the most requests in one batch")
-    group.add_argument(
-        "--wave", type=int, default=64, help="--engine vllm: prompts submitted together (vLLM's batch; default 64)"
-    )
+    if engine_help is None:
+        group.add_argument(
+            "--wave", type=int, default=64, help="--engine vllm: prompts submitted together (vLLM's batch; default 64)"
+        )
     group.add_argument(
         "--no-vllm-eager",
         dest="vllm_eager",

