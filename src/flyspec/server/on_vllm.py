@@ -86,8 +86,8 @@ def check_options(args: argparse.Namespace) -> None:
 
     if args.drafter not in (None, "ngram"):
         raise ConfigError(
-            f"--drafter {args.drafter}: --engine vllm drafts with flyspec's n-gram proposer only (--drafter ngram, "
-            "or -k 0 for none); vLLM's own drafters (a draft model, EAGLE) are started with vllm itself"
+            f"--drafter {args.drafter}: --engine vllm drafts with flyspec's n-gram proposer only (--drafter ngram); "
+            "vLLM's own drafters (a draft model, EAGLE) are started with vLLM itself"
         )
     if args.verifier not in (None, "exact", "fly"):
         raise ConfigError(
@@ -206,12 +206,14 @@ def plan(args: argparse.Namespace) -> Launch:
     environment["FLYSPEC_VLLM_FLY"] = switch
     if spec.guard.is_bare and spec.verifier == "fly":
         environment["FLYSPEC_VLLM_GUARDS"] = "bare"
-    speculative: dict[str, Any] | None = None
-    if spec.num_draft_tokens > 0:
-        speculative = {"method": "custom_class", "model": PROPOSER, "num_speculative_tokens": spec.num_draft_tokens}
-        defaults = SpeculationConfig().ngram
-        if spec.ngram.max_ngram != defaults.max_ngram or spec.ngram.min_ngram != defaults.min_ngram:
-            speculative.update(prompt_lookup_max=spec.ngram.max_ngram, prompt_lookup_min=spec.ngram.min_ngram)
+    speculative: dict[str, Any] = {
+        "method": "custom_class",
+        "model": PROPOSER,
+        "num_speculative_tokens": spec.num_draft_tokens,
+    }
+    defaults = SpeculationConfig().ngram
+    if spec.ngram.max_ngram != defaults.max_ngram or spec.ngram.min_ngram != defaults.min_ngram:
+        speculative.update(prompt_lookup_max=spec.ngram.max_ngram, prompt_lookup_min=spec.ngram.min_ngram)
     if profile is not None:
         plugin = profile.record.get("deploy", {}).get("vllm_plugin", {})
         for name, value in plugin.get("environment", {}).items():
@@ -242,8 +244,7 @@ def plan(args: argparse.Namespace) -> Launch:
         *memory, *(["--max-num-seqs", str(options.max_num_seqs)] if options.max_num_seqs else []),
         *(["--enforce-eager"] if options.eager else []), "--uvicorn-log-level", args.log_level,
     ]  # fmt: skip
-    if speculative is not None:
-        command += ["--speculative-config", json.dumps(speculative)]
+    command += ["--speculative-config", json.dumps(speculative)]
     keys = api_keys_from(args)
     if len(keys) == 1:
         environment["VLLM_API_KEY"] = keys[0]  # vLLM's own variable: the key stays out of the process list
@@ -265,7 +266,7 @@ def plan(args: argparse.Namespace) -> Launch:
         if options.gpu_memory_utilization is None
         else f"KV cache {options.gpu_memory_utilization:g} of the device's memory"
     )
-    drafts = f"flyspec's n-gram proposer, k {spec.num_draft_tokens}" if speculative else "no drafts"
+    drafts = f"flyspec's n-gram proposer, k {spec.num_draft_tokens}"
     binding = environment.get(THREADS_VARIABLE, os.environ.get(THREADS_VARIABLE))
     summary = (
         f"flyspec serve --engine vllm: {name} ({model_path}) on vLLM {platform['version']} "
