@@ -112,7 +112,8 @@ class Served:
         self.process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
         self.lines: list[str] = []
         self.ready = threading.Event()
-        threading.Thread(target=self._read, daemon=True).start()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
         if not self.ready.wait(600) or self.process.poll() is not None:
             self.process.kill()
             raise AssertionError("flyspec serve --engine vllm did not become ready:\n" + "\n".join(self.lines[-20:]))
@@ -135,7 +136,9 @@ class Served:
 
     def stop(self) -> int:
         self.process.send_signal(signal.SIGTERM)
-        return self.process.wait(timeout=120)
+        code = self.process.wait(timeout=120)
+        self.reader.join(timeout=30)
+        return code
 
 
 @needs_vllm
@@ -191,6 +194,7 @@ def test_serve_on_vllm_end_to_end_with_the_plugins_counters_on_its_metrics(tmp_p
     finally:
         code = served.stop()
     assert code == 0, "\n".join(served.lines[-20:])
+    assert served.ours()[-1] == "flyspec serve --engine vllm: stopped"
     assert not list(tmp_path.glob("flyspec-vllm-metrics-*"))  # removed with the server
 
 

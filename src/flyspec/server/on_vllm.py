@@ -306,10 +306,13 @@ def _switch(args: argparse.Namespace, spec: SpeculationConfig, profile: Any, not
     where = f" (profile {profile.name})" if profile is not None else ""
     if lossy:
         guards = "bare rule, no trust guards" if spec.guard.is_bare else "trust guards"
-        return "all", f"{spec.verifier}{where} for every greedy request (LOSSY, {guards}); sampled requests exact"
+        return "all", f"{spec.verifier}{where} for every greedy request (LOSSY, {guards}); sampled requests lossless"
     if args.allow_request_speculative == "all":
         return "request", f"exact{where}; a request may ask for a lossy rule (vllm_xargs)"
-    return "off", f"exact (lossless){where}; requests' lossy rules are not applied (--allow-request-speculative all)"
+    return (
+        "off",
+        f"exact (lossless){where}; a request's lossy rule is not applied (allowed by --allow-request-speculative all)",
+    )
 
 
 def serve_on_vllm(args: argparse.Namespace) -> int:
@@ -364,6 +367,7 @@ class Supervisor:
             code = process.wait()
             forward.join(timeout=5)
             if self.stopping.is_set():
+                print("flyspec serve --engine vllm: stopped", file=sys.stderr, flush=True)
                 return 0
             print(f"flyspec serve --engine vllm: vLLM's server exited ({code}): {self._reason()}", file=sys.stderr)
             return 1
