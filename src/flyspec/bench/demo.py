@@ -29,6 +29,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from flyspec.cli.extras import require_extra
+from flyspec.cli.options import add_target_option
 from flyspec.config import DEFAULT_DTYPE, ConfigError
 from flyspec.config.names import DEFAULT_MODEL, DTYPE_NAMES, LOSSLESS_VERIFIERS
 
@@ -60,13 +61,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "decoding's or changed in meaning. For real measurements: flyspec bench and flyspec eval.",
     )
     parser.set_defaults(handler=run)
-    parser.add_argument(
-        "--model",
-        "--target",
-        dest="target",
-        metavar="MODEL",
-        default=DEFAULT_MODEL,
-        help=f"target model: packaged name, .gguf file, HF directory or hub id (default {DEFAULT_MODEL})",
+    add_target_option(
+        parser, f"target model: packaged name, .gguf file, HF directory or hub id (default {DEFAULT_MODEL})"
     )
     parser.add_argument(
         "--dtype",

@@ -11,6 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from flyspec.cli.options import add_target_option
 from flyspec.config.names import DEFAULT_MODEL
 
 
@@ -22,14 +23,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "weights in float32, tokenizer, generation config) of a packaged model, a .gguf file or a local directory "
         "to DIR: what vLLM's --model and transformers' from_pretrained load as it is.",
     )
-    parser.add_argument(
-        "--model",
-        "--target",
-        dest="target",
-        metavar="MODEL",
-        default=DEFAULT_MODEL,
-        help=f"packaged name, .gguf file or local HF directory (default {DEFAULT_MODEL})",
-    )
+    add_target_option(parser, f"packaged name, .gguf file or local HF directory (default {DEFAULT_MODEL})")
     parser.add_argument("--hf", required=True, metavar="DIR", help="where to write it: a new or empty directory")
     parser.set_defaults(handler=run)
 

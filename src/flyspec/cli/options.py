@@ -29,13 +29,9 @@ def add_model_options(parser: argparse.ArgumentParser, *, chat: bool = True) -> 
     """--model (or --target), --draft-model, --device, --dtype, --threads, --kernels, --compile and (optionally)
     --chat/--no-chat."""
     models = parser.add_argument_group("models")
-    models.add_argument(
-        "--model",
-        "--target",
-        dest="target",
-        metavar="MODEL",
-        default=DEFAULT_MODEL,
-        help=f"the target model (vLLM's and transformers' --model; --target is the same): packaged name, .gguf file, "
+    add_target_option(
+        models,
+        "the target model (vLLM's and transformers' --model; --target is the same): packaged name, .gguf file, "
         f"HF directory or hub id (default {DEFAULT_MODEL})",
     )
     models.add_argument(
@@ -85,6 +81,11 @@ def add_model_options(parser: argparse.ArgumentParser, *, chat: bool = True) -> 
             help="apply the chat template (default when the model has one)",
         )
         group.add_argument("--no-chat", dest="use_chat", action="store_false", help="feed the prompt as raw text")
+
+
+def add_target_option(group: argparse.ArgumentParser | argparse._ArgumentGroup, help_text: str) -> None:
+    """``--model`` (``--target`` is the same), into ``args.target``: every command's model."""
+    group.add_argument("--model", "--target", dest="target", metavar="MODEL", default=DEFAULT_MODEL, help=help_text)
 
 
 def add_sampling_options(parser: argparse.ArgumentParser, *, several: bool = False) -> None:
