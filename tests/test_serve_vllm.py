@@ -114,9 +114,11 @@ class Served:
         self.ready = threading.Event()
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
-        if not self.ready.wait(600) or self.process.poll() is not None:
+        self.ready.wait(600)
+        if not any(line.startswith("flyspec serve --engine vllm: ready") for line in self.lines):
             self.process.kill()
-            raise AssertionError("flyspec serve --engine vllm did not become ready:\n" + "\n".join(self.lines[-20:]))
+            self.reader.join(timeout=30)
+            raise AssertionError("flyspec serve --engine vllm did not become ready:\n" + "\n".join(self.lines[-30:]))
         self.url = f"http://127.0.0.1:{self.port}"
 
     def _read(self) -> None:
@@ -143,7 +145,7 @@ class Served:
 
 @needs_vllm
 @pytest.mark.heavy(seconds=100)
-def test_serve_on_vllm_end_to_end_with_the_plugins_counters_on_its_metrics(tmp_path: Path) -> None:
+def test_serve_on_vllm_end_to_end_with_the_plugins_counters_on_its_metrics() -> None:
     """Start, one line each for what runs and when it is ready; the openai client streamed and not, greedy and
     sampled, a per-request rule; a loose accept and a veto, then one scrape of vLLM's /metrics shows them; a bad
     request field is vLLM's 400 naming it; a wrong key 401; SIGTERM stops it, exit 0, its metrics directory gone."""
@@ -151,15 +153,16 @@ def test_serve_on_vllm_end_to_end_with_the_plugins_counters_on_its_metrics(tmp_p
     # requests may set the guards only where the operator trusts them (never on a server others reach): here, so
     # that one request can ask for the bare rule (a loose accept) beside one under the guards (a veto)
     served = Served("--api-key", KEY, "--served-model-name", "m", "--allow-request-speculative", "all",
-                    environment={"FLYSPEC_VLLM_TRUST_REQUESTS": "1", "TMPDIR": str(tmp_path)})  # fmt: skip
+                    environment={"FLYSPEC_VLLM_TRUST_REQUESTS": "1"})  # fmt: skip
     try:
         start, trusted, ready = served.ours()
         assert "FLYSPEC_VLLM_TRUST_REQUESTS is set" in trusted
         assert "m (" in start and "vLLM 0.32" in start and "float32" in start and "n-gram proposer, k 15" in start
         assert "KV cache 0.5 GiB" in start and "threads bound to CPUs" in start and "1 API key" in start
-        assert "/metrics (flyspec_vllm_*)" in start
+        assert "/metrics (flyspec_vllm_*, through " in start
         assert ready.startswith("flyspec serve --engine vllm: ready in ")
-        assert len(list(tmp_path.glob("flyspec-vllm-metrics-*"))) == 1  # made for this server, before vLLM started
+        directory = Path(start.rsplit("through ", 1)[1].rstrip(")"))
+        assert directory.name.startswith("flyspec-vllm-metrics-") and directory.is_dir()  # made for this server
         before = served.scrape()
         assert before["flyspec_vllm_loose_accepts_total"] == 0 and before["flyspec_vllm_vetoed_total"] == 0
         client = openai.OpenAI(base_url=f"{served.url}/v1", api_key=KEY)
@@ -195,7 +198,7 @@ def test_serve_on_vllm_end_to_end_with_the_plugins_counters_on_its_metrics(tmp_p
         code = served.stop()
     assert code == 0, "\n".join(served.lines[-20:])
     assert served.ours()[-1] == "flyspec serve --engine vllm: stopped"
-    assert not list(tmp_path.glob("flyspec-vllm-metrics-*"))  # removed with the server
+    assert not directory.exists()  # removed with the server
 
 
 @needs_vllm

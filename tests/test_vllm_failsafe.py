@@ -84,7 +84,7 @@ def test_the_analysis_flags_a_call_outside_the_guard() -> None:
     """Negative control: a hook that calls something before its ``try``, or raises from its handler, is flagged."""
     from vllm_fault_points import analyse
 
-    source = '''
+    source = """
 from flyspec_vllm import failsafe
 
 def helper(x):
@@ -101,7 +101,7 @@ def _wrap_thing(original):
             x.undo()
         return original(self, value)
     return thing
-'''
+"""
     points, unguarded = analyse(("fake",), {"fake": source})
     assert [str(point).split(" ")[0] for point in points] == ["fake.helper"]
     assert sorted((item.call, item.why) for item in unguarded) == [

@@ -7,12 +7,9 @@ start fast. Invalid options raise :class:`ConfigError` before any model is loade
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import logging
-import os
 import threading
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from flyspec.cli.extras import require_extra
@@ -22,10 +19,14 @@ from flyspec.config import ConfigError, SpeculationConfig
 from flyspec.config.names import LOSSY_VERIFIERS
 from flyspec.server.settings import (
     ALLOW_REQUEST_SPECULATIVE,
+    API_KEY_ENV,
+    LIMIT_FLAGS,
     LOOPBACK_HOSTS,
     ServerLimits,
     ServerSecurity,
+    api_keys_from,
     describe,
+    is_loopback,
     is_lossless,
 )
 
@@ -40,21 +41,6 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
-API_KEY_ENV = "FLYSPEC_API_KEY"
-_LIMITS = ServerLimits()
-# the flags that set a ServerLimits field (its default is the field's), and what each means
-LIMIT_FLAGS = (
-    ("--default-max-tokens", "default_max_tokens", "max_tokens when a request gives none"),
-    ("--max-tokens-cap", "max_tokens_cap", "largest max_tokens a request may ask for; above is a 400"),
-    ("--max-queue", "max_queue", "requests that may wait besides the one generating; more get 429"),
-    ("--max-body-bytes", "max_body_bytes", "largest request body; larger get 413"),
-    ("--max-prompt-tokens", "max_prompt_tokens", "longest prompt, in tokens; longer get 400"),
-    ("--request-timeout", "request_timeout_s", "a request's deadline, queueing included"),
-    ("--body-timeout", "body_timeout_s", "time to send a request body; then 408"),
-    ("--keep-alive-timeout", "keep_alive_timeout_s", "idle keep-alive connections close"),
-    ("--send-timeout", "send_timeout_s", "a client that takes none of its response for this long is dropped"),
-    ("--shutdown-timeout", "shutdown_timeout_s", "after SIGTERM, time the running generation gets"),
-)
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 
@@ -73,7 +59,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     server.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"TCP port (default {DEFAULT_PORT})")
     server.add_argument("--served-model-name", help="the `model` name clients use (default: the --target value)")
     for flag, field, meaning in LIMIT_FLAGS:
-        default = getattr(_LIMITS, field)
+        default = getattr(ServerLimits(), field)
         seconds = isinstance(default, float)
         server.add_argument(
             flag,
@@ -172,28 +158,6 @@ def add_security_options(parser: argparse.ArgumentParser) -> None:
         help="keep chat-template control tokens typed in chat messages (default: removed, so no message can "
         "forge a turn)",
     )
-
-
-def api_keys_from(args: argparse.Namespace) -> tuple[str, ...]:
-    """Keys from --api-key, --api-key-file and the environment, in that order, without repeats."""
-    keys = list(args.api_key)
-    if args.api_key_file:
-        try:
-            lines = Path(args.api_key_file).read_text(encoding="utf-8").splitlines()
-        except OSError as error:
-            raise ConfigError(f"cannot read --api-key-file {args.api_key_file!r}: {error.strerror}") from error
-        keys += [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
-    keys += [key.strip() for key in os.environ.get(API_KEY_ENV, "").split(",") if key.strip()]
-    return tuple(dict.fromkeys(keys))
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def security_from_args(args: argparse.Namespace) -> ServerSecurity:

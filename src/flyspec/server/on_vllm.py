@@ -82,7 +82,7 @@ class Launch:
 def check_options(args: argparse.Namespace) -> None:
     """Refuse, naming the option, what ``flyspec serve`` takes and vLLM's server cannot do."""
     from flyspec.cli.speculation import FLAG_NAMES
-    from flyspec.server.command import LIMIT_FLAGS, ServerLimits
+    from flyspec.server.settings import LIMIT_FLAGS, ServerLimits
 
     if args.drafter not in (None, "ngram"):
         raise ConfigError(
@@ -184,7 +184,7 @@ def plan(args: argparse.Namespace) -> Launch:
     from flyspec.cli.options import vllm_options
     from flyspec.cli.speculation import speculation_config
     from flyspec.harness.vllm_worker import check_venv, venv_python
-    from flyspec.server.command import api_keys_from, is_loopback
+    from flyspec.server.settings import api_keys_from, is_loopback
 
     check_options(args)
     if not 0 <= args.port <= 65535:
@@ -274,7 +274,8 @@ def plan(args: argparse.Namespace) -> Launch:
         + (f", threads bound to CPUs {binding}" if binding else "")
         + (", eager" if options.eager else "")
         + (f", {len(keys)} API key{'s' if len(keys) > 1 else ''}" if keys else "")
-        + f"; http://{args.host}:{args.port}/v1, plugin counters at /metrics (flyspec_vllm_*)"
+        + f"; http://{args.host}:{args.port}/v1, plugin counters at /metrics (flyspec_vllm_*"
+        + f", through {environment.get(METRICS_VARIABLE) or os.environ[METRICS_VARIABLE]})"
     )
     return Launch(command, environment, summary, url, metrics_dir, notes)
 

@@ -7,9 +7,13 @@ but never the limits or the security settings.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import ipaddress
 import math
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from flyspec.config import DEFAULT_MAX_NEW_TOKENS, ConfigError, SpeculationConfig
@@ -173,3 +177,41 @@ class ServerSecurity:
             f"allow_request_speculative must be one of {', '.join(ALLOW_REQUEST_SPECULATIVE)} "
             f"(got {self.allow_request_speculative!r})",
         )
+
+
+API_KEY_ENV = "FLYSPEC_API_KEY"
+# the flags that set a ServerLimits field (its default is the field's), and what each means
+LIMIT_FLAGS = (
+    ("--default-max-tokens", "default_max_tokens", "max_tokens when a request gives none"),
+    ("--max-tokens-cap", "max_tokens_cap", "largest max_tokens a request may ask for; above is a 400"),
+    ("--max-queue", "max_queue", "requests that may wait besides the one generating; more get 429"),
+    ("--max-body-bytes", "max_body_bytes", "largest request body; larger get 413"),
+    ("--max-prompt-tokens", "max_prompt_tokens", "longest prompt, in tokens; longer get 400"),
+    ("--request-timeout", "request_timeout_s", "a request's deadline, queueing included"),
+    ("--body-timeout", "body_timeout_s", "time to send a request body; then 408"),
+    ("--keep-alive-timeout", "keep_alive_timeout_s", "idle keep-alive connections close"),
+    ("--send-timeout", "send_timeout_s", "a client that takes none of its response for this long is dropped"),
+    ("--shutdown-timeout", "shutdown_timeout_s", "after SIGTERM, time the running generation gets"),
+)
+
+
+def api_keys_from(args: argparse.Namespace) -> tuple[str, ...]:
+    """Keys from --api-key, --api-key-file and the environment, in that order, without repeats."""
+    keys = list(args.api_key)
+    if args.api_key_file:
+        try:
+            lines = Path(args.api_key_file).read_text(encoding="utf-8").splitlines()
+        except OSError as error:
+            raise ConfigError(f"cannot read --api-key-file {args.api_key_file!r}: {error.strerror}") from error
+        keys += [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+    keys += [key.strip() for key in os.environ.get(API_KEY_ENV, "").split(",") if key.strip()]
+    return tuple(dict.fromkeys(keys))
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
