@@ -31,8 +31,9 @@ def deployment(record: dict[str, Any]) -> dict[str, Any]:
                 **schedule_environment("vllm-ngram+fly", schedule),
             },
             "speculative_config": plugin_config,
-            "note": "the plugin applies the chosen point with its trust guards to every greedy request (V1 model "
-            "runner: vLLM runs custom_class proposers there)",
+            "note": "the plugin applies the profile's FLy point (the chosen point where that is FLy) with its trust "
+            "guards to every greedy request (V1 model runner: vLLM runs custom_class proposers there); another "
+            "chosen rule runs per request (flyspec_rule); flyspec serve --engine vllm --profile PROFILE sets this up",
         },
         "vllm_native": None,
     }
