@@ -24,29 +24,24 @@ Options of ``flyspec serve`` that vLLM has no spelling for are refused in one li
 from __future__ import annotations
 
 import argparse
-import collections
 import json
+import logging
 import os
 import shutil
-import signal
 import subprocess
-import sys
 import tempfile
-import threading
-import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from flyspec.config import DEFAULT_DEVICE, PROFILE_AUTO, PROFILE_NONE, ConfigError, SpeculationConfig
 
+logger = logging.getLogger(__name__)
+
+PREFIX = "flyspec serve --engine vllm: "
 PROPOSER = "flyspec_vllm.NgramProposer"
 METRICS_VARIABLE = "PROMETHEUS_MULTIPROC_DIR"
 THREADS_VARIABLE = "VLLM_CPU_OMP_THREADS_BIND"
-START_TIMEOUT_S = 900.0
-STOP_TIMEOUT_S = 60.0
 # flyspec serve's speculation flags the vLLM path takes (the rest have no server-wide spelling there)
 TAKEN_FLAGS = ("drafter", "verifier", "num_draft_tokens", "profile", "bare_rule", "max_ngram", "min_ngram")
 # flyspec serve options with no vLLM spelling: (dest, flag, the default that means "not given")
@@ -269,7 +264,7 @@ def plan(args: argparse.Namespace) -> Launch:
     drafts = f"flyspec's n-gram proposer, k {spec.num_draft_tokens}"
     binding = environment.get(THREADS_VARIABLE, os.environ.get(THREADS_VARIABLE))
     summary = (
-        f"flyspec serve --engine vllm: {name} ({model_path}) on vLLM {platform['version']} "
+        f"{PREFIX}{name} ({model_path}) on vLLM {platform['version']} "
         f"({python.parent.parent}), {dtype}, {drafts}, {rule}; {memory_text}"
         + (f", threads bound to CPUs {binding}" if binding else "")
         + (", eager" if options.eager else "")
@@ -318,111 +313,15 @@ def _switch(args: argparse.Namespace, spec: SpeculationConfig, profile: Any, not
 
 def serve_on_vllm(args: argparse.Namespace) -> int:
     """Start vLLM's server, say where, wait until it answers, and stop it on Ctrl-C or SIGTERM."""
+    from flyspec.server.supervisor import Supervisor
+
+    logging.getLogger("flyspec").setLevel(getattr(logging, args.log_level.upper()))
     launch = plan(args)
-    print(launch.summary, file=sys.stderr, flush=True)
+    logger.info("%s", launch.summary)
     for note in launch.notes:
-        print(f"flyspec serve --engine vllm: {note}", file=sys.stderr, flush=True)
+        logger.warning("%s%s", PREFIX, note)
     try:
-        return Supervisor(launch).run()
+        return Supervisor(launch.command, launch.environment, launch.url, PREFIX).run()
     finally:
         if launch.metrics_dir is not None:
             shutil.rmtree(launch.metrics_dir, ignore_errors=True)
-
-
-class Supervisor:
-    """vLLM's server as a child in its own session: a signal to this process stops it once, gracefully."""
-
-    def __init__(self, launch: Launch) -> None:
-        self.launch = launch
-        self.tail: collections.deque[str] = collections.deque(maxlen=40)
-        self.stopping = threading.Event()
-
-    def run(self) -> int:
-        started = time.monotonic()
-        process = subprocess.Popen(
-            self.launch.command,
-            env={**os.environ, **self.launch.environment},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            errors="replace",
-            start_new_session=True,  # Ctrl-C reaches this process only: it forwards one SIGTERM
-        )
-        self.process = process
-        assert process.stdout is not None
-        forward = threading.Thread(target=self._forward, args=(process.stdout,), daemon=True)
-        forward.start()
-        previous = {number: signal.signal(number, self._stop) for number in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            if not self._wait_ready(started):
-                code = process.wait()
-                forward.join(timeout=5)
-                if self.stopping.is_set():
-                    return 0
-                raise ConfigError(f"vLLM's server exited ({code}) before it answered: {self._reason()}")
-            print(
-                f"flyspec serve --engine vllm: ready in {time.monotonic() - started:.0f} s at {self.launch.url}/v1",
-                file=sys.stderr,
-                flush=True,
-            )
-            code = process.wait()
-            forward.join(timeout=5)
-            if self.stopping.is_set():
-                print("flyspec serve --engine vllm: stopped", file=sys.stderr, flush=True)
-                return 0
-            print(f"flyspec serve --engine vllm: vLLM's server exited ({code}): {self._reason()}", file=sys.stderr)
-            return 1
-        finally:
-            for number, handler in previous.items():
-                signal.signal(number, handler)
-            if process.poll() is None:
-                self._terminate()
-
-    def _stop(self, number: int, frame: Any) -> None:
-        if self.stopping.is_set():
-            return
-        self.stopping.set()
-        threading.Thread(target=self._terminate, daemon=True).start()
-
-    def _terminate(self) -> None:
-        process = self.process
-        if process.poll() is not None:
-            return
-        try:
-            os.killpg(process.pid, signal.SIGTERM)
-            process.wait(timeout=STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-    def _wait_ready(self, started: float) -> bool:
-        while time.monotonic() - started < START_TIMEOUT_S:
-            if self.process.poll() is not None or self.stopping.is_set():
-                return False
-            try:
-                with urllib.request.urlopen(f"{self.launch.url}/health", timeout=2) as response:
-                    if response.status == 200:
-                        return True
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.5)
-        self._terminate()
-        raise ConfigError(f"vLLM's server did not answer within {START_TIMEOUT_S:.0f} s: {self._reason()}")
-
-    def _forward(self, stream: IO[str]) -> None:
-        for line in stream:
-            self.tail.append(line.rstrip())
-            sys.stderr.write(line)
-        sys.stderr.flush()
-
-    def _reason(self) -> str:
-        """The last exception vLLM logged (with the indented line that details it, as pydantic's errors have),
-        else its last line; at most 500 characters."""
-        lines = [line.rstrip() for line in self.tail if line.strip()]
-        for index in range(len(lines) - 1, -1, -1):
-            head = lines[index].split(":", 1)[0]
-            if head.endswith(("Error", "Exception")) and not lines[index].startswith(" "):
-                detail = lines[index + 1].strip() if index + 1 < len(lines) and lines[index + 1].startswith(" ") else ""
-                return f"{lines[index].strip()} {detail}".strip()[:500]
-        return lines[-1].strip()[:500] if lines else "no output"
