@@ -8,9 +8,11 @@ Device-dependent tests run on every device in ``DEVICES``: the CPU always, CUDA 
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 # Before transformers/huggingface_hub are imported: they read these once, at import.
@@ -152,6 +154,15 @@ def noisy_copy(loaded: LoadedModel, scale: float, seed: int) -> LoadedModel:
         for parameter in copy.parameters():
             parameter.add_(scale * parameter.std() * torch.randn_like(parameter))
     return LoadedModel(model=copy, tokenizer=loaded.tokenizer, name=f"{loaded.name}-noisy{scale}")
+
+
+@pytest.fixture(autouse=True)
+def flyspec_log_level() -> Iterator[None]:
+    """Put the ``flyspec`` logger's level back after each test: a command run in-process sets it (``--log-level``)."""
+    logger = logging.getLogger("flyspec")
+    level = logger.level
+    yield
+    logger.setLevel(level)
 
 
 @pytest.fixture(params=AUTO_DTYPES)
