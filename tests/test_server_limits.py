@@ -139,8 +139,7 @@ def test_hostile_values_are_400s_not_500s(
         error = error_of(response, 400)
         assert error["param"] == param and says in error["message"]
         assert httpx.get(f"{server.url}/health", timeout=10).json()["status"] == "ok"
-    errors = [record.getMessage() for record in caplog.records if record.levelno >= logging.ERROR]
-    assert not errors, errors  # the shutdown's INFO line may be captured: the server stops after at_level ends
+    assert not caplog.records, [record.getMessage() for record in caplog.records]
 
 
 @pytest.mark.parametrize(("temperature", "top_p"), [(1e-300, 1.0), (5e-324, 0.5), (1.0, 5e-324)])
