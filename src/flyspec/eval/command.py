@@ -163,7 +163,7 @@ def _write_meta(config: Any, meta: dict[str, Any]) -> None:
 
 
 def _report(out_dir: Path, floor: float, resamples: int) -> Path:
-    from flyspec.eval.evaluation import RECORDS_FILE
+    from flyspec.eval.records import RECORDS_FILE
     from flyspec.eval.report import write_reports
     from flyspec.eval.summary import summarize
     from flyspec.harness.data import read_records

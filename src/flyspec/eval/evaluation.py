@@ -1,4 +1,4 @@
-"""Run plain decoding and each method on the same prompts, score them, write one record per output.
+"""Run plain decoding and each method on the same prompts, write one record per output (made by ``records.py``).
 
 Records go to ``<out>/records.jsonl`` as they are made (one JSON line each, flushed), so an
 interrupted run keeps everything it measured; ``resume=True`` skips outputs already recorded.
@@ -15,10 +15,8 @@ refusals kept), and the rates are judged with prompts as clusters (``stats.py``)
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,10 +26,9 @@ from flyspec.config import ConfigError, DecodeConfig, SamplingConfig, Speculatio
 from flyspec.config.names import DISTRIBUTION_VERIFIERS, LOSSLESS_VERIFIERS, LOSSY_VERIFIERS
 from flyspec.decoding.generation import Decoder
 from flyspec.decoding.plain import PlainDecoder
-from flyspec.decoding.result import GenerationResult
-from flyspec.eval import fidelity, trust
 from flyspec.eval.data import EvalItem, LoadReport
-from flyspec.eval.tasks import PROMPT_FORMAT, Task, load_items
+from flyspec.eval.records import RECORDS_FILE, BaselineCache, ItemRun, Output, Scorer, record_key
+from flyspec.eval.tasks import Task, load_items
 from flyspec.harness.data import JsonlWriter, read_records
 from flyspec.harness.methods import PLAIN, Method
 from flyspec.harness.vllm_session import VllmSession
@@ -39,7 +36,6 @@ from flyspec.harness.vllm_worker import VllmOptions
 from flyspec.profiles import resolve as resolve_profile
 from flyspec.resources import Resources
 from flyspec.runtime.loaded_model import LoadedModel, ServedModel
-from flyspec.sampling.coupled import COUPLED_SAMPLING
 from flyspec.sampling.sampler import make_generator
 from flyspec.verifiers.registry import rule_mapping
 
@@ -47,7 +43,6 @@ from flyspec.verifiers.registry import rule_mapping
 VLLM_RULES = tuple(name for name in LOSSY_VERIFIERS if name not in DISTRIBUTION_VERIFIERS)
 logger = logging.getLogger(__name__)
 
-RECORDS_FILE = "records.jsonl"
 Progress = Callable[[str], None]  # called once per finished output with a short description
 
 
@@ -113,82 +108,6 @@ def load_all_items(config: EvalConfig, report: LoadReport) -> dict[str, list[Eva
     return {task.name: load_items(task, config.limit, config.skip_bad_lines, report) for task in config.tasks}
 
 
-def _record_key(task: str, method: str, item_id: str, seed: int = 0) -> str:
-    return f"{task}\t{method}\t{item_id}\t{seed}"
-
-
-class BaselineCache:
-    """Plain decoding outputs keyed by everything that determines them."""
-
-    def __init__(self, directory: Path | None) -> None:
-        self.path = directory / "baseline.jsonl" if directory else None
-        self.entries = {entry["key"]: entry for entry in read_records(self.path)} if self.path else {}
-        self.writer = JsonlWriter(self.path, append=True) if self.path else None
-
-    @staticmethod
-    def key(
-        target: LoadedModel,
-        task: Task,
-        item_id: str,
-        prompt_ids: list[int],
-        max_new_tokens: int,
-        sampling: SamplingConfig | None = None,
-        seed: int = 0,
-    ) -> str:
-        fields = [target.name, str(target.dtype), task.name, item_id, max_new_tokens, task.stop, PROMPT_FORMAT]
-        if target.device.type != "cpu":  # a GPU rounds differently; CPU keys stay as they were
-            fields.append(target.device.type)
-        if sampling is not None and not sampling.greedy:  # greedy keys stay as they were
-            fields += ["sampled", sampling.temperature, sampling.top_k, sampling.top_p, seed, COUPLED_SAMPLING]
-        return hashlib.sha256(json.dumps([*fields, prompt_ids]).encode()).hexdigest()
-
-    def get(self, key: str) -> dict[str, Any] | None:
-        return self.entries.get(key)
-
-    def put(self, key: str, entry: dict[str, Any]) -> None:
-        self.entries[key] = {"key": key, **entry}
-        if self.writer:
-            self.writer.write(self.entries[key])
-
-    def close(self) -> None:
-        if self.writer:
-            self.writer.close()
-
-
-@dataclass
-class Output:
-    """One generation, as stored (a cached baseline has no live GenerationResult)."""
-
-    text: str
-    token_ids: list[int]
-    loose_token_indices: list[int]
-    stats: dict[str, Any]
-    finish_reason: str
-    cached: bool = False
-
-    @staticmethod
-    def of(result: GenerationResult) -> Output:
-        return Output(
-            result.text,
-            result.token_ids,
-            list(result.loose_token_indices),
-            result.stats.to_dict(),
-            result.finish_reason,
-        )
-
-
-@dataclass(frozen=True)
-class ItemRun:
-    """One item in progress: its task, its prompt (text and ids) and plain decoding's output (the reference)."""
-
-    task: Task
-    item: EvalItem
-    prompt: str
-    prompt_ids: list[int]
-    plain: Output
-    seed: int = 0  # the seed every output of this run samples with (T > 0)
-
-
 class Evaluation:
     """One evaluation run: the configured tasks × (plain + methods) on one target model."""
 
@@ -212,14 +131,14 @@ class Evaluation:
         self.cache = BaselineCache(config.cache_dir if session is None else None)
         records_path = config.out_dir / RECORDS_FILE
         self.done = {
-            _record_key(r["task"], r["method"], r["item_id"], r.get("seed", 0))
+            record_key(r["task"], r["method"], r["item_id"], r.get("seed", 0))
             for r in read_records(records_path)
             if config.resume
         }
         self.writer = JsonlWriter(records_path, append=config.resume)
         self.skipped: list[str] = []  # items that could not run (and why)
         self.engines: dict[str, Any] = {}  # vllm-* method → its vLLM worker, started once for every task
-        self.similarity_model = fidelity.SimilarityModel()
+        self.scorer = Scorer(target, config.similarity)
 
     @property
     def loaded(self) -> LoadedModel:
@@ -302,7 +221,7 @@ class Evaluation:
                     session.request(f"{item.id}|plain", prompt_ids, max_new_tokens, {"flyspec_draft": False})
                 )
                 for method in self.config.methods:
-                    if _record_key(task.name, method.name, item.id) not in self.done:
+                    if record_key(task.name, method.name, item.id) not in self.done:
                         extra = {**rules[method.name], "flyspec_record": f"{item.id}|{method.name}"}
                         requests.append(session.request(f"{item.id}|{method.name}", prompt_ids, max_new_tokens, extra))
             replies = session.submit(requests) if requests else {}
@@ -348,7 +267,7 @@ class Evaluation:
                 self._write(run, None, plain)
                 progress(f"{label} plain")
                 for method in self.config.methods:
-                    if _record_key(task.name, method.name, item.id, seed) not in self.done:
+                    if record_key(task.name, method.name, item.id, seed) not in self.done:
                         generator = make_generator(seed, self.loaded.device)  # plain's seed: coupled (coupled.py)
                         self._write(
                             run, method, Output.of(decoders[method.name].generate(prompt_ids, generator=generator))
@@ -369,78 +288,7 @@ class Evaluation:
 
     def _write(self, run: ItemRun, method: Method | None, output: Output) -> None:
         """Score one output, compare it with plain decoding's, and append its record."""
-        name = method.name if method else PLAIN
-        key = _record_key(run.task.name, name, run.item.id, run.seed)
-        if key in self.done:
-            return
-        score = run.task.score(run.item, output.text)
-        record: dict[str, Any] = {
-            "task": run.task.name,
-            "task_kind": run.task.kind,
-            "item_id": run.item.id,
-            "seed": run.seed,
-            "method": name,
-            "verifier": method.verifier if method else PLAIN,
-            "protect": list(method.protect(run.task.kind)) if method else [],
-            "lossless": method.lossless if method else True,
-            "scores": score.values,
-            "score_detail": score.detail,
-            "text": output.text,
-            "token_ids": output.token_ids,
-            "loose_token_indices": output.loose_token_indices,
-            "finish_reason": output.finish_reason,
-            "baseline_cached": output.cached,
-            "stats": output.stats,
-            "fidelity": {**self._fidelity(output, run.plain, run.prompt_ids), **self._trust(output, run)},
-        }
-        if "category" in run.item.extra:  # the adversarial set's
-            record["category"] = run.item.extra["category"]
-        if method is not None and output.token_ids != run.plain.token_ids:
-            record["segments"] = fidelity.highlight_segments(self.target, output.token_ids, output.loose_token_indices)
-        self.writer.write(record)
-        self.done.add(key)
-
-    def _fidelity(self, output: Output, plain: Output, prompt_ids: list[int]) -> dict[str, Any]:
-        identical = output.token_ids == plain.token_ids
-        similarity = None
-        if self.config.similarity or identical:
-            similarity = self.similarity_model.similarity(output.text, plain.text)
-        return {
-            "identical": identical,
-            "similarity": similarity,
-            "token_agreement": fidelity.token_agreement(output.token_ids, plain.token_ids),
-            "common_prefix": fidelity.common_prefix(output.token_ids, plain.token_ids),
-            # the target's weights are only in vLLM's process with --engine vllm: no likelihood there
-            "log_likelihood": fidelity.mean_log_likelihood(self.target, prompt_ids, output.token_ids)
-            if isinstance(self.target, LoadedModel)
-            else None,
-        }
-
-    def _trust(self, output: Output, run: ItemRun) -> dict[str, Any]:
-        """Meaning change and new loop against plain decoding's output (see ``trust.py``)."""
-        change = trust.meaning_change(
-            output.text,
-            run.plain.text,
-            run.prompt,
-            method_truncated=output.finish_reason == "length",
-            plain_truncated=run.plain.finish_reason == "length",
-        )
-        loop = trust.new_loop(output.token_ids, run.plain.token_ids)
-        return {
-            "meaning_changed": change.changed,
-            "meaning_diff": change.to_dict(),
-            "loop": loop is not None,
-            "loop_text": self.target.decode(list(loop)) if loop else None,
-        }
-
-
-def iter_pairs(records: list[dict[str, Any]]) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
-    """``(plain record, method record)`` for every method output whose item (and seed) also has a plain record."""
-
-    def key(record: dict[str, Any]) -> tuple[str, str, int]:
-        return record["task"], record["item_id"], record.get("seed", 0)
-
-    plain = {key(r): r for r in records if r["method"] == PLAIN}
-    for record in records:
-        if record["method"] != PLAIN and key(record) in plain:
-            yield plain[key(record)], record
+        key = record_key(run.task.name, method.name if method else PLAIN, run.item.id, run.seed)
+        if key not in self.done:
+            self.writer.write(self.scorer.record(run, method, output))
+            self.done.add(key)

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from flyspec.eval.evaluation import iter_pairs
+from flyspec.eval.records import iter_pairs
 
 FLOOR_NOTE = "baseline too low for a meaningful ratio"
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from flyspec.eval.evaluation import iter_pairs
+from flyspec.eval.records import iter_pairs
 from flyspec.eval.safety import prompt_kind
 from flyspec.eval.stats import DEFAULT_FLOOR, DEFAULT_RESAMPLES, bootstrap_speedup_ci, rate, retention
 
