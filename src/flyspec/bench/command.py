@@ -138,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
     from flyspec.bench.nll import NllScorer
     from flyspec.cli.speculation import speculation_config
     from flyspec.config import ConfigError, SamplingConfig
-    from flyspec.harness.data import JsonlWriter
+    from flyspec.harness.data import RECORDS_FILE, JsonlWriter
     from flyspec.harness.methods import speculations
     from flyspec.resources import Resources
     from flyspec.runtime.loading import set_threads
@@ -179,7 +179,7 @@ def run(args: argparse.Namespace) -> int:
     meta["vllm_eager"] = args.vllm_eager
     scorer = None if sampling.greedy else NllScorer(target, sampling)  # each sampled text's NLL (bench/nll.py)
 
-    records_path = out_dir / "records.jsonl"
+    records_path = out_dir / RECORDS_FILE
     bench = BenchSettings(max_new_tokens, args.repeats, args.warmup, args.seed, args.order)
     with JsonlWriter(records_path, append=False) as sink, LiveView(len(prompts), k) as view:
 

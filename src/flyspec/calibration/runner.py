@@ -40,7 +40,7 @@ from flyspec.decoding.speculative import SpeculativeDecoder
 from flyspec.drafters.registry import make_drafter
 from flyspec.eval import trust
 from flyspec.eval.stats import effective_size
-from flyspec.harness.data import JsonlWriter, read_records
+from flyspec.harness.data import RECORDS_FILE, JsonlWriter, read_records
 from flyspec.resources import Resources
 from flyspec.runtime.loaded_model import LoadedModel, PromptCodec
 from flyspec.sampling.coupled import NoiseRows
@@ -50,7 +50,6 @@ logger = logging.getLogger(__name__)
 
 GREEDY_LABEL = "greedy"  # the sampling of a record that names none (every greedy record)
 
-RECORDS_FILE = "records.jsonl"
 Progress = Callable[[int, int, str], None]  # (prompts done, points running, description)
 _KEPT_STATS = (
     "num_new_tokens",

@@ -163,10 +163,9 @@ def _write_meta(config: Any, meta: dict[str, Any]) -> None:
 
 
 def _report(out_dir: Path, floor: float, resamples: int) -> Path:
-    from flyspec.eval.records import RECORDS_FILE
     from flyspec.eval.report import write_reports
     from flyspec.eval.summary import summarize
-    from flyspec.harness.data import read_records
+    from flyspec.harness.data import RECORDS_FILE, read_records
 
     meta_path = out_dir / META_FILE
     if not (out_dir / RECORDS_FILE).is_file() or not meta_path.is_file():

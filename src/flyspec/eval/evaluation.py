@@ -27,9 +27,9 @@ from flyspec.config.names import DISTRIBUTION_VERIFIERS, LOSSLESS_VERIFIERS, LOS
 from flyspec.decoding.generation import Decoder
 from flyspec.decoding.plain import PlainDecoder
 from flyspec.eval.data import EvalItem, LoadReport
-from flyspec.eval.records import RECORDS_FILE, BaselineCache, ItemRun, Output, Scorer, record_key
+from flyspec.eval.records import BaselineCache, ItemRun, Output, Scorer, record_key
 from flyspec.eval.tasks import Task, load_items
-from flyspec.harness.data import JsonlWriter, read_records
+from flyspec.harness.data import RECORDS_FILE, JsonlWriter, read_records
 from flyspec.harness.methods import PLAIN, Method
 from flyspec.harness.vllm_session import VllmSession
 from flyspec.harness.vllm_worker import VllmOptions

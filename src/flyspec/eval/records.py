@@ -24,8 +24,6 @@ from flyspec.harness.methods import PLAIN, Method
 from flyspec.runtime.loaded_model import LoadedModel, ServedModel
 from flyspec.sampling.coupled import COUPLED_SAMPLING
 
-RECORDS_FILE = "records.jsonl"
-
 
 def record_key(task: str, method: str, item_id: str, seed: int = 0) -> str:
     return f"{task}\t{method}\t{item_id}\t{seed}"

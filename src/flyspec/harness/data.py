@@ -20,6 +20,8 @@ from flyspec.config import ConfigError
 
 logger = logging.getLogger(__name__)
 
+RECORDS_FILE = "records.jsonl"  # the file in --out that eval, calibrate and bench write their records to
+
 
 class DataError(ConfigError):
     """A data file that is missing or malformed; the message names the file (and line)."""
