@@ -14,7 +14,7 @@ import torch
 from torch._inductor.codecache import CppWrapperCodeCache
 
 import flyspec.runtime.kernels as kernels
-from conftest import make_tiny_model
+from conftest import make_tiny_gemma3, make_tiny_model
 from flyspec.api import build_decoder
 from flyspec.config import DecodeConfig, DraftLengthConfig, SpeculationConfig
 from flyspec.decoding.plain import PlainDecoder
@@ -245,3 +245,24 @@ def test_a_speculative_generation_compiles_nothing_after_load(models) -> None:
 def test_compile_reaches_the_models_resources_load() -> None:
     assert Resources(compile=True).compile is True
     assert Resources().compile is False
+
+
+@pytest.mark.heavy(40)
+def test_sliding_window_layers_compile_once_and_decode_exactly_past_the_window(tokenizer) -> None:
+    """Gemma-3's sliding-window layers (window 8 here) under ``--compile``: generation far past the window, plain and
+    speculative with rollbacks, runs on the graphs compiled at load (transformers' sliding layers recompiled at every
+    new stride, issue 79) and keeps naive greedy decoding's tokens."""
+    eager = make_tiny_gemma3(tokenizer, ["sliding_attention", "sliding_attention", "full_attention"], seed=4)
+    assert kernels.install(eager.model, "auto")
+    eager = dataclasses.replace(eager, kernels=True)
+    compiled = compile_steps(eager)
+    window = eager.model.config.sliding_window
+    decode = DecodeConfig(max_new_tokens=6 * window, ignore_eos=True)
+    expected = naive_greedy(eager.model, PROMPT, decode.max_new_tokens)
+    spec = SpeculationConfig(drafter="ngram", verifier="exact", num_draft_tokens=6)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        plain = PlainDecoder(compiled, decode).generate(PROMPT)
+        speculative = build_decoder(compiled, spec, decode, resources=Resources(models=(compiled,))).generate(PROMPT)
+    assert plain.token_ids == expected
+    assert speculative.token_ids == expected
+    assert speculative.stats.num_proposed > speculative.stats.num_accepted  # some drafts were rolled back

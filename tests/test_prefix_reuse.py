@@ -92,12 +92,14 @@ def test_a_step_left_unfinished_is_not_reused(tiny_target) -> None:
     assert target.cached_model.cached_length == len(prompt)
 
 
-def test_sliding_window_layers_start_afresh(tokenizer) -> None:
-    """A sliding-window layer can only drop what it added since its last crop: no reuse, same tokens."""
+def test_sliding_window_layers_reuse_the_prefix(tokenizer) -> None:
+    """Sliding-window layers keep every position in place (cached_model.py), so they rewind like plain ones: a chat's
+    next turn, far past the window (8), reuses its prefix and gives a fresh start's tokens."""
     target = make_tiny_gemma3(tokenizer, layer_types=["sliding_attention", "full_attention"])
     decoder = PlainDecoder(target, CONFIG)
     first = decoder.generate(FIRST, use_chat=False)
     follow_up = first.prompt_token_ids + first.token_ids + [7, 8]
+    assert len(follow_up) > 4 * target.model.config.sliding_window
     second = decoder.generate(follow_up)
-    assert second.stats.num_reused_prompt_tokens == 0
+    assert second.stats.num_reused_prompt_tokens == len(follow_up) - 3  # all but the new tokens and the last committed
     assert second.token_ids == PlainDecoder(target, CONFIG).generate(follow_up).token_ids

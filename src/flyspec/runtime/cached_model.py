@@ -1,9 +1,18 @@
 """A causal LM run incrementally over one sequence, with a KV cache that can be cropped.
 
 The target (``target.py``) and every model drafter (draft model, layer-skip) run through it;
-rollback is ``crop_to``. Caches that cannot be cropped are refused when it is made. Plain layers
-keep their keys and values in place (``kernels.GrowingLayer``: a buffer that doubles when full, a
-rollback shortens a length) on every device; sliding-window layers keep transformers' own.
+rollback is ``crop_to``. Caches that cannot be cropped are refused when it is made. Every layer keeps its keys
+and values in place (``kernels.GrowingLayer``: a buffer that doubles when full, a rollback shortens a length) on
+every device, sliding-window layers included: they keep every position, and the model's sliding mask hides those
+older than the window.
+
+Why sliding-window layers too (Gemma-3: five of every six layers): transformers' ``DynamicSlidingWindowLayer``
+concatenates its whole window at every step and hands out views whose strides change with each rollback and once the
+window fills; a compiled step guards on those strides, so Gemma-3-270M's compiled steps recompiled during generation
+(seconds a step) until torch gave up and ran them eagerly: ``--compile`` was 10x slower than eager (issue 79). In
+place, every layer's buffer keeps its strides, a step copies nothing, and the cache can rewind to any length (prefix
+reuse, drafters). The cost: memory grows with the sequence rather than the window, and a sliding layer's attention
+reads its whole history under the mask (BENCHMARKS.md, "Gemma-3 compiled").
 """
 
 from __future__ import annotations
@@ -26,11 +35,13 @@ class CachedModel:
     """Runs a causal LM incrementally over one sequence, with a KV cache that can be cropped.
 
     ``full_history`` (drafters): keep every position in every layer, sliding-window layers
-    included. A drafter's rollback removes positions added by several of its forwards (one per
-    draft token), but a transformers sliding-window cache layer, even recording its past, can
+    included, also with ``in_place=False``. A drafter's rollback removes positions added by several of its forwards
+    (one per draft token), but a transformers sliding-window cache layer, even recording its past, can
     only drop the positions added since its last crop. Plain layers can drop any number, and
     sliding-window attention stays exact because the model's sliding mask hides older positions
-    (memory then grows with the sequence, not the window). The target crops once per forward.
+    (memory then grows with the sequence, not the window). The in-place cache (the default) keeps every position in
+    every layer whatever ``full_history`` says; ``in_place=False`` without it keeps transformers' own layers (the
+    reference the tests compare against), whose target crops once per forward.
     """
 
     def __init__(self, model: LoadedModel, full_history: bool = False, in_place: bool = True) -> None:
@@ -47,8 +58,10 @@ class CachedModel:
         # transformers 5.2x renamed the forward's past_key_values to cache (the old name warns); older ones lack it
         parameters = inspect.signature(self.model.forward).parameters
         self._cache_argument = "cache" if "cache" in parameters else "past_key_values"
-        self.cache = self._new_cache()
         model_layers = DynamicCache(config=self.model.config).layers  # the layer kinds the model's config asks for
+        # a sliding window's mask differs on either side of the window: its prefill stays eager (no graph per side)
+        self.sliding = any(type(layer) is DynamicSlidingWindowLayer for layer in model_layers)
+        self.cache = self._new_cache()
         uncroppable = {type(layer).__name__ for layer in model_layers if type(layer) not in _CROPPABLE_LAYERS}
         if uncroppable:
             raise ConfigError(
@@ -57,15 +70,14 @@ class CachedModel:
             )
 
     def _new_cache(self) -> DynamicCache:
-        if self.full_history:
-            cache = DynamicCache()  # no config: one plain DynamicLayer per layer, created on first use
-            if self.in_place:
-                cache.layer_class_to_replicate = GrowingLayer
+        if self.in_place:  # every layer in place, sliding-window ones included (the module doc)
+            cache = DynamicCache(config=self.model.config)
+            cache.layers = [GrowingLayer() for _ in cache.layers]
             return cache
+        if self.full_history:
+            return DynamicCache()  # no config: one plain DynamicLayer per layer, created on first use
         cache = DynamicCache(config=self.model.config)
         cache.activate_past_recording()  # lets sliding-window layers roll back past their window
-        if self.in_place:  # plain layers only: a sliding-window layer keeps its own bookkeeping
-            cache.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
         return cache
 
     def reset(self) -> None:
@@ -109,9 +121,9 @@ class CachedModel:
         for anything else that keeps some rows (a prefill after a cache, a draft model's checks)."""
         if logits_to_keep == 0:
             return self.step_forward
-        # not into a cache whose layers are made on first use (drafters'), nor one with a sliding-window layer, whose
-        # mask could ask for a new graph at some prompt length
-        fresh = self.cached_length == 0 and not self.full_history and self.rewindable
+        # not into a drafter's cache, nor for a model with sliding-window layers, whose mask could ask for a new graph
+        # at some prompt length
+        fresh = self.cached_length == 0 and not self.full_history and not self.sliding
         if self.prefill_forward is not None and logits_to_keep == 1 and num_tokens >= 2 and fresh:
             return self.prefill_forward
         return self.model
