@@ -10,11 +10,11 @@ document order with one namespace per page; a ``skip: next "reason"`` HTML comme
   was asked by stays its name. The real models are tested in ``tests/test_real_model.py``.
 - **Shell.** Each command line of a ``bash`` block runs: ``flyspec ...`` in process through
   ``flyspec.cli.app`` (no interpreter start-up per command) with the limits of ``FAST_ARGUMENTS``
-  appended (and two Spec-Bench categories for ``bench``); ``python -m flyspec.integrations.lmeval`` through its
-  ``main``; ``curl`` as itself against the server a page started; ``echo ... |``, ``< file``, ``export``
-  and ``VAR=value`` prefixes as in a shell (``$VAR`` and ``$(...)`` expanded by bash). ``flyspec serve``
-  runs until stopped, so its command lines are parsed and their settings checked, not served. Any other
-  command is an error: mark it skipped.
+  appended (and two Spec-Bench categories for ``bench``, two kinds of edit for ``bench --workload``);
+  ``python -m flyspec.integrations.lmeval`` through its ``main``; ``curl`` as itself against the server
+  a page started; ``echo ... |``, ``< file``, ``export`` and ``VAR=value`` prefixes as in a shell
+  (``$VAR`` and ``$(...)`` expanded by bash). ``flyspec serve`` runs until stopped, so its command lines
+  are parsed and their settings checked, not served. Any other command is an error: mark it skipped.
 - **Threads.** torch runs on one thread (a ``--threads N`` lasts one command): tiny models gain nothing
   from two, and on a busy 2-core machine two threads mostly wait for each other.
 - **Server.** ``start_server(...)`` in hidden setup serves the tiny target on a free port; the
@@ -278,7 +278,9 @@ def run_flyspec(argv: list[str], stdin: str | None) -> None:
         check_serve(build_parser().parse_args(argv))
         return
     fast = FAST_ARGUMENTS.get(command, [])
-    if command == "bench" and "--dataset" not in argv:
+    if command == "bench" and "--workload" in argv:  # the edit workload: the requests the tiny models' 512 hold
+        fast = [*fast, "--categories", "docstring,regenerate"]
+    elif command == "bench" and "--dataset" not in argv:
         fast = [*fast, "--categories", "mt_bench,qa"]  # two turns (prefix reuse) and a short prompt
     run_main(main, [*argv, *fast], stdin)
 

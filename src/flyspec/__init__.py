@@ -62,6 +62,7 @@ if TYPE_CHECKING:  # the same names for type checkers and IDEs; at run time __ge
         NgramCache,
         NgramCacheDrafter,
         NgramDrafter,
+        PredictionDrafter,
         make_drafter,
         multilevel_drafter,
     )
@@ -121,6 +122,7 @@ _SOURCES = {
         "NgramCache",
         "NgramCacheDrafter",
         "NgramDrafter",
+        "PredictionDrafter",
         "make_drafter",
         "multilevel_drafter",
     ),
@@ -203,6 +205,7 @@ __all__ = [
     "NgramConfig",
     "NgramDrafter",
     "PlainDecoder",
+    "PredictionDrafter",
     "RejectionVerifier",
     "SamplingConfig",
     "SpeculationConfig",

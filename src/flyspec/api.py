@@ -85,9 +85,15 @@ def generate(
     device: str | torch.device = DEFAULT_DEVICE,
     decode: DecodeConfig | None = None,
     resources: Resources | None = None,
+    prediction: str | list[int] | None = None,
     **fields,
 ) -> GenerationResult:
     """Generate with speculative decoding. Lossy verifiers (``names.LOSSY_VERIFIERS``) must be asked for.
+
+    ``prediction`` (OpenAI's Predicted Outputs): the text (or token ids) the output is expected to be mostly; its
+    tokens are drafted where they line up with the output (``drafters/prediction.py``), beside the drafter. Under a
+    lossless verifier the text is the same with it or without; ``result.stats`` counts the accepted and rejected
+    prediction tokens.
 
     ``dtype`` and ``device`` (``auto``, ``cpu``, ``cuda``, ``cuda:N``) load a model named by string
     (without ``resources``); a loaded model runs where it is. With ``dtype="auto"`` a calibration profile
@@ -100,7 +106,8 @@ def generate(
     set_threads(threads)
     spec, decode = _configs(spec, decode, SamplingConfig(temperature, top_k, top_p), fields)
     decoder = _build(target, spec, decode, resources, dtype, device)
-    return decoder.generate(prompt, generator=make_generator(seed, decoder.device), use_chat=use_chat)
+    generator = make_generator(seed, decoder.device)
+    return decoder.generate(prompt, generator=generator, use_chat=use_chat, prediction=prediction)
 
 
 def generate_plain(

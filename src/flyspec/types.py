@@ -13,8 +13,9 @@ PROMPT_COPY = "prompt-copy"  # copied from the prompt (n-gram lookup)
 OUTPUT_COPY = "output-copy"  # copied from the text generated so far (n-gram lookup)
 CACHE = "cache"  # from the n-gram cache of earlier generations: memory, not this request's text
 MODEL = "model"  # proposed (or checked) by a draft model
+PREDICTION = "prediction"  # copied from the request's prediction (OpenAI's Predicted Outputs; drafters/prediction.py)
 UNKNOWN_SOURCE = "unknown"
-SOURCES = (PROMPT_COPY, OUTPUT_COPY, CACHE, MODEL, UNKNOWN_SOURCE)
+SOURCES = (PROMPT_COPY, OUTPUT_COPY, CACHE, MODEL, PREDICTION, UNKNOWN_SOURCE)
 
 
 @dataclass(frozen=True)

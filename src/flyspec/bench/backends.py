@@ -2,7 +2,9 @@
 
 Every backend gets the same prompt token ids (encoded once by flyspec, chat template applied),
 so methods differ only in how they decode. A multi-turn prompt is run as a chat: each turn
-sees the method's own earlier answers (Spec-Bench's MT-bench protocol).
+sees the method's own earlier answers (Spec-Bench's MT-bench protocol). A ``prediction+...`` method
+is also given the prompt's prediction (OpenAI's predicted output); no other method is: the peers'
+engines have no such field (vLLM's rows draft from the context, as ``ngram+exact`` does).
 """
 
 from __future__ import annotations
@@ -50,6 +52,9 @@ class TurnOutput:
     draft_time_s: float | None = None
     requested_draft_lengths: dict[int, int] = field(default_factory=dict)  # draft length asked → steps
     drafter_stats: dict = field(default_factory=dict)  # Drafter.report() at the end of the turn
+    # OpenAI's usage counts of a request given a prediction (None: the method was given none)
+    num_accepted_prediction_tokens: int | None = None
+    num_rejected_prediction_tokens: int | None = None
 
 
 # transformers' other warpers, off: a sampled hf-* request draws from flyspec's distribution (temperature, top-k, top-p)
@@ -59,9 +64,13 @@ Generate = Callable[[list[int], int, int], TurnOutput]  # (prompt ids, max new t
 
 
 class Backend(Protocol):
+    """``prediction``: given to a ``prediction+...`` method only (``run_prompt``), so a peer never gets one."""
+
     method: Method
 
-    def generate(self, prompt_ids: list[int], max_new_tokens: int, seed: int) -> TurnOutput: ...
+    def generate(
+        self, prompt_ids: list[int], max_new_tokens: int, seed: int, prediction: str | None = None
+    ) -> TurnOutput: ...
 
 
 @dataclass(frozen=True)
@@ -97,9 +106,13 @@ class FlyspecBackend:
                 resources.model(draft)
             self.decoder = build_decoder(target, spec, DecodeConfig(sampling=settings.sampling), resources=resources)
 
-    def generate(self, prompt_ids: list[int], max_new_tokens: int, seed: int) -> TurnOutput:
+    def generate(
+        self, prompt_ids: list[int], max_new_tokens: int, seed: int, prediction: str | None = None
+    ) -> TurnOutput:
         config = dataclasses.replace(self.decoder.config, max_new_tokens=max_new_tokens, sampling=self.sampling)
-        result = self.decoder.generate(prompt_ids, config=config, generator=make_generator(seed, self.decoder.device))
+        generator = make_generator(seed, self.decoder.device)
+        predicted = {} if prediction is None else {"prediction": prediction}  # the engine's keyword, OpenAI's name
+        result = self.decoder.generate(prompt_ids, config=config, generator=generator, **predicted)
         stats = result.stats
         speculative = self.method.verifier is not None
         return TurnOutput(
@@ -119,6 +132,8 @@ class FlyspecBackend:
             draft_time_s=stats.draft_time_s,
             requested_draft_lengths=dict(stats.requested_draft_lengths) if speculative else {},
             drafter_stats=dict(stats.drafter),
+            num_accepted_prediction_tokens=stats.num_accepted_prediction_tokens if predicted else None,
+            num_rejected_prediction_tokens=stats.num_rejected_prediction_tokens if predicted else None,
         )
 
 
@@ -140,7 +155,9 @@ class HFGenerateBackend:
                 self.assistant.update(tokenizer=target.tokenizer, assistant_tokenizer=draft.tokenizer)
             self.options["num_assistant_tokens"] = settings.speculation.num_draft_tokens
 
-    def generate(self, prompt_ids: list[int], max_new_tokens: int, seed: int) -> TurnOutput:
+    def generate(
+        self, prompt_ids: list[int], max_new_tokens: int, seed: int, prediction: str | None = None
+    ) -> TurnOutput:
         greedy = self.sampling.greedy
         config = GenerationConfig(
             max_new_tokens=max_new_tokens,
@@ -219,14 +236,16 @@ class PromptOutput:
 def run_prompt(
     backend: Backend, target: LoadedModel, prompt: BenchPrompt, max_new_tokens: int, seed: int, use_chat: bool | None
 ) -> PromptOutput:
-    """Run every turn of ``prompt``; later turns see this method's own earlier answers."""
+    """Run every turn of ``prompt``; later turns see this method's own earlier answers. The prompt's prediction
+    (single-turn prompts only: ``bench/data.py``) goes to a ``prediction+...`` method alone."""
     answers: list[str] = []
     turns: list[TurnOutput] = []
     prompts: list[list[int]] = []
+    given = {"prediction": prompt.prediction} if backend.method.prediction and prompt.prediction else {}
     for index in range(len(prompt.turns)):
         prompt_ids = conversation_ids(target, prompt.turns[: index + 1], answers, use_chat)
         prompts.append(prompt_ids)
-        output = backend.generate(prompt_ids, max_new_tokens, seed + index)
+        output = backend.generate(prompt_ids, max_new_tokens, seed + index, **given)
         turns.append(output)
         answers.append(output.text)
     return PromptOutput(turns, sum(map(len, prompts)), prompts)

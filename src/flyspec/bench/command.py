@@ -16,6 +16,8 @@ from flyspec.config.names import LOSSY_VERIFIERS
 QUICK_LIMIT = 2
 QUICK_MAX_NEW_TOKENS = 48
 DEFAULT_MAX_NEW_TOKENS = 128
+# per --workload: (default, --quick) new tokens; an edit's reply is a whole function (up to ~300 tokens)
+MAX_NEW_TOKENS = {"spec-bench": (DEFAULT_MAX_NEW_TOKENS, QUICK_MAX_NEW_TOKENS), "edit": (200, 128)}
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -32,6 +34,15 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=run)
     data = parser.add_argument_group("prompts")
     data.add_argument(
+        "--workload",
+        choices=tuple(MAX_NEW_TOKENS),
+        default="spec-bench",
+        help="spec-bench (default): Spec-Bench's prompts, or --dataset's; edit: 34 requests to edit a real function "
+        "(rename, comment, constant, docstring, delete; regenerate: the code not in the prompt), each with the code "
+        "before the edit as its prediction; default methods plain, ngram+exact, prediction+exact, hf-lookup, 200 new "
+        "tokens (--quick: 128)",
+    )
+    data.add_argument(
         "--dataset", help='JSONL of prompts: Spec-Bench records or {"prompt": ...} (default: vendored Spec-Bench)'
     )
     data.add_argument("--categories", help="comma-separated categories to run (default: all in the dataset)")
@@ -40,9 +51,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     run_group = parser.add_argument_group("run")
     run_group.add_argument(
         "--methods",
-        help="comma-separated: plain, [<ngram|ngram-cache|draft|multilevel|layer-skip|stack>+]<verifier>"
+        help="comma-separated: plain, [prediction+][<ngram|ngram-cache|draft|multilevel|layer-skip|stack>+]<verifier>"
         "[+bare|+guard|+digits|+names|+identifiers] (no drafter: --speculative-config's, default ngram; +bare: a "
-        "lossy verifier without the trust guards, +guard/+digits/...: which tokens they protect), hf-plain, "
+        "lossy verifier without the trust guards, +guard/+digits/...: which tokens they protect; prediction+: given "
+        "each prompt's prediction, as on --workload edit), hf-plain, "
         "hf-lookup, hf-assisted, llamacpp-plain, llamacpp-lookup, vllm-plain, vllm-ngram, vllm-ngram+fly, "
         "vllm-ngram+fly+bare (default: plain, ngram+{exact,fly,fly+bare,margin,typical}, hf-plain, hf-lookup; "
         "with --draft-model also draft+exact, draft+fly, multilevel+fly, hf-assisted; `baseline` is the old name "
@@ -132,12 +144,12 @@ def run(args: argparse.Namespace) -> int:
         return _run_load(args)
     # Heavy imports only when benchmarking (keeps `flyspec generate` quick to start).
     from flyspec.bench.backends import BackendSettings, conversation_ids
-    from flyspec.bench.data import load_prompts
     from flyspec.bench.live import LiveView
     from flyspec.bench.loop import BenchSettings, VllmSettings, bench_methods, forward_times, make_backends, run_bench
     from flyspec.bench.nll import NllScorer
     from flyspec.cli.speculation import speculation_config
     from flyspec.config import ConfigError, SamplingConfig
+    from flyspec.drafters.prediction import MAX_PREDICTION_DRAFT_TOKENS
     from flyspec.harness.data import RECORDS_FILE, JsonlWriter
     from flyspec.harness.methods import speculations
     from flyspec.resources import Resources
@@ -145,12 +157,14 @@ def run(args: argparse.Namespace) -> int:
     from flyspec.runtime.memory_floor import memory_floor
 
     limit = args.limit if args.limit is not None else (QUICK_LIMIT if args.quick else None)
-    max_new_tokens = args.max_new_tokens or (QUICK_MAX_NEW_TOKENS if args.quick else DEFAULT_MAX_NEW_TOKENS)
+    max_new_tokens = args.max_new_tokens or MAX_NEW_TOKENS[args.workload][args.quick]
     if args.repeats < 1 or max_new_tokens < 1 or args.hf_lookup_tokens < 1:
         raise ConfigError("--repeats, --max-new-tokens and --hf-lookup-tokens must be >= 1")
-    methods = bench_methods(args.methods, has_draft_model=args.draft_model is not None)
-    categories = tuple(c.strip() for c in (args.categories or "").split(",") if c.strip())
-    prompts = load_prompts(args.dataset, categories=categories, limit=limit, skip_bad_lines=args.skip_bad_lines)
+    methods = bench_methods(args.methods, has_draft_model=args.draft_model is not None, workload=args.workload)
+    prompts = _prompts(args, limit)
+    if any(method.prediction for method in methods) and not any(prompt.prediction for prompt in prompts):
+        raise ConfigError("a prediction+... method needs prompts with a prediction: --workload edit, or a --dataset "
+                          'whose records carry "prediction"')  # fmt: skip
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
     speculation = speculation_config(args)
     out_dir = _prepare_out_dir(Path(args.out))
@@ -168,7 +182,10 @@ def run(args: argparse.Namespace) -> int:
     k = speculation.num_draft_tokens
     context = conversation_ids(target, prompts[0].turns[:1], [], args.use_chat)
     context = (context * (1 + 200 // len(context)))[:200]  # a typical mid-generation context length
-    times = forward_times(target, context, tuple(range(1, k + 2)), repeats=3 if args.quick else 7)
+    longest = k + 1  # a prediction's draft may be longer than k (drafters/prediction.py): the cost limit needs t(n)
+    if any(method.prediction for method in methods):
+        longest = max(longest, MAX_PREDICTION_DRAFT_TOKENS + 1)
+    times = forward_times(target, context, tuple(range(1, longest + 1)), repeats=3 if args.quick else 7)
     floor = memory_floor(target.model, target.device, target.weight_bytes)  # what t(1) cannot go below here
     meta = _meta(args, target, prompts, max_new_tokens, k, limit)
     meta.update(forward_context=len(context), forward_times_ms={str(size): 1000 * t for size, t in times.items()})
@@ -201,13 +218,26 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _prompts(args: argparse.Namespace, limit: int | None) -> list:
+    """``--workload``'s prompts (``bench/data.py``), the asked categories, ``limit`` per category."""
+    from flyspec.bench.data import load_edit_prompts, load_prompts
+    from flyspec.config import ConfigError
+
+    categories = tuple(c.strip() for c in (args.categories or "").split(",") if c.strip())
+    if args.workload == "spec-bench":
+        return load_prompts(args.dataset, categories=categories, limit=limit, skip_bad_lines=args.skip_bad_lines)
+    if args.dataset:
+        raise ConfigError("--workload edit brings its own prompts: drop --dataset (or give it without --workload)")
+    return load_edit_prompts(categories=categories, limit=limit)
+
+
 def _run_load(args: argparse.Namespace) -> int:
     """``--concurrency``: vLLM engines under load (``bench/load.py``)."""
     from rich.console import Console
 
     from flyspec.bench import load, online
     from flyspec.bench.backends import conversation_ids
-    from flyspec.bench.data import load_prompts
+    from flyspec.bench.data import interleaved
     from flyspec.cli.speculation import speculation_config
     from flyspec.config import ConfigError
     from flyspec.config.schedule import BatchSchedule
@@ -239,12 +269,13 @@ def _run_load(args: argparse.Namespace) -> int:
     check_venv(python)
     out_dir = _prepare_out_dir(Path(args.out))
     target = load_served(args.target, args.dtype)
-    dataset = load_prompts(args.dataset, categories=tuple(c for c in (args.categories or "").split(",") if c))
+    dataset = _prompts(args, None)  # the edit workload's too: vLLM's engines run its prompts without predictions
     console = Console(stderr=True)
     if args.online:
-        return _run_online(args, names, target, dataset, settings, schedule, python, out_dir, console)
+        return online.run_servers(args, names, target, interleaved(dataset), settings, schedule, python, out_dir,
+                                  console)  # fmt: skip
     needed = settings.prompts_at(settings.concurrencies[-1])
-    prompts = [conversation_ids(target, p.turns[:1], [], args.use_chat) for p in _interleaved(dataset)[:needed]]
+    prompts = [conversation_ids(target, p.turns[:1], [], args.use_chat) for p in interleaved(dataset)[:needed]]
     options = VllmOptions(eager=args.vllm_eager)
     workers = load.start_workers(names, python, target.path, target.dtype_name, settings, options)
     try:
@@ -263,63 +294,6 @@ def _run_load(args: argparse.Namespace) -> int:
         load.close_workers(workers)
     console.print("wrote " + ", ".join(str(path) for path in written))
     return 0
-
-
-def _run_online(
-    args: argparse.Namespace, names: list[str], target: Any, dataset: list, settings: Any, schedule: Any,
-    python: Path, out_dir: Path, console: Any,
-) -> int:  # fmt: skip
-    """``--concurrency ... --online``: each server under concurrent streaming clients (``bench/online.py``)."""
-    import tempfile
-
-    from flyspec.bench import load, online
-    from flyspec.config import ConfigError
-    from flyspec.harness.meta import run_metadata
-    from flyspec.runtime.loading import cpu_isa
-
-    chat = target.has_chat_template if args.use_chat is None else args.use_chat
-    if not chat:
-        raise ConfigError("--online sends chat completions: the target needs a chat template")
-    turns = [prompt.turns[0] for prompt in _interleaved(dataset)[: settings.prompts_at(settings.concurrencies[-1])]]
-    messages = [[{"role": "user", "content": turn}] for turn in turns]
-    logs = Path(tempfile.mkdtemp(prefix="flyspec-online-"))
-    serve_options = [*(["--compile"] if args.compile else []), "--kernels", args.kernels]  # as the offline engine's
-
-    def starter(method: str) -> Any:
-        def start() -> online.Server:
-            port = online.free_port()
-            command, environment = online.server_command(method, python, target.path, args.target,
-                                                         target.dtype_name, port, settings.num_draft_tokens,
-                                                         schedule, args.vllm_eager, serve_options)  # fmt: skip
-            return online.Server(command, environment, port, logs / f"{method}.log")
-
-        return start
-
-    def label(name: str) -> str:  # a server that follows the schedule is named as offline: "<method> scheduled"
-        return name + load.SCHEDULED if schedule is not None and name in load.FLYSPEC_PROPOSER else name
-
-    starts = {label(name): starter(name) for name in names}
-    rows, startup = online.run_online(starts, messages, settings.concurrencies, settings.prompts_at,
-                                      settings.max_new_tokens, console.print)  # fmt: skip
-    meta = {**run_metadata(target, getattr(args, "command_line", None)), "cpu_isa": cpu_isa(),
-            # each server runs the model in its own process: vLLM's on its engine, flyspec serve on its own kernels
-            "device": "each server's own (a process per server)", "kernels": "each server's",
-            "eager": args.vllm_eager, "num_draft_tokens": settings.num_draft_tokens,
-            "max_new_tokens": settings.max_new_tokens, "min_prompts": settings.min_prompts,
-            "schedule": schedule.to_vllm() if schedule else None, "server_logs": str(logs),
-            "flyspec_serve_options": serve_options}  # fmt: skip
-    written = online.write_outputs(out_dir, meta, rows, startup, schedule, args.plots)
-    console.print("wrote " + ", ".join(str(path) for path in written))
-    return 0
-
-
-def _interleaved(prompts: list) -> list:
-    """Prompts taking turns by category, so that every wave mixes the kinds of requests."""
-    by_category: dict[str, list] = {}
-    for prompt in prompts:
-        by_category.setdefault(prompt.category, []).append(prompt)
-    queues = list(by_category.values())
-    return [queue[i] for i in range(max(map(len, queues), default=0)) for queue in queues if i < len(queue)]
 
 
 def _run_batched(
@@ -383,7 +357,8 @@ def _meta(
     return {
         **run_metadata(target, getattr(args, "command_line", None)),
         "draft_model": args.draft_model,
-        "dataset": args.dataset or "Spec-Bench (vendored)",
+        "dataset": args.dataset or ("the edit workload" if args.workload == "edit" else "Spec-Bench") + " (vendored)",
+        "workload": args.workload,
         "categories": list(dict.fromkeys(prompt.category for prompt in prompts)),
         "limit_per_category": limit,
         "num_prompts": len(prompts),

@@ -1,12 +1,16 @@
-"""Benchmark prompts: the vendored Spec-Bench set, or a user's own JSONL.
+"""Benchmark prompts: the vendored Spec-Bench set, the edit workload, or a user's own JSONL.
 
 Accepted record shapes, one JSON object per line:
 
 * Spec-Bench: ``{"question_id": ..., "category": ..., "turns": ["...", ...]}`` (``reference`` ignored);
-* plain: ``{"prompt": "..."}`` with optional ``"id"`` and ``"category"`` (default ``custom``).
+* plain: ``{"prompt": "..."}`` with optional ``"id"``, ``"category"`` (default ``custom``) and ``"prediction"``
+  (OpenAI's predicted output: the text a ``prediction+...`` method is given with the request).
 
 A record with several turns is run as a chat, turn after turn, each turn seeing the model's own
-earlier answers (as Spec-Bench runs MT-bench).
+earlier answers (as Spec-Bench runs MT-bench); a prediction goes with a single-turn prompt only.
+
+The edit workload (``--workload edit``, :func:`load_edit_prompts`) is ``harness/edits.py``'s items: one category
+per kind of edit, each item's prediction the code before the edit.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from flyspec.harness.data import DataError, bad_line, read_jsonl, spec_bench_path
+from flyspec.harness.edits import KINDS, load_edits
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +39,7 @@ class BenchPrompt:
     id: str
     category: str
     turns: tuple[str, ...]
+    prediction: str | None = None  # what a ``prediction+...`` method is given with the (single) turn
 
 
 def load_prompts(
@@ -48,17 +54,39 @@ def load_prompts(
     A malformed line raises :class:`~flyspec.harness.data.DataError` naming the file and line, or
     with ``skip_bad_lines`` is logged as a warning and skipped (the count is logged too).
     """
-    if limit is not None and limit < 1:
-        raise DataError(f"--limit must be >= 1 (got {limit})")
     file = Path(path) if path is not None else spec_bench_path()
     prompts, skipped = _read(file, skip_bad_lines)
     if skipped:
         logger.warning("%s: skipped %d malformed line(s)", file, skipped)
+    return _select(prompts, file.name, categories, limit)
+
+
+def load_edit_prompts(*, categories: tuple[str, ...] = (), limit: int | None = None) -> list[BenchPrompt]:
+    """The edit workload (``harness/edits.py``): each kind of edit a category, each item with its prediction."""
+    prompts = [BenchPrompt(item.id, item.kind, (item.prompt,), item.prediction) for item in load_edits()]
+    return _select(prompts, f"the edit workload (kinds: {', '.join(KINDS)})", categories, limit)
+
+
+def interleaved(prompts: list[BenchPrompt]) -> list[BenchPrompt]:
+    """Prompts taking turns by category, so that every wave mixes the kinds of requests."""
+    by_category: dict[str, list[BenchPrompt]] = {}
+    for prompt in prompts:
+        by_category.setdefault(prompt.category, []).append(prompt)
+    queues = list(by_category.values())
+    return [queue[i] for i in range(max(map(len, queues), default=0)) for queue in queues if i < len(queue)]
+
+
+def _select(
+    prompts: list[BenchPrompt], source: str, categories: tuple[str, ...], limit: int | None
+) -> list[BenchPrompt]:
+    """The asked categories (all if empty), the first ``limit`` per category."""
+    if limit is not None and limit < 1:
+        raise DataError(f"--limit must be >= 1 (got {limit})")
     present = list(dict.fromkeys(prompt.category for prompt in prompts))
     unknown = [category for category in categories if category not in present]
     if unknown:
         raise DataError(
-            f"unknown categor{'y' if len(unknown) == 1 else 'ies'} {', '.join(unknown)} in {file.name}; "
+            f"unknown categor{'y' if len(unknown) == 1 else 'ies'} {', '.join(unknown)} in {source}; "
             f"it has: {', '.join(present)}"
         )
     counts: dict[str, int] = {}
@@ -71,7 +99,7 @@ def load_prompts(
         counts[prompt.category] = counts.get(prompt.category, 0) + 1
         chosen.append(prompt)
     if not chosen:
-        raise DataError(f"{file} has no prompts to run")
+        raise DataError(f"{source} has no prompts to run")
     return chosen
 
 
@@ -112,4 +140,9 @@ def parse_record(record: Any, default_id: str) -> BenchPrompt:
     if category in _MT_BENCH_SUBCATEGORIES:
         category = "mt_bench"
     identifier = record.get("question_id", record.get("id", default_id))
-    return BenchPrompt(id=str(identifier), category=category, turns=tuple(turns))
+    prediction = record.get("prediction")
+    if prediction is not None and (not isinstance(prediction, str) or not prediction):
+        raise ValueError("'prediction' must be a non-empty string")
+    if prediction is not None and len(turns) > 1:
+        raise ValueError("a 'prediction' goes with a single-turn prompt, not a list of turns")
+    return BenchPrompt(id=str(identifier), category=category, turns=tuple(turns), prediction=prediction)

@@ -16,6 +16,12 @@ fly
 One prompt per Spec-Bench category (first turn only, chat template as ``flyspec bench``), a short
 length limit, and every figure from this one run: a first look, not a measurement
 (``flyspec bench`` repeats, reports spreads and limits).
+
+Then a second table, on a few requests to edit a function (``flyspec bench --workload edit``'s: the kinds taking
+turns, the shortest of each, the first a rename and the second a regeneration whose earlier answer the prompt does
+not hold), where the answer copies text the user holds: plain, lossless, and **prediction** — the code before the
+edit as OpenAI's ``prediction`` beside the n-gram drafts, exact verification. Chat beside edit shows where
+speculation pays and where it does not.
 """
 
 from __future__ import annotations
@@ -44,6 +50,11 @@ ROWS = (
     ("fly", "ngram+fly", "n-gram drafts + FLy (lossy)"),
 )
 LEGEND = (
+    "prediction tokens = draft tokens taken from the prediction that exact verification kept / scored and "
+    "rejected (OpenAI's accepted_prediction_tokens / rejected_prediction_tokens); a regenerate request's "
+    "prompt does not hold the earlier answer its prediction is, so only the prediction row can copy it"
+)
+LEGEND = (
     "speedup = tokens/s ÷ plain's, measured in this run; τ = tokens committed per target forward; "
     "loose accepts = draft tokens FLy kept where the target would have chosen another; "
     "identical = outputs equal to plain's token for token; changed in meaning = outputs whose numbers or "
@@ -54,11 +65,13 @@ LEGEND = (
 def add_parser(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
         "demo",
-        help="a two-minute benchmark: plain, lossless and FLy on one prompt per Spec-Bench category",
+        help="a two-minute benchmark: plain, lossless and FLy on one prompt per Spec-Bench category, and edits",
         description="Run plain decoding, lossless speculative decoding (n-gram drafts + exact verification) and "
         "FLy (n-gram drafts + loose verification at the shipped calibration profile) on a few Spec-Bench prompts, "
         "greedy, and print tokens/s, speedup, τ, loose accepts, and how many outputs are identical to plain "
-        "decoding's or changed in meaning. For real measurements: flyspec bench and flyspec eval.",
+        "decoding's or changed in meaning; then plain, lossless and prediction (the code before the edit as "
+        "OpenAI's prediction, exact verification) on a few requests to edit a function, where speculation pays "
+        "most. For real measurements: flyspec bench and flyspec eval.",
     )
     parser.set_defaults(handler=run)
     add_target_option(
@@ -82,6 +95,14 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--max-new-tokens", type=int, default=DEMO_MAX_NEW_TOKENS, help=f"per prompt (default {DEMO_MAX_NEW_TOKENS})"
     )
+    parser.add_argument(
+        "--edit-prompts",
+        type=int,
+        default=2,
+        metavar="N",
+        help="how many requests to edit a function, in a second table with a prediction row (default 2: a rename "
+        "and a regeneration; 0: none); 128 new tokens each",
+    )
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("-v", "--verbose", action="store_true", help="log model loading")
 
@@ -90,12 +111,13 @@ def run(args: argparse.Namespace) -> int:
     require_extra("bench", "flyspec demo")
     if args.prompts < 1 or args.max_new_tokens < 1:
         raise ConfigError("--prompts and --max-new-tokens must be >= 1")
+    if args.edit_prompts < 0:
+        raise ConfigError("--edit-prompts must be >= 0 (0: no edit table)")
     # Heavy imports only when the demo runs (keeps `flyspec --help` instant).
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from flyspec.bench.backends import BackendSettings, FlyspecBackend
-    from flyspec.bench.loop import BenchSettings, make_backends, run_bench
+    from flyspec.bench.loop import make_backends
     from flyspec.config import SamplingConfig, SpeculationConfig
     from flyspec.decoding.speculative import SpeculativeDecoder
     from flyspec.harness.methods import Method, parse_method
@@ -123,28 +145,59 @@ def run(args: argparse.Namespace) -> int:
     line = profile_line(fly.decoder, choice.note is not None)
     out.print(f"[profile] {line}", highlight=False, markup=False, soft_wrap=True)
     fly_verifier = fly.decoder.speculation.verifier  # a profile without a FLy point falls back to exact
-    progress = Progress(
-        SpinnerColumn(),
-        TextColumn("decoding plain, lossless, fly"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("prompts"),
-        TimeElapsedColumn(),
-        console=err,
-        redirect_stdout=False,
-    )
+    records = decode(err, "plain, lossless, fly", prompts, backends, target, args.max_new_tokens)
+    rows = row_figures(records, prompts, args.max_new_tokens, fly_verifier)
+    out.print(table(rows, len(prompts)))
+    say(out, [LEGEND, verdict(rows, len(prompts))])
+    if args.edit_prompts:  # the edit requests: plain and lossless as above, and the prediction row
+        say(out, run_edits(args.edit_prompts, backends, target, settings, out, err))
+    commands = next_commands(args.target, str(target.dtype).removeprefix("torch."))
+    say(out, ["Next:", *(f"  {command}" for command in commands)])
+    return 0
+
+
+def say(out: Any, lines: list[str]) -> None:
+    for line in lines:
+        out.print(line, highlight=False, markup=False, soft_wrap=True)
+
+
+def run_edits(count: int, backends: dict[str, Any], target: Any, settings: Any, out: Any, err: Any) -> list[str]:
+    """Decode ``count`` edit requests with the chat table's plain and lossless backends and a prediction one; print
+    the table; return the legend and verdict lines."""
+    from flyspec.bench import demo_edit as edit
+    from flyspec.bench.loop import make_backends
+    from flyspec.harness.methods import parse_method
+
+    prompts = edit.edit_prompts(count)
+    methods = [method for _, method, _ in edit.EDIT_ROWS]
+    with err.status("building the prediction decoder"), said_here("flyspec.profiles"):
+        missing = [parse_method(method, ()) for method in methods if method not in backends]
+        built = {**backends, **make_backends(missing, target, None, settings)}
+    rows_backends = {method: built[method] for method in methods}
+    records = decode(err, "plain, lossless, prediction", prompts, rows_backends, target, edit.DEMO_EDIT_MAX_NEW_TOKENS)
+    rows = edit.edit_figures(records)
+    say(out, [edit.edit_title(prompts)])
+    out.print(edit.edit_table(rows, len(prompts)))
+    return [edit.EDIT_LEGEND, edit.edit_verdict(rows, len(prompts))]
+
+
+def decode(
+    err: Any, label: str, prompts: list[Any], backends: dict[str, Any], target: Any, max_new_tokens: int
+) -> list[dict[str, Any]]:
+    """``backends`` (by method name) on ``prompts``, interleaved (``bench/loop.run_bench``), greedy, with a progress
+    bar on ``err``."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from flyspec.bench.loop import BenchSettings, run_bench
+
+    columns = (SpinnerColumn(), TextColumn(f"decoding {label}"), BarColumn(), MofNCompleteColumn())
+    progress = Progress(*columns, TextColumn("prompts"), TimeElapsedColumn(), console=err, redirect_stdout=False)
     records: list[dict[str, Any]] = []
     with progress:
         task = progress.add_task("decoding", total=len(prompts))
-        bench = BenchSettings(max_new_tokens=args.max_new_tokens)
+        bench = BenchSettings(max_new_tokens=max_new_tokens)
         run_bench(prompts, backends, target, bench, None, records.append, lambda: progress.advance(task))
-    rows = row_figures(records, prompts, args.max_new_tokens, fly_verifier)
-    out.print(table(rows, len(prompts)))
-    lines = [LEGEND, verdict(rows, len(prompts)), "Next:"]
-    lines += [f"  {command}" for command in next_commands(args.target, str(target.dtype).removeprefix("torch."))]
-    for line in lines:
-        out.print(line, highlight=False, markup=False, soft_wrap=True)
-    return 0
+    return records
 
 
 def demo_prompts(count: int) -> list[Any]:
@@ -312,6 +365,8 @@ def next_commands(target: str, dtype: str) -> list[str]:
     return [
         f"flyspec bench --quick{common} --methods plain,ngram+exact,ngram+fly   "
         "# every category, with peers; report + plots in bench-results/",
+        f"flyspec bench --workload edit --quick{common}   "
+        "# edit requests: plain, context drafts, the prediction beside them, transformers' prompt lookup",
         f"flyspec eval --tasks extract,numbers,code --limit 50 --methods exact,fly{common}   "
         "# what FLy costs in quality, with 95% intervals",
         f"flyspec serve{common} --verifier fly   # OpenAI-compatible API on http://127.0.0.1:8000/v1",

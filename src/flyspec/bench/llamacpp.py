@@ -55,7 +55,9 @@ class LlamaCppBackend:
             verbose=False,
         )
 
-    def generate(self, prompt_ids: list[int], max_new_tokens: int, seed: int) -> TurnOutput:
+    def generate(
+        self, prompt_ids: list[int], max_new_tokens: int, seed: int, prediction: str | None = None
+    ) -> TurnOutput:
         self.llm.reset()
         started = time.perf_counter()
         completion = self.llm.create_completion(

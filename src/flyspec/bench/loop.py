@@ -40,14 +40,20 @@ DEFAULT_METHODS = (
     "hf-lookup",
 )
 DEFAULT_DRAFT_METHODS = ("draft+exact", "draft+fly", "multilevel+fly", "hf-assisted")
+# the edit workload's: plain, context drafts, the prediction beside them, transformers' prompt lookup
+EDIT_METHODS = (PLAIN, "ngram+exact", "prediction+exact", "hf-lookup")
+EDIT_WORKLOAD = "edit"
 
 
-def bench_methods(text: str | None, *, has_draft_model: bool) -> list[Method]:
-    """``--methods`` (default: ours and the HF peers; the draft-model methods with a draft model).
+def bench_methods(text: str | None, *, has_draft_model: bool, workload: str = "spec-bench") -> list[Method]:
+    """``--methods`` (default: ours and the HF peers, the draft-model methods with a draft model; the edit
+    workload's :data:`EDIT_METHODS`).
 
     ``plain`` is always run (first), since every speedup is relative to it.
     """
-    if text is None:
+    if text is None and workload == EDIT_WORKLOAD:
+        text = ",".join(EDIT_METHODS)
+    elif text is None:
         text = ",".join(DEFAULT_METHODS + (DEFAULT_DRAFT_METHODS if has_draft_model else ()))
     methods = parse_methods(text, PEERS)
     methods = [Method(PLAIN)] + [method for method in methods if not method.is_plain]
@@ -252,6 +258,8 @@ def make_record(
         "num_reused_prompt_tokens",
         "target_time_s",
         "draft_time_s",
+        "num_accepted_prediction_tokens",
+        "num_rejected_prediction_tokens",
     ):
         values = [getattr(turn, key) for turn in turns]
         record[key] = None if any(value is None for value in values) else sum(values)

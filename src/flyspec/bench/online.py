@@ -302,3 +302,51 @@ def write_outputs(
         answered = [row for row in rows if row.get("num_requests")]
         written.append(plot(out_dir / "online.png", {**meta, "vllm_version": "server"}, answered))
     return written
+
+
+def run_servers(
+    args: Any, names: list[str], target: Any, prompts: list, settings: Any, schedule: Any, python: Path,
+    out_dir: Path, console: Any,
+) -> int:  # fmt: skip
+    """``flyspec bench --concurrency ... --online``: each server under concurrent streaming clients, on ``prompts``
+    (their categories taking turns: ``bench/data.interleaved``)."""
+    import tempfile
+
+    from flyspec.bench import load
+    from flyspec.harness.meta import run_metadata
+    from flyspec.runtime.loading import cpu_isa
+
+    chat = target.has_chat_template if args.use_chat is None else args.use_chat
+    if not chat:
+        raise ConfigError("--online sends chat completions: the target needs a chat template")
+    turns = [prompt.turns[0] for prompt in prompts[: settings.prompts_at(settings.concurrencies[-1])]]
+    messages = [[{"role": "user", "content": turn}] for turn in turns]
+    logs = Path(tempfile.mkdtemp(prefix="flyspec-online-"))
+    serve_options = [*(["--compile"] if args.compile else []), "--kernels", args.kernels]  # as the offline engine's
+
+    def starter(method: str) -> Callable[[], Server]:
+        def start() -> Server:
+            port = free_port()
+            command, environment = server_command(method, python, target.path, args.target, target.dtype_name, port,
+                                                  settings.num_draft_tokens, schedule, args.vllm_eager,
+                                                  serve_options)  # fmt: skip
+            return Server(command, environment, port, logs / f"{method}.log")
+
+        return start
+
+    def label(name: str) -> str:  # a server that follows the schedule is named as offline: "<method> scheduled"
+        return name + load.SCHEDULED if schedule is not None and name in load.FLYSPEC_PROPOSER else name
+
+    starts = {label(name): starter(name) for name in names}
+    rows, startup = run_online(starts, messages, settings.concurrencies, settings.prompts_at,
+                               settings.max_new_tokens, console.print)  # fmt: skip
+    meta = {**run_metadata(target, getattr(args, "command_line", None)), "cpu_isa": cpu_isa(),
+            # each server runs the model in its own process: vLLM's on its engine, flyspec serve on its own kernels
+            "device": "each server's own (a process per server)", "kernels": "each server's",
+            "eager": args.vllm_eager, "num_draft_tokens": settings.num_draft_tokens,
+            "max_new_tokens": settings.max_new_tokens, "min_prompts": settings.min_prompts,
+            "schedule": schedule.to_vllm() if schedule else None, "server_logs": str(logs),
+            "flyspec_serve_options": serve_options}  # fmt: skip
+    written = write_outputs(out_dir, meta, rows, startup, schedule, args.plots)
+    console.print("wrote " + ", ".join(str(path) for path in written))
+    return 0

@@ -21,6 +21,10 @@ Definitions (all over the same prompts, in the same run):
   90th percentile over every turn: flyspec's engine from the loop's start (prefill included) to its first committed
   token, vLLM's from its own request metrics (arrival to first token), transformers' from ``generate``'s call to
   its streamer's first new token; None for a method that does not measure it (llama.cpp);
+* ``speedup_vs_context`` (a ``prediction+...`` method, when its context twin ran: ``harness/methods.py``): the
+  same ratio over the twin's rate — what the prediction adds to drafting from the context alone —, the twin in
+  ``context_method``; ``num_accepted_prediction_tokens`` / ``num_rejected_prediction_tokens``: OpenAI's usage counts,
+  summed (None where the method was given no prediction);
 * ``target_ms_per_step`` / ``draft_ms_per_step`` / ``other_ms_per_step``: time per target forward
   spent in verification forwards, in drafting, and in the engine's own work (verification rule,
   commit, cache rollback, stop checks, detokenisation) — the last is the engine overhead.
@@ -45,7 +49,7 @@ import statistics
 from typing import Any
 
 from flyspec.bench.paired import level_per_test, paired_excess
-from flyspec.harness.methods import PEER_PLAIN, PLAIN, VLLM_PEERS
+from flyspec.harness.methods import PEER_PLAIN, PLAIN, VLLM_PEERS, context_twin
 
 Record = dict[str, Any]
 OVERALL = "overall"
@@ -211,6 +215,20 @@ def _figures(
     if plain in rates:
         own = _speedups(rates, method, plain)
         figures["speedup_vs_own_plain"] = statistics.median(own) if own else None
+    figures.update(_prediction_figures(mine, rates, method))
+    return figures
+
+
+def _prediction_figures(mine: list[Record], rates: dict[str, dict[int, float]], method: str) -> dict[str, Any]:
+    """A prediction method's speedup over its context twin, and the prediction tokens accepted and rejected."""
+    figures: dict[str, Any] = {
+        key: _total([{key: record.get(key)} for record in mine], key)  # absent in records of older runs
+        for key in ("num_accepted_prediction_tokens", "num_rejected_prediction_tokens")
+    }
+    twin = context_twin(method)
+    if twin is not None and twin in rates:
+        ratios = _speedups(rates, method, twin)
+        figures.update(context_method=twin, speedup_vs_context=statistics.median(ratios) if ratios else None)
     return figures
 
 

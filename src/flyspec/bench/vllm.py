@@ -62,7 +62,9 @@ class VllmBackend:
         self.worker = VllmWorker(python, model, method.name, dtype, settings.speculation.num_draft_tokens, options)
         self.startup_s = self.worker.startup_s
 
-    def generate(self, prompt_ids: list[int], max_new_tokens: int, seed: int) -> TurnOutput:
+    def generate(
+        self, prompt_ids: list[int], max_new_tokens: int, seed: int, prediction: str | None = None
+    ) -> TurnOutput:
         return self.generate_batch([prompt_ids], max_new_tokens, [seed])[0]
 
     def generate_batch(

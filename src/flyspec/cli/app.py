@@ -84,6 +84,13 @@ def _add_generate_parser(commands: argparse._SubParsersAction) -> None:
     gen.add_argument(
         "--prompt-file", metavar="PATH", help="read the prompt from this UTF-8 text file (one trailing newline dropped)"
     )
+    gen.add_argument(
+        "--prediction",
+        metavar="PATH",
+        help="a UTF-8 text file with what the output is expected to be, mostly (OpenAI's Predicted Outputs: the file "
+        "before an edit); its tokens are drafted where they line up with the output, the text stays the target's "
+        "(lossless verifiers); - reads it from stdin (the prompt then comes as an argument or --prompt-file)",
+    )
     add_model_options(gen)
     add_speculation_options(gen)
     sampling = gen.add_argument_group("sampling and stopping")
@@ -164,16 +171,30 @@ def read_prompt(args: argparse.Namespace) -> str:
     return _non_empty(prompt.removesuffix("\n").removesuffix("\r"), source)
 
 
-def _read_text(read: Callable[[], str] | None, source: str) -> str:
+def read_prediction(args: argparse.Namespace) -> str | None:
+    """The ``--prediction`` file's text as it is (its last newline too: an edited file keeps one), or stdin's (``-``).
+
+    Called before :func:`read_prompt`: stdin can hold the prediction or the prompt, not both."""
+    if args.prediction is None:
+        return None
+    if args.prediction != "-":
+        path = args.prediction
+        return _read_text(lambda: Path(path).read_text(encoding="utf-8"), f"--prediction {path}", "the prediction")
+    if args.prompt == "-" or (args.prompt is None and args.prompt_file is None):
+        raise ConfigError("--prediction - reads stdin, so give the prompt as an argument or with --prompt-file")
+    return _read_text(sys.stdin.read if sys.stdin is not None else None, "stdin", "the prediction")
+
+
+def _read_text(read: Callable[[], str] | None, source: str, what: str = "the prompt") -> str:
     if read is None:
-        raise ConfigError(f"cannot read the prompt from {source}: there is none")
+        raise ConfigError(f"cannot read {what} from {source}: there is none")
     try:
         return read()
     except OSError as error:
-        raise ConfigError(f"cannot read the prompt from {source}: {error.strerror or error}") from error
+        raise ConfigError(f"cannot read {what} from {source}: {error.strerror or error}") from error
     except UnicodeDecodeError as error:
         reason = f"it is not UTF-8 text ({error.reason} at byte {error.start})"
-        raise ConfigError(f"cannot read the prompt from {source}: {reason}") from error
+        raise ConfigError(f"cannot read {what} from {source}: {reason}") from error
 
 
 def _non_empty(prompt: str, source: str) -> str:
@@ -189,6 +210,7 @@ def _generate(args: argparse.Namespace) -> int:
     from flyspec.runtime.loading import set_threads
     from flyspec.sampling.sampler import make_generator
 
+    prediction = read_prediction(args)
     args.prompt = read_prompt(args)
     set_threads(args.threads)
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
@@ -207,7 +229,8 @@ def _generate(args: argparse.Namespace) -> int:
         plain = PlainDecoder(decoder.target, decode)
         plain.generate(args.prompt, use_chat=args.use_chat, config=DecodeConfig(max_new_tokens=4))  # warm-up
         baseline = plain.generate(args.prompt, generator=make_generator(args.seed, device), use_chat=args.use_chat)
-    stream = decoder.stream(args.prompt, generator=make_generator(args.seed, device), use_chat=args.use_chat)
+    generator = make_generator(args.seed, device)
+    stream = decoder.stream(args.prompt, generator=generator, use_chat=args.use_chat, prediction=prediction)
     for piece in stream:
         if args.stream and not args.json:
             print(piece, end="", flush=True)
@@ -330,6 +353,12 @@ def _print_summary(record: dict[str, Any]) -> None:
     lines.extend(_loose_lines(record))
     if record["drafter_stats"]:
         lines.append(f"[drafter {record['drafter']}] {json.dumps(record['drafter_stats'], ensure_ascii=False)}")
+    prediction = record["drafter_stats"].get("prediction")
+    if prediction is not None:
+        lines.append(
+            f"[prediction] {prediction['prediction_tokens']} tokens: {record['num_accepted_prediction_tokens']} "
+            f"accepted, {record['num_rejected_prediction_tokens']} rejected (scored, not kept)"
+        )
     if len(record["requested_draft_lengths"]) > 1:
         lengths = ", ".join(f"{length}: {count}" for length, count in record["requested_draft_lengths"].items())
         mean = record["mean_requested_draft_length"]

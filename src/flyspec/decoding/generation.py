@@ -43,6 +43,21 @@ def context_room(target: LoadedModel, num_tokens: int) -> int:
     return limit - num_tokens if limit else 1 << 30
 
 
+def encode_prediction(target: LoadedModel, prediction: str | list[int]) -> list[int]:
+    """A prediction's token ids: text tokenized with the target's tokenizer (no special tokens added), or ids as
+    given, each checked against the target's vocabulary (an id past it would fail the target's forward)."""
+    if isinstance(prediction, str):
+        return list(target.tokenizer.encode(prediction, add_special_tokens=False))
+    vocab_size = getattr(target.model.config, "vocab_size", None) or len(target.tokenizer)
+    for token in prediction:
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
+            raise ConfigError(
+                f"the prediction's token ids must be integers in 0 .. {vocab_size - 1} (got {token!r}); "
+                "or give the prediction as text"
+            )
+    return list(prediction)
+
+
 def make_stopper(target: LoadedModel, config: DecodeConfig, prompt_length: int) -> Stopper:
     room = context_room(target, prompt_length)
     if room < 1:
@@ -61,6 +76,7 @@ class Generation:
     noise: CoupledNoise | None  # T>0: the coupled noise, keyed by one draw of the generator (sampling/coupled.py)
     stopper: Stopper
     draft_length: DraftLength | None = None  # speculative decoding only
+    prediction_ids: list[int] | None = None  # the request's prediction (OpenAI's Predicted Outputs), if any
     stats: DecodeStats = field(default_factory=DecodeStats)
     token_ids: list[int] = field(init=False)  # prompt + committed tokens, appended in place
 
@@ -90,12 +106,18 @@ class Generation:
         return draft.head(keep), self.draft_length.recorded(requested, keep)
 
     def commit(
-        self, tokens: list[int], verdict: Verdict | None = None, num_drafted: int = 0, requested: int | None = None
+        self,
+        tokens: list[int],
+        verdict: Verdict | None = None,
+        draft: Draft | None = None,
+        requested: int | None = None,
     ) -> list[int]:
-        """Commit ``tokens`` up to the first stop condition and record the step; return what was committed."""
+        """Commit ``tokens`` up to the first stop condition and record the step (``draft``: what was verified);
+        return what was committed."""
         committed = self.stopper.commit(tokens)
         self.token_ids += committed
-        self.stats.observe(num_drafted, verdict, len(committed), requested=requested)
+        num_drafted, sources = (draft.num_tokens, draft.sources) if draft is not None else (0, None)
+        self.stats.observe(num_drafted, verdict, len(committed), requested=requested, sources=sources)
         if self.draft_length is not None and verdict is not None:
             self.draft_length.observe(num_drafted, verdict.num_accepted)
         return committed
@@ -127,6 +149,7 @@ class Decoder:
         config: DecodeConfig | None = None,
         generator: torch.Generator | None = None,
         use_chat: bool | None = None,
+        prediction: str | list[int] | None = None,
     ) -> GenerationStream:
         """Iterate the returned stream for text pieces; its ``result`` is set at the end.
 
@@ -134,6 +157,11 @@ class Decoder:
         the target's device: ``make_generator(seed, decoder.device)``. One number is drawn from it when the
         generation starts, the key of every sampled token's noise (``sampling/coupled.py``): a generator made
         with a seed names one text, whatever the speculation, and one reused gives each generation a new text.
+
+        ``prediction`` (OpenAI's Predicted Outputs): what the output is expected to be, as text (tokenized with the
+        target's tokenizer, no special tokens) or token ids. A speculative decoder drafts from it beside its own
+        drafter, for this generation only (``drafters/prediction.py``); it changes the speed, and under a lossless
+        verifier never the text. Plain decoding drafts nothing and refuses one (``ConfigError``).
         """
         config = config or self.config
         if generator is not None and not same_device(generator.device, self.device):
@@ -141,15 +169,22 @@ class Decoder:
                 f"the random generator is on {generator.device} but the target on {self.device}; "
                 "make it with flyspec.make_generator(seed, decoder.device)"
             )
+        draft_length = self.new_draft_length(config.sampling.greedy, prediction is not None)
+        if prediction is not None and draft_length is None:
+            raise ConfigError(
+                "plain decoding drafts nothing, so it cannot use a prediction: decode with a speculative decoder "
+                "(flyspec.build_decoder, flyspec.generate), or leave the prediction out"
+            )
+        prediction_ids = None if prediction is None else encode_prediction(self.target, prediction)
         prompt_ids = encode(self.target, prompt, use_chat)
         stopper = make_stopper(self.target, config, len(prompt_ids))
         noise = None if config.sampling.greedy else CoupledNoise.draw(generator, self.device, self.noise_rows)
-        draft_length = self.new_draft_length(config.sampling.greedy)
-        generation = Generation(prompt_ids, config, generator, noise, stopper, draft_length)
+        generation = Generation(prompt_ids, config, generator, noise, stopper, draft_length, prediction_ids)
         return GenerationStream(self._steps(generation), generation.stopper, generation.stats, prompt_ids)
 
-    def new_draft_length(self, greedy: bool = True) -> DraftLength | None:
-        """A generation's draft-length policy (None: this decoder drafts nothing)."""
+    def new_draft_length(self, greedy: bool = True, prediction: bool = False) -> DraftLength | None:
+        """A generation's draft-length policy (None: this decoder drafts nothing); ``prediction``: the generation
+        drafts from a prediction too."""
         return None
 
     def _prefill(self, generation: Generation) -> None:

@@ -19,6 +19,7 @@ from flyspec.decoding.draft_length import DraftLength, decoder_policy, new_draft
 from flyspec.decoding.generation import Decoder, Generation
 from flyspec.decoding.streaming import Step
 from flyspec.drafters.base import Drafter
+from flyspec.drafters.prediction import MAX_PREDICTION_DRAFT_TOKENS, PredictionDrafter
 from flyspec.drafters.registry import StackResources, make_drafter
 from flyspec.profiles import Profile
 from flyspec.runtime.loaded_model import LoadedModel
@@ -78,15 +79,20 @@ class SpeculativeDecoder(Decoder):
             prepare_guards(vocabulary_of(target), speculation.guard)
         return cls(target, drafter, verifier, config, speculation, step_cost, profile)
 
-    def new_draft_length(self, greedy: bool = True) -> DraftLength:
+    def new_draft_length(self, greedy: bool = True, prediction: bool = False) -> DraftLength:
         speculation, verifier = self.speculation, self.verifier
         policy = self.draft_length_policy
         # a call that samples: ``auto`` with a model drafter must not make a seeded sample depend on timings
         if policy == "cost" and not greedy:
             policy = resolve_policy(speculation.draft_length, verifier.lossless, self.drafter.name, greedy=False)
         config = dataclasses.replace(speculation.draft_length, policy=policy)
-        copies = self.drafter.name in COPY_DRAFTERS  # a copy costs nothing per token: propose all, cut later
-        return new_draft_length(config, speculation.num_draft_tokens, verifier.min_draft_tokens, self.step_cost, copies)
+        # a copy costs nothing per token: propose all, cut later (a prediction's drafts are copies too; beside a model
+        # drafter, whose tokens each cost a forward, the policy asks for what the measured acceptance warrants)
+        copies = self.drafter.name in COPY_DRAFTERS
+        maximum = speculation.num_draft_tokens
+        if prediction and policy == "cost":  # a prediction's copies may run longer where its acceptance pays
+            maximum = max(maximum, MAX_PREDICTION_DRAFT_TOKENS)
+        return new_draft_length(config, maximum, verifier.min_draft_tokens, self.step_cost, copies)
 
     def verifier_for(self, sampling: SamplingConfig) -> Verifier:
         """The verifier of a generation decoded with ``sampling``: this decoder's, or ``exact`` where its lossy settings
@@ -95,13 +101,22 @@ class SpeculativeDecoder(Decoder):
             return self.verifier
         return self.exact
 
+    def drafter_for(self, generation: Generation) -> Drafter:
+        """This decoder's drafter, or for a generation with a prediction, a drafter of it wrapping this one
+        (for that generation only: ``drafters/prediction.py``)."""
+        if generation.prediction_ids is None:
+            return self.drafter
+        inner_max = self.speculation.num_draft_tokens  # a longer prediction maximum is never the drafter's
+        return PredictionDrafter(self.drafter, generation.prediction_ids, self.device, inner_max)
+
     def _steps(self, generation: Generation) -> Iterator[Step]:
         sampling, stats = generation.config.sampling, generation.stats
         verifier = self.verifier_for(sampling)
         if verifier is not self.verifier:  # said once, in the stats (the CLI's line, the server's usage field)
             stats.exact_outside_sampling_range = self.speculation.sampling_range.describe()
         device = self.device  # every tensor of a step lives on the target's device
-        self.drafter.reset(generation.prompt_ids)
+        drafter = self.drafter_for(generation)
+        drafter.reset(generation.prompt_ids)
         self._prefill(generation)
         token_ids = generation.token_ids  # grows in place as tokens are committed
         breaker = CircuitBreaker.of(self.speculation.breaker, stats)  # a profile's: strict once loosening runs wild
@@ -123,7 +138,7 @@ class SpeculativeDecoder(Decoder):
                     if budget > 0:
                         with stats.timing("draft", device):
                             # a no-op unless a draft model sits on another device than the target
-                            draft = self.drafter.propose(token_ids, budget, sampling, draws).to(device)
+                            draft = drafter.propose(token_ids, budget, sampling, draws).to(device)
                     # the draft-length policy may verify fewer (cost-aware: the most tokens per second)
                     draft, requested = generation.to_verify(draft, stats.draft_time_s - drafting_started, requested)
                 first = False
@@ -133,10 +148,10 @@ class SpeculativeDecoder(Decoder):
                 # verify: accepted prefix + one recovered or bonus token
                 verdict = verifier.verify(draft, target_logits, sampling, draws, context)
                 # commit up to the first stop condition, then roll both caches back to what was committed
-                committed = generation.commit(verdict.tokens, verdict, draft.num_tokens, requested)
+                committed = generation.commit(verdict.tokens, verdict, draft, requested)
                 self.scorer.rollback(token_ids)
-                self.drafter.rollback(len(token_ids))
+                drafter.rollback(len(token_ids))
                 yield committed, verdict.loose_positions
         finally:  # also when the stream is closed early: the committed tokens are still worth remembering
-            self.drafter.finish(token_ids)
-            stats.drafter = self.drafter.report()  # once, not per step (it can take the n-gram cache's lock)
+            drafter.finish(token_ids)
+            stats.drafter = drafter.report()  # once, not per step (it can take the n-gram cache's lock)

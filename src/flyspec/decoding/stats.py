@@ -10,7 +10,7 @@ from typing import Any, Literal
 import torch
 
 from flyspec.runtime.clock import device_clock
-from flyspec.types import Verdict
+from flyspec.types import PREDICTION, Verdict
 
 
 @dataclass
@@ -22,6 +22,10 @@ class DecodeStats:
     num_accepted: int = 0  # draft tokens kept (loose accepts included)
     num_loose_accepts: int = 0
     num_new_tokens: int = 0  # committed (after EOS / stop / length truncation)
+    # draft tokens from the request's prediction (OpenAI's Predicted Outputs; drafters/prediction.py) that the
+    # target scored: kept (accepted, loose accepts included) or not (rejected: computed, so counted)
+    num_accepted_prediction_tokens: int = 0
+    num_rejected_prediction_tokens: int = 0
     proposed_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
     wall_time_s: float = 0.0  # prefill included
@@ -57,9 +61,15 @@ class DecodeStats:
             setattr(self, name, getattr(self, name) + device_clock(device) - started)
 
     def observe(
-        self, num_proposed: int, verdict: Verdict | None, num_committed: int, requested: int | None = None
+        self,
+        num_proposed: int,
+        verdict: Verdict | None,
+        num_committed: int,
+        requested: int | None = None,
+        sources: tuple[str, ...] | None = None,
     ) -> None:
-        """Record one target forward that proposed ``num_proposed`` drafts (``requested`` asked for)."""
+        """Record one target forward that proposed ``num_proposed`` drafts (``requested`` asked for; ``sources``:
+        each draft token's provenance, ``types.SOURCES``)."""
         self.num_target_forwards += 1
         if requested is not None:
             self.requested_draft_lengths[requested] = self.requested_draft_lengths.get(requested, 0) + 1
@@ -76,6 +86,10 @@ class DecodeStats:
         # Only what was committed counts: EOS / stop / length may cut a verdict short.
         accepted = min(verdict.num_accepted, num_committed)
         self.num_accepted += accepted
+        if sources is not None and PREDICTION in sources:
+            kept = sources[:accepted].count(PREDICTION)
+            self.num_accepted_prediction_tokens += kept
+            self.num_rejected_prediction_tokens += sources.count(PREDICTION) - kept
         self.num_loose_accepts += sum(position < num_committed for position in verdict.loose_positions)
         _grow(self.proposed_per_position, num_proposed)
         _grow(self.accepted_per_position, num_proposed)
@@ -122,6 +136,8 @@ class DecodeStats:
             "num_proposed": self.num_proposed,
             "num_accepted": self.num_accepted,
             "num_loose_accepts": self.num_loose_accepts,
+            "num_accepted_prediction_tokens": self.num_accepted_prediction_tokens,
+            "num_rejected_prediction_tokens": self.num_rejected_prediction_tokens,
             "acceptance_rate": self.acceptance_rate,
             "mean_acceptance_length": self.mean_acceptance_length,
             "accepted_per_position": list(self.accepted_per_position),

@@ -6,6 +6,7 @@ from flyspec.drafters.draft_model import DraftModelDrafter, multilevel_drafter
 from flyspec.drafters.layer_skip import LayerSkipDrafter
 from flyspec.drafters.ngram import NgramDrafter, ngram_lookup
 from flyspec.drafters.ngram_cache import NgramCache, NgramCacheDrafter
+from flyspec.drafters.prediction import PredictionDrafter
 from flyspec.drafters.registry import DRAFTERS, make_drafter
 
 __all__ = [
@@ -18,6 +19,7 @@ __all__ = [
     "DraftModelDrafter",
     "Drafter",
     "NgramDrafter",
+    "PredictionDrafter",
     "make_drafter",
     "multilevel_drafter",
     "ngram_lookup",

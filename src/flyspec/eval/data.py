@@ -10,7 +10,10 @@ Sources (licenses beside each file, credits in ``data/README.md``):
   translation (de→en, reference translation), summarization (CNN/DM, reference highlights),
   rag (list of acceptable answers) and qa (Natural Questions, **no references**: fidelity only);
 * the adversarial prompts (written for flyspec): ``data/adversarial/prompts.jsonl``,
-  ``{id, category, prompt, reference?}``, where a loose accept can change the meaning.
+  ``{id, category, prompt, reference?}``, where a loose accept can change the meaning;
+* the edit workload (generated from HumanEval by ``harness/edits.py``), shared with the benchmark at
+  ``flyspec/bench/data/edit/edits.jsonl``: the edited code is the reference, the code before the edit the
+  prediction a ``prediction+...`` method is given (``extra["prediction"]``).
 
 The synthetic tasks' items are generated, not read (``synthetic.py``).
 """
@@ -23,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from flyspec.harness import data as harness_data
+from flyspec.harness.edits import load_edits
 
 
 @dataclass(frozen=True)
@@ -149,3 +153,14 @@ def load_adversarial(path: Path, limit: int | None, skip: bool, report: LoadRepo
         if limit is not None and len(items) >= limit:
             break
     return items
+
+
+def load_edit(limit: int | None) -> list[EvalItem]:
+    """The edit items (``harness/edits.py``), the kinds taking turns (a ``--limit`` of 6 holds one of each)."""
+    by_kind: dict[str, list[EvalItem]] = {}
+    for item in load_edits():
+        extra = {"prediction": item.prediction, "kind": item.kind}
+        by_kind.setdefault(item.kind, []).append(EvalItem(item.id, item.prompt, item.expected, extra))
+    queues = list(by_kind.values())
+    items = [queue[i] for i in range(max(map(len, queues), default=0)) for queue in queues if i < len(queue)]
+    return items[:limit] if limit is not None else items

@@ -95,6 +95,8 @@ def check_vllm_methods(methods: tuple[Method, ...], speculation: SpeculationConf
     for method in methods:
         if method.engine != "flyspec":
             raise ConfigError(f"--engine vllm runs every method inside vLLM already: drop {method.name}")
+        if method.prediction:
+            raise ConfigError(f"--engine vllm: vLLM has no prediction (OpenAI's predicted outputs): drop {method.name}")
         if (method.drafter or speculation.drafter) != "ngram":
             raise ConfigError(f"--engine vllm: {method.name} needs the n-gram drafter (the plugin's proposer)")
         if method.draft_length not in (None, "fixed") or speculation.draft_length.policy not in ("auto", "fixed"):
@@ -269,10 +271,16 @@ class Evaluation:
                 for method in self.config.methods:
                     if record_key(task.name, method.name, item.id, seed) not in self.done:
                         generator = make_generator(seed, self.loaded.device)  # plain's seed: coupled (coupled.py)
-                        self._write(
-                            run, method, Output.of(decoders[method.name].generate(prompt_ids, generator=generator))
-                        )
+                        # a prediction+... method is given the item's prediction (the edit task's), no other
+                        predicted = {"prediction": item.extra["prediction"]} if self._predicts(method, item) else {}
+                        result = decoders[method.name].generate(prompt_ids, generator=generator, **predicted)
+                        self._write(run, method, Output.of(result))
                     progress(f"{label} {method.name}")
+
+    @staticmethod
+    def _predicts(method: Method, item: EvalItem) -> bool:
+        """Whether ``method`` is given ``item``'s prediction: a ``prediction+...`` method on an item that has one."""
+        return method.prediction and item.extra.get("prediction") is not None
 
     def _plain_output(
         self, task: Task, item: EvalItem, decoder: Decoder, prompt_ids: list[int], seed: int = 0

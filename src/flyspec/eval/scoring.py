@@ -6,6 +6,7 @@ import json
 import re
 import string
 from decimal import Decimal, InvalidOperation
+from difflib import SequenceMatcher
 from typing import Any
 
 from flyspec.eval.safety import refusal
@@ -190,6 +191,38 @@ def json_match(output: str, reference: Any) -> float:
     return float(expected is not None and found is not None and _json_values(found) == _json_values(expected))
 
 
+def _code_lines(text: str) -> list[str]:
+    """Code to compare line by line: each line's trailing whitespace, and blank lines at either end, dropped."""
+    lines = [line.rstrip() for line in text.split("\n")]
+    while lines and not lines[0]:
+        lines.pop(0)
+    while lines and not lines[-1]:
+        lines.pop()
+    return lines
+
+
+def _first_code(output: str) -> list[str]:
+    """The lines of the answer's first fenced block (an unclosed one, cut by the length limit, counts); without a
+    fence, of the whole answer."""
+    blocks = _CODE_BLOCK.findall(output)
+    return _code_lines(blocks[0] if blocks else output)
+
+
+def edit_exact(output: str, reference: Any) -> float:
+    """1.0 when the answer's code is the edited code (the reference), line for line."""
+    code = _first_code(output)
+    return float(any(code == _code_lines(expected) for expected in flatten_answers(reference)))
+
+
+def edit_lines(output: str, reference: Any) -> float:
+    """How much of the edited code the answer's code gets right, lines in order: 2·M / (its lines + the reference's),
+    M the lines matched (difflib's ratio): 1 for the edited code exactly, lower for each line missed, changed or
+    added (a rename left out on one line of twenty: 0.95)."""
+    code = _first_code(output)
+    ratios = [SequenceMatcher(None, code, _code_lines(e), autojunk=False).ratio() for e in flatten_answers(reference)]
+    return max(ratios, default=0.0)
+
+
 METRICS = {
     "numeric": numeric_match,
     "contains": contains_answer,
@@ -201,6 +234,8 @@ METRICS = {
     "json": json_match,
     "value": value_match,
     "refusal": refusal,  # 1.0 when the output refuses (safety.py; a str reference: must not appear): "refusals kept"
+    "edit-lines": edit_lines,
+    "edit-exact": edit_exact,
 }
 
 

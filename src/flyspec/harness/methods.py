@@ -18,6 +18,11 @@
     ``@fixed`` / ``@heuristic`` / ``@cost`` at the end: that draft-length policy
     (``DraftLengthConfig.policy``) instead of the run's ``--draft-length``, so one run can compare
     them (``ngram+exact@cost``).
+``prediction+[DRAFTER+]VERIFIER[+MODIFIER]``
+    the same, given each request's ``prediction`` (OpenAI's predicted output, ``Decoder.generate(...,
+    prediction=...)``: drafts from the text the client expects, beside the drafter's own): the edit workload
+    (``harness/edits.py``) carries one per item. Its *context twin* is the method without it, the drafter
+    named (``prediction+exact`` → ``ngram+exact``, the default drafter's): what the prediction adds.
 peers
     other engines on the same prompt ids and weights; which ones a harness runs is its own
     choice (:data:`PEERS`): transformers ``hf-*``, llama.cpp ``llamacpp-*``, vLLM ``vllm-*``
@@ -25,7 +30,7 @@ peers
     is its deprecated eval spelling).
 
 Examples: ``plain``, ``ngram+exact``, ``fly``, ``draft+fly+bare``, ``margin+identifiers``, ``ngram+fly@cost``,
-``hf-lookup``.
+``prediction+exact``, ``hf-lookup``.
 """
 
 from __future__ import annotations
@@ -45,6 +50,8 @@ from flyspec.config.names import DRAFT_LENGTH_POLICIES, DRAFTERS, LOSSLESS_VERIF
 logger = logging.getLogger(__name__)
 
 PLAIN = "plain"
+PREDICTION = "prediction"  # the prefix of a method given each request's prediction
+CONTEXT_DRAFTER = SpeculationConfig().drafter  # a prediction method's drafter when it names none
 MODIFIERS = ("bare", "guard", *PROTECT_CLASSES)
 DRAFTER_ALIASES = {"draft": "draft-model"}
 HF_PEERS = ("hf-plain", "hf-lookup", "hf-assisted")
@@ -72,6 +79,7 @@ class Method:
     modifier: str | None = None  # one of MODIFIERS
     engine: str = "flyspec"
     draft_length: str | None = None  # a DraftLengthConfig.policy; None: the run's
+    prediction: bool = False  # given each request's prediction (``prediction+...``)
 
     @property
     def is_plain(self) -> bool:
@@ -92,6 +100,15 @@ class Method:
     @property
     def needs_draft_model(self) -> bool:
         return self.drafter in MODEL_DRAFTERS or self.name == "hf-assisted"
+
+    @property
+    def context_twin(self) -> str | None:
+        """A prediction method's twin without the prediction, its drafter named (``prediction+exact`` →
+        ``ngram+exact``); None for every other method."""
+        if not self.prediction:
+            return None
+        rest = self.name.removeprefix(f"{PREDICTION}+")
+        return rest if self.drafter is not None else f"{CONTEXT_DRAFTER}+{rest}"
 
     def guard_config(self, task_kind: str = "text") -> GuardConfig:
         """The trust guards this method runs with on a task of this kind."""
@@ -128,6 +145,7 @@ def _grammar(peers: tuple[str, ...]) -> str:
     drafters = "|".join((*DRAFTERS, *DRAFTER_ALIASES))
     text = (
         f"{PLAIN}, [<{drafters}>+]<{'|'.join(VERIFIERS)}>[+{'|+'.join(MODIFIERS)}][@{'|@'.join(DRAFT_LENGTH_POLICIES)}]"
+        f" (after {PREDICTION}+: given each request's prediction)"
     )
     return text + (f", or a peer: {', '.join(peers)}" if peers else "")
 
@@ -155,6 +173,9 @@ def parse_method(name: str, peers: tuple[str, ...] = PEERS) -> Method:
             raise ConfigError(f"method {name!r}: plain decoding drafts nothing, so @{policy} does nothing")
         return replace(method, name=name, draft_length=policy)
     parts = name.split("+")
+    prediction = parts[0] == PREDICTION and len(parts) > 1
+    if prediction:
+        parts = parts[1:]
     drafter = None
     if parts[0] not in VERIFIERS:
         drafter, parts = DRAFTER_ALIASES.get(parts[0], parts[0]), parts[1:]
@@ -166,8 +187,14 @@ def parse_method(name: str, peers: tuple[str, ...] = PEERS) -> Method:
             raise ConfigError(
                 f"method {name!r}: {verifier} is lossless and never loosely accepts, so +{modifier} does nothing"
             )
-        return Method(name, drafter, verifier, modifier)
+        return Method(name, drafter, verifier, modifier, prediction=prediction)
     raise ConfigError(f"unknown method {name!r}; use {_grammar(peers)}")
+
+
+def context_twin(name: str) -> str | None:
+    """The context twin (``Method.context_twin``) of the method called ``name``; None unless it is given
+    predictions."""
+    return parse_method(name, ()).context_twin if name.startswith(f"{PREDICTION}+") else None
 
 
 def speculations(methods: list[Method], base: SpeculationConfig) -> list[SpeculationConfig]:

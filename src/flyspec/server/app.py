@@ -212,14 +212,16 @@ class Generations:
             described["profile"] = self.planner.profile.name
         if body.ignored_fields:
             described["ignored_fields"] = body.ignored_fields
-        builder = ResponseBuilder(kind, self.served_model, described, body.include_usage)
+        builder = ResponseBuilder(
+            kind, self.served_model, described, body.include_usage, prediction=body.prediction is not None
+        )
         job = Job(body.seed, label=builder.request_id)
         self._admit(lambda: self.engine.reserve(job))  # counts against the queue while it is tokenized
         disconnected = asyncio.create_task(_wait_for_disconnect(request.receive))
         try:
             prepare = self.planner.prepare(body, speculation, request_tenant(request.scope))
             plan = await _until(prepare, disconnected, deadline)
-            self._admit(lambda: self.engine.submit(job, plan.decoder, plan.prompt_ids))
+            self._admit(lambda: self.engine.submit(job, plan.decoder, plan.prompt_ids, plan.prediction_ids))
             first = await _until(job.next_event(), disconnected, deadline)
             if first[0] != "error":
                 self.metrics.time_to_first_token.labels(request.url.path).observe(time.perf_counter() - arrived)
@@ -242,7 +244,7 @@ class Generations:
             raise
         finally:
             disconnected.cancel()
-        self.metrics.observe_result(result, speculation.verifier, speculation.drafter)
+        self.metrics.observe_result(result, speculation.verifier, speculation.drafter, builder.prediction)
         return JSONResponse(builder.body(result), headers=builder.headers())
 
     def _admit(self, admit: Callable[[], None]) -> None:
@@ -288,7 +290,8 @@ class Generations:
                 record_status(request.scope, error.status)
                 yield sse(error.body())
                 return
-            self.metrics.observe_result(event[1], builder.flyspec["verifier"], builder.flyspec["drafter"])
+            flyspec = builder.flyspec
+            self.metrics.observe_result(event[1], flyspec["verifier"], flyspec["drafter"], builder.prediction)
             for chunk in builder.last_chunks(event[1]):
                 yield chunk
         finally:

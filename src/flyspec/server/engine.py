@@ -75,6 +75,7 @@ class Job:
         self.seed = seed
         self.decoder: Decoder | None = None  # set by Engine.submit
         self.prompt_ids: list[int] = []
+        self.prediction_ids: list[int] | None = None  # the request's prediction (OpenAI's Predicted Outputs)
         self.state: JobState = "new"
         self.num_pieces = 0
         self.events: asyncio.Queue[Event] = asyncio.Queue()
@@ -128,12 +129,14 @@ class Engine:
             job.state = "preparing"
             self.metrics.queue_depth.set(len(self._waiting))
 
-    def submit(self, job: Job, decoder: Decoder, prompt_ids: list[int]) -> None:
+    def submit(
+        self, job: Job, decoder: Decoder, prompt_ids: list[int], prediction_ids: list[int] | None = None
+    ) -> None:
         """Queue a reserved job, now that it is prepared; ShuttingDownError if the server began stopping."""
         with self._lock:
             if job.state != "preparing" or self._stopping:
                 raise ShuttingDownError("the server is shutting down")
-            job.decoder, job.prompt_ids = decoder, prompt_ids
+            job.decoder, job.prompt_ids, job.prediction_ids = decoder, prompt_ids, prediction_ids
             job.state = "queued"
         self._queue.put(job)
 
@@ -218,7 +221,8 @@ class Engine:
         """Run one job to its end, its cancellation, or its failure; send the events."""
         assert job.decoder is not None
         try:
-            stream = job.decoder.stream(job.prompt_ids, generator=make_generator(job.seed, job.decoder.device))
+            generator = make_generator(job.seed, job.decoder.device)
+            stream = job.decoder.stream(job.prompt_ids, generator=generator, prediction=job.prediction_ids)
             pieces = iter(stream)
             try:
                 for piece in pieces:

@@ -64,6 +64,19 @@ class ServerMetrics:
             ["drafter", "outcome"],
             registry=registry,
         )
+        self.prediction_requests = Counter(
+            "flyspec_prediction_requests",
+            "Finished generations that had a prediction (OpenAI's Predicted Outputs)",
+            registry=registry,
+        )
+        self.prediction_tokens = Counter(
+            "flyspec_prediction_tokens",
+            "Draft tokens from requests' predictions that the target scored: accepted (kept) or rejected (not kept)",
+            ["outcome"],
+            registry=registry,
+        )
+        for outcome in ("accepted", "rejected"):
+            self.prediction_tokens.labels(outcome)  # shown at 0 before the first prediction
         self.ngram_cache = Gauge(
             "flyspec_ngram_cache",
             "The n-gram caches of the ngram-cache drafter (one per tenant), summed",
@@ -82,8 +95,12 @@ class ServerMetrics:
             "flyspec_rejected_requests", "Requests refused with 429 (queue full)", registry=registry
         )
 
-    def observe_result(self, result: GenerationResult, verifier: str, drafter: str) -> None:
+    def observe_result(self, result: GenerationResult, verifier: str, drafter: str, prediction: bool = False) -> None:
         stats = result.stats
+        if prediction:
+            self.prediction_requests.inc()
+            self.prediction_tokens.labels("accepted").inc(stats.num_accepted_prediction_tokens)
+            self.prediction_tokens.labels("rejected").inc(stats.num_rejected_prediction_tokens)
         self.draft_tokens.labels(drafter, "proposed").inc(stats.num_proposed)
         self.draft_tokens.labels(drafter, "accepted").inc(stats.num_accepted)
         self.prompt_tokens.inc(len(result.prompt_token_ids))

@@ -43,6 +43,8 @@ from flyspec.server.errors import (
     parse_json_object,
     shorten,
 )
+from flyspec.server.prediction import check_beside_prediction, prediction_ids
+from flyspec.server.prediction import too_long as too_long_prediction
 from flyspec.server.schemas import (
     IGNORED_FIELDS,
     UNSUPPORTED_FIELDS,
@@ -50,6 +52,7 @@ from flyspec.server.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     SpeculativeOptions,
+    is_unused,
 )
 from flyspec.server.settings import ServerLimits, ServerSecurity, changed_fields, for_request, is_lossless
 
@@ -65,12 +68,13 @@ def parse_request(raw: bytes, schema: type[RequestT]) -> RequestT:
     ``ignored_fields`` (the response reports them); with any other value they are a 400 too.
     """
     data = parse_json_object(raw)
+    check_beside_prediction(data)  # what OpenAI's Predicted Outputs refuse beside a prediction, named as such
     ignored = []
     for table in (UNSUPPORTED_FIELDS, VLLM_EXTRAS):
         for name, unused_values in table.items():
             if name in data:
                 value = data.pop(name)
-                if not _is_unused(value, unused_values):
+                if not is_unused(value, unused_values):
                     raise bad_request(_unsupported_message(name, value), param=name, code="unsupported_parameter")
                 if table is VLLM_EXTRAS:
                     ignored.append(name)
@@ -84,11 +88,6 @@ def parse_request(raw: bytes, schema: type[RequestT]) -> RequestT:
         logger.warning("request fields %s ignored: their values change nothing here", ", ".join(ignored))
         request._ignored_fields = ignored
     return request
-
-
-def _is_unused(value: Any, unused_values: tuple[Any, ...]) -> bool:
-    """``value`` equals one of the values that mean "not used" (``True`` is not ``1`` here)."""
-    return any(isinstance(value, bool) == isinstance(unused, bool) and value == unused for unused in unused_values)
 
 
 def _unsupported_message(name: str, value: Any) -> str:
@@ -110,6 +109,7 @@ class Plan:
     prompt_ids: list[int]
     max_tokens: int
     decoder: SpeculativeDecoder
+    prediction_ids: list[int] | None = None  # the request's prediction (OpenAI's Predicted Outputs), tokenized
 
 
 class Planner:
@@ -150,7 +150,9 @@ class Planner:
         self._prompt_limit = min(limits.max_prompt_tokens, context - 1) if context else limits.max_prompt_tokens
         # No token is longer than its vocabulary entry (byte-level and SentencePiece entries spell
         # every character), so a prompt with more characters than this cannot fit: refused untokenized.
-        self._max_prompt_chars = self._prompt_limit * max(len(entry) for entry in tokenizer.get_vocab())
+        self._longest_token_chars = max(len(entry) for entry in tokenizer.get_vocab())
+        self._max_prompt_chars = self._prompt_limit * self._longest_token_chars
+        self._context = context or self._prompt_limit  # what a prediction can fill at most
         special = sorted(_special_tokens(tokenizer), key=len, reverse=True)
         strip = special and not security.allow_special_tokens_in_messages
         self._special_tokens = re.compile("|".join(map(re.escape, special))) if strip else None
@@ -174,6 +176,8 @@ class Planner:
                 limit, unit = self._prompt_limit, "token ids"
         if size > limit:
             raise self._too_long(request, f"{size} {unit}, more than fit in")
+        if request.prediction is not None and len(request.prediction.text) > self._context * self._longest_token_chars:
+            raise too_long_prediction(f"{len(request.prediction.text)} characters, more", self._context, False)
         return speculation
 
     async def prepare(self, request: GenerationRequest, speculation: SpeculationConfig, tenant: str) -> Plan:
@@ -183,9 +187,14 @@ class Planner:
         if len(prompt_ids) > self._prompt_limit:
             raise self._too_long(request, f"{len(prompt_ids)} tokens, more than")
         max_tokens = self._max_tokens(request, len(prompt_ids))
+        predicted = None
+        if request.prediction is not None:
+            room = context_room(self.target, len(prompt_ids))
+            encode = functools.partial(prediction_ids, self._prompt_model.tokenizer, request.prediction, room)
+            predicted = await loop.run_in_executor(self._executor, encode)
         build = functools.partial(self._build_decoder, request, speculation, max_tokens, tenant)
         decoder = await loop.run_in_executor(self._executor, build)
-        return Plan(prompt_ids, max_tokens, decoder)
+        return Plan(prompt_ids, max_tokens, decoder, predicted)
 
     def _too_long(self, request: GenerationRequest, size: str) -> APIError:
         context_bound = self._prompt_limit < self.limits.max_prompt_tokens

@@ -2,7 +2,8 @@
 
 Additions (extra fields, which OpenAI clients keep and ignore): ``usage`` carries
 ``num_target_forwards``, ``mean_acceptance_length``, ``num_loose_accepts`` and the drafter's own
-counters for this request (``drafter``) beside the standard token counts, and a top-level
+counters for this request (``drafter``) beside the standard token counts (with a ``prediction``, also
+OpenAI's ``completion_tokens_details``), and a top-level
 ``flyspec`` object says which drafter and verifier ran, whether that verifier is lossless, and
 (``ignored_fields``) which of the request's vLLM extras were accepted because they change nothing.
 Nothing in a response describes other requests: a drafter's process-wide statistics (the n-gram
@@ -29,14 +30,21 @@ def new_request_id(kind: Kind) -> str:
     return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
 
 
-def usage(result: GenerationResult) -> dict[str, Any]:
-    """Standard token counts plus the speculative decoding statistics of this request."""
+def usage(result: GenerationResult, prediction: bool = False) -> dict[str, Any]:
+    """Standard token counts plus the speculative decoding statistics of this request; with a ``prediction``,
+    OpenAI's ``completion_tokens_details``: the prediction's draft tokens the output kept (accepted) and those the
+    target scored and did not keep (rejected)."""
     stats = result.stats
     prompt_tokens, completion_tokens = len(result.prompt_token_ids), result.num_new_tokens
+    details = {
+        "accepted_prediction_tokens": stats.num_accepted_prediction_tokens,
+        "rejected_prediction_tokens": stats.num_rejected_prediction_tokens,
+    }
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        **({"completion_tokens_details": details} if prediction else {}),
         "num_target_forwards": stats.num_target_forwards,
         "mean_acceptance_length": round(stats.mean_acceptance_length, 4),
         "num_loose_accepts": stats.num_loose_accepts,
@@ -83,6 +91,7 @@ class ResponseBuilder:
     include_usage: bool = False
     request_id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
+    prediction: bool = False  # the request had a prediction: its usage has completion_tokens_details
 
     def __post_init__(self) -> None:
         self.request_id = self.request_id or new_request_id(self.kind)
@@ -102,7 +111,7 @@ class ResponseBuilder:
         return {
             **self._envelope("chat.completion" if self.kind == "chat" else "text_completion"),
             "choices": [choice],
-            "usage": usage(result),
+            "usage": usage(result, self.prediction),
             "flyspec": self.flyspec,
         }
 
@@ -120,7 +129,7 @@ class ResponseBuilder:
         finish_reason = FINISH_REASONS.get(result.finish_reason, "stop")
         chunks = [self._chunk({} if self.kind == "chat" else "", finish_reason, flyspec=True)]
         if self.include_usage:
-            chunks.append(sse({**self._chunk_envelope(), "choices": [], "usage": usage(result)}))
+            chunks.append(sse({**self._chunk_envelope(), "choices": [], "usage": usage(result, self.prediction)}))
         return [*chunks, DONE]
 
     def headers(self) -> dict[str, str]:

@@ -11,6 +11,8 @@ response's ``flyspec.ignored_fields`` and ``x-flyspec-ignored-fields`` header; a
 400 naming the field. ``top_k: -1`` is vLLM's "off", as 0. Numbers must be finite
 (NaN and Infinity are refused everywhere; :func:`flyspec.server.errors.parse_json_object` refuses
 them before validation too). A temperature below :data:`GREEDY_BELOW` is greedy, as in vLLM.
+OpenAI's ``prediction`` (Predicted Outputs, :class:`Prediction`) is honoured on both endpoints; what OpenAI refuses
+beside it is refused in :mod:`flyspec.server.prediction`.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from flyspec.config import PROTECT_CLASSES
 from flyspec.config.names import DRAFT_LENGTH_POLICIES
 from flyspec.config.rules import CASCADE_RULES, FLY_TEMPERATURE_RULES, FSD_DIVERGENCES
 from flyspec.drafters.registry import DRAFTERS
+from flyspec.server.errors import shorten
 from flyspec.verifiers.registry import VERIFIERS
 
 MAX_DRAFT_TOKENS = 64
@@ -55,7 +58,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "response_format": (None, {"type": "text"}),
     "modalities": (None, ["text"]),
     "audio": (None,),
-    "prediction": (None,),
     "reasoning_effort": (None,),
     "web_search_options": (None,),
 }
@@ -84,6 +86,12 @@ VLLM_EXTRAS: dict[str, tuple[Any, ...]] = {
     "guided_grammar": (None,),
     "structured_outputs": (None,),
 }
+
+
+def is_unused(value: Any, unused_values: tuple[Any, ...]) -> bool:
+    """``value`` equals one of the values that mean "not used" (``True`` is not ``1`` here)."""
+    return any(isinstance(value, bool) == isinstance(unused, bool) and value == unused for unused in unused_values)
+
 
 PositiveTokens = Annotated[int, Field(ge=1)]
 
@@ -123,6 +131,37 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Prediction(_Strict):
+    """OpenAI's Predicted Outputs: ``{"type": "content", "content": text or text parts}``, what the output is
+    expected to be mostly (the file before an edit). Its tokens are drafted where they line up with the output
+    (``drafters/prediction.py``); the usage counts the accepted and rejected ones."""
+
+    type: Literal["content"]
+    content: str | list[TextPart]
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content: Any) -> Any:
+        if isinstance(content, list):
+            for part in content:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind != "text":
+                    raise ValueError(
+                        f'a prediction\'s content parts must be text parts ({{"type": "text", "text": ...}}), '
+                        f"got type {shorten(kind)}"
+                    )
+        return content
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+
 class _GenerationRequest(_Strict):
     """Fields shared by completions and chat completions."""
 
@@ -136,6 +175,7 @@ class _GenerationRequest(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     speculative: SpeculativeOptions | None = None
+    prediction: Prediction | None = None  # OpenAI's Predicted Outputs
     _ignored_fields: list[str] = PrivateAttr(default_factory=list)  # VLLM_EXTRAS sent with values that change nothing
 
     @field_validator("temperature")
@@ -202,11 +242,6 @@ class CompletionRequest(_GenerationRequest):
         if not prompt or (isinstance(prompt, str) and not prompt.strip()):
             raise ValueError("the prompt is empty; give some text to continue")
         return prompt  # type: ignore[return-value]
-
-
-class TextPart(_Strict):
-    type: Literal["text"]
-    text: str
 
 
 class ChatMessage(_Strict):
