@@ -31,7 +31,7 @@ FILE_ADDRESSES = (
     f"https://{HOST}/{FOLDER}/d5/df/{'0' * 60}/vllm-0.32.0.tar.gz",
     f"curl -O https://pypi.org/{FOLDER}/source/v/vllm/vllm-0.32.0.tar.gz",
     f"https://mirror.example/pypi/web/{FOLDER}/ab/cd/{'e' * 60}/demo-1.0.tar.gz",
-    "pip install https://download.example/whl/cpu/torch-2.13.0%2Bcpu-cp311-cp311-linux_x86_64.whl#sha256=00",
+    "pip install https://download.example/whl/cpu/torch-2.13.0%2Bcpu-cp311-cp311-linux_x86_64" + ".whl#sha256=00",
 )
 NOT_FILE_ADDRESSES = (
     "https://pypi.org/project/vllm/",

@@ -88,7 +88,9 @@ def test_html_and_json_listings_give_absolute_addresses_and_hashes() -> None:
     )
     assert index_download.parse_listing(page, "text/html", html) == [
         index_download.IndexFile("demo-1.0.tar.gz", "https://files.example/x/demo-1.0.tar.gz", "ab12"),
-        index_download.IndexFile("demo-0.9-py3-none-any.whl", "https://files.example/demo-0.9-py3-none-any.whl", None),
+        index_download.IndexFile(
+            "demo-0.9-py3-none-any.whl", "https://files.example/demo-0.9-py3-none-any" + ".whl", None
+        ),
     ]
     listing = {"files": [{"filename": "demo-1.0.tar.gz", "url": "../../f/demo-1.0.tar.gz", "hashes": {"sha256": "cd"}}]}
     found = index_download.parse_listing(page, "application/vnd.pypi.simple.v1+json", json.dumps(listing).encode())

@@ -271,6 +271,8 @@ STEP_ROWS = {torch.float32: 64, torch.bfloat16: 4}  # packed_linear.cpp: the row
 
 
 def _packed_for_steps(out_features: int, in_features: int, dtype: torch.dtype, bias: bool) -> PackedLinear:
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("this CPU has no oneDNN bfloat16 linear (AVX512-BF16 or AMX): flyspec's kernels stay off in bf16")
     torch.manual_seed(out_features + in_features)
     weight = torch.randn(out_features, in_features).to(dtype)
     packed = PackedLinear(weight, torch.randn(out_features).to(dtype) if bias else None)
@@ -570,11 +572,12 @@ def test_lossless_speculation_with_kernels_matches_plain_and_stock(tiny_target: 
 
 
 def test_sliding_window_model_with_kernels_matches_stock(tokenizer) -> None:
-    """Gemma-3-style sliding layers keep their own cache layer; attention gets their windowed masks."""
+    """Gemma-3-style sliding layers live in the in-place cache too (every position kept); attention gets their
+    windowed masks."""
     target = make_tiny_gemma3(tokenizer, layer_types=["sliding_attention", "full_attention"])
     fast = with_kernels(target)
     layers = CachedModel(fast).cache.layers
-    assert type(layers[0]).__name__ == "DynamicSlidingWindowLayer" and isinstance(layers[1], GrowingLayer)
+    assert all(isinstance(layer, GrowingLayer) for layer in layers)
     config_decode = DecodeConfig(max_new_tokens=40, ignore_eos=True)
     expected = PlainDecoder(target, config_decode).generate(PROMPT, use_chat=False).token_ids
     result = SpeculativeDecoder(
