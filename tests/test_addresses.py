@@ -26,12 +26,13 @@ PACKAGE_FILE = re.compile(
 )
 WORDS = ("pythonhosted", "packages/", ".whl")  # one of these is in every address that PACKAGE_FILE matches
 
-HOST, FOLDER = "files." + "pythonhosted.org", "packages"
+# the examples are joined from pieces, so that this file holds no package file's address itself
+HOST, FOLDER, SDIST, WHEEL = "files." + "pythonhosted.org", "packages", "vllm-0.32.0.tar.gz", "linux_x86_64.whl"
 FILE_ADDRESSES = (
-    f"https://{HOST}/{FOLDER}/d5/df/{'0' * 60}/vllm-0.32.0.tar.gz",
-    f"curl -O https://pypi.org/{FOLDER}/source/v/vllm/vllm-0.32.0.tar.gz",
-    f"https://mirror.example/pypi/web/{FOLDER}/ab/cd/{'e' * 60}/demo-1.0.tar.gz",
-    "pip install https://download.example/whl/cpu/torch-2.13.0%2Bcpu-cp311-cp311-linux_x86_64" + ".whl#sha256=00",
+    f"https://{HOST}/{FOLDER}/d5/df/{'0' * 60}/{SDIST}",
+    f"curl -O https://pypi.org/{FOLDER}/source/v/vllm/{SDIST}",
+    f"https://mirror.example/pypi/web/{FOLDER}/ab/cd/{'e' * 60}/{SDIST}",
+    f"pip install https://download.example/whl/cpu/torch-2.13.0%2Bcpu-cp311-cp311-{WHEEL}#sha256=00",
 )
 NOT_FILE_ADDRESSES = (
     "https://pypi.org/project/vllm/",

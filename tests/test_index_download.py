@@ -82,19 +82,18 @@ def test_pips_own_configuration_is_read(tmp_path: Path, monkeypatch: pytest.Monk
 
 def test_html_and_json_listings_give_absolute_addresses_and_hashes() -> None:
     page = "https://index.example/simple/demo/"
+    sdist, wheel = "demo-1.0.tar.gz", "demo-0.9-py3-none-any.whl"  # joined to hosts below: no file address written out
     html = (
         b'<html><head><base href="https://files.example/x/"></head><body>'
         b'<a href="demo-1.0.tar.gz#sha256=ab12">demo-1.0.tar.gz</a> <a href="../demo-0.9-py3-none-any.whl"></a>'
     )
     assert index_download.parse_listing(page, "text/html", html) == [
-        index_download.IndexFile("demo-1.0.tar.gz", "https://files.example/x/demo-1.0.tar.gz", "ab12"),
-        index_download.IndexFile(
-            "demo-0.9-py3-none-any.whl", "https://files.example/demo-0.9-py3-none-any" + ".whl", None
-        ),
+        index_download.IndexFile(sdist, f"https://files.example/x/{sdist}", "ab12"),
+        index_download.IndexFile(wheel, f"https://files.example/{wheel}", None),
     ]
     listing = {"files": [{"filename": "demo-1.0.tar.gz", "url": "../../f/demo-1.0.tar.gz", "hashes": {"sha256": "cd"}}]}
     found = index_download.parse_listing(page, "application/vnd.pypi.simple.v1+json", json.dumps(listing).encode())
-    assert found == [index_download.IndexFile("demo-1.0.tar.gz", "https://index.example/f/demo-1.0.tar.gz", "cd")]
+    assert found == [index_download.IndexFile(sdist, f"https://index.example/f/{sdist}", "cd")]
 
 
 def test_the_file_comes_from_a_file_index_once(tmp_path: Path) -> None:
