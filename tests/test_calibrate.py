@@ -39,6 +39,7 @@ from flyspec.config import (
     SpeculationConfig,
 )
 from flyspec.decoding.plain import PlainDecoder
+from flyspec.decoding.speculative import SpeculativeDecoder
 from flyspec.drafters.cross_tokenizer import CrossTokenizerDrafter
 from flyspec.drafters.draft_model import DraftModelDrafter
 from flyspec.profiles import Profile
@@ -612,3 +613,32 @@ def test_a_sampled_calibration_judges_each_temperature_against_plain_of_the_same
     assert "greedy and T 1 × 2 seeds" in profile.describe()
     report = (tmp_path / "out" / "report.md").read_text()
     assert "## Per sampling" in report and "greedy and T 1 (2 seeds per prompt" in report
+
+
+def test_a_calibration_on_the_edit_workload_decodes_each_prompt_with_its_prediction(tmp_path, monkeypatch) -> None:
+    """--data edit: every speculative point and its baseline draft the item's prediction (plain decoding none), and
+    the profile says it measured predicted work, the only work where its loose accepts apply to a prediction."""
+    from flyspec.calibration import data as calibration_data
+
+    items = calibration_data.load(calibration_data.resolve_tasks("edit"), limit=2)
+    assert all(item.prediction for item in items) and items[0].task.name == "edit"
+    target = make_tiny_model(make_tokenizer(), 0, name="edit-target")
+    target.model.config.max_position_embeddings = 4096  # rotary: the edit prompts are longer than 512 tokens
+    config = CalibrationConfig(
+        speculation=SpeculationConfig(num_draft_tokens=8), data="edit", limit=2, grid="quick", rules=("fly",),
+        out_dir=tmp_path / "out", live_check=0, use_chat=False,
+    )  # fmt: skip
+    seen: list[tuple[str, bool]] = []
+    original = SpeculativeDecoder.generate
+
+    def spy(self, prompt, *args, prediction=None, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append((self.verifier.name, prediction is not None))
+        return original(self, prompt, *args, prediction=prediction, **kwargs)
+
+    monkeypatch.setattr(SpeculativeDecoder, "generate", spy)
+    calibrate(target, config, resources=Resources("float32", models=(target,)))
+    assert seen and all(predicted for _, predicted in seen), seen
+    assert {name for name, _ in seen} >= {"exact", "fly"}
+    record = json.loads((tmp_path / "out" / "profile.json").read_text())
+    assert record["sampling"]["predicted"] is True and record["data"]["tasks"] == ["edit"]
+    assert Profile.load(tmp_path / "out" / "profile.json").sampling_range.predicted

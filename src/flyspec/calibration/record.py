@@ -96,6 +96,7 @@ def profile_record(
     base: SpeculationConfig,
     tasks: list[str],
     num_items: int,
+    predicted: bool = False,
 ) -> dict[str, Any]:
     """What a profile says about how it was made (``profiles/profile.py`` reads it): model, dtype, drafter, data, and
     the batch schedule it carries (``--schedule``: measured by ``flyspec bench --concurrency --derive-schedule``)."""
@@ -116,6 +117,7 @@ def profile_record(
         "sampling": {
             "measured": [dataclasses.asdict(sampling) for sampling in config.samplings],
             "seeds": config.seeds,
+            "predicted": predicted,  # its prompts carried their prediction: it applies to requests with one
         },
         "budget": config.budget.to_dict(),
         "min_items": min_items(config.budget.max_meaning_change, config.budget.confidence),

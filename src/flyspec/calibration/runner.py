@@ -119,6 +119,12 @@ class Work:
     pending: list[Point]
     need_plain: bool
 
+    @property
+    def prediction(self) -> dict[str, str]:
+        """``generate``'s prediction argument for a speculative decoder: the item's, if it has one."""
+        prediction = self.item.prediction
+        return {} if prediction is None else {"prediction": prediction}
+
 
 class CalibrationEngine(Protocol):
     """Decodes a wave of prompts: plain decoding (where ``need_plain``), the baseline and the pending points."""
@@ -171,7 +177,8 @@ class ReplayEngine:
 
     def _generate(self, name: str, work: Work) -> GenerationResult:
         generator = make_generator(work.item.seed, self.target.device)  # every decoder the same seed: coupled
-        return self.decoders[name].generate(work.prompt_ids, config=work.decode, generator=generator)
+        predicted = work.prediction if name != PLAIN else {}  # plain decoding drafts nothing
+        return self.decoders[name].generate(work.prompt_ids, config=work.decode, generator=generator, **predicted)
 
 
 @dataclass

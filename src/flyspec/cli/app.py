@@ -243,6 +243,10 @@ def _generate(args: argparse.Namespace) -> int:
             f"{sampling.temperature:g} (top-p {sampling.top_p:g}, top-k {sampling.top_k}): verified exactly (lossless)",
             file=sys.stderr,
         )
+    if result.stats.exact_with_prediction and not args.json:
+        print(f"[profile] {spec.verifier}'s setting was measured without predictions: this generation, with one, was "
+              "verified exactly (lossless; a profile from flyspec calibrate --data edit applies with predictions)",
+              file=sys.stderr)  # fmt: skip
     record = _record(args, spec, decoder.target, result, baseline, decoder.draft_length_policy)
     record["profile"] = decoder.profile.path if decoder.profile is not None else None
     if args.json:

@@ -75,7 +75,10 @@ class SamplingRange:
 
     ``greedy``: greedy decoding was measured; ``temperature``: the lowest and highest temperature above 0 measured
     (``(0, 0)``: none), every temperature between them taken as measured; ``top_p`` / ``top_k``: the filters measured,
-    each as given (a request with another filter is outside).
+    each as given (a request with another filter is outside); ``predicted``: the calibration's prompts carried their
+    prediction (OpenAI's Predicted Outputs: ``flyspec calibrate --data edit``). A generation with a prediction drafts
+    what the client expects, where a loose accept keeps text the target would have changed: a profile's loose accepts
+    apply to it only where the profile measured predicted work; elsewhere it is verified exactly.
     """
 
     measured: bool = False
@@ -83,10 +86,12 @@ class SamplingRange:
     temperature: tuple[float, float] = (0.0, 0.0)
     top_p: tuple[float, ...] = (1.0,)
     top_k: tuple[int, ...] = (0,)
+    predicted: bool = False
 
     @classmethod
-    def of(cls, samplings: Sequence[SamplingConfig]) -> SamplingRange:
-        """The range a calibration measured ``samplings`` over (the filters of the sampled ones)."""
+    def of(cls, samplings: Sequence[SamplingConfig], predicted: bool = False) -> SamplingRange:
+        """The range a calibration measured ``samplings`` over (the filters of the sampled ones); ``predicted``: on
+        prompts with their prediction."""
         sampled = [sampling for sampling in samplings if not sampling.greedy]
         temperatures = [sampling.temperature for sampling in sampled]
         return cls(
@@ -95,12 +100,16 @@ class SamplingRange:
             temperature=(min(temperatures), max(temperatures)) if temperatures else (0.0, 0.0),
             top_p=tuple(sorted({sampling.top_p for sampling in sampled})) or (1.0,),
             top_k=tuple(sorted({sampling.top_k for sampling in sampled})) or (0,),
+            predicted=predicted,
         )
 
-    def covers(self, sampling: SamplingConfig) -> bool:
-        """Whether a generation decoded with ``sampling`` is inside the measured range."""
+    def covers(self, sampling: SamplingConfig, predicted: bool = False) -> bool:
+        """Whether a generation decoded with ``sampling`` (``predicted``: with a prediction) is inside the measured
+        range."""
         if not self.measured:
             return True
+        if predicted and not self.predicted:
+            return False
         if sampling.greedy:
             return self.greedy
         low, high = self.temperature

@@ -94,10 +94,11 @@ class SpeculativeDecoder(Decoder):
             maximum = max(maximum, MAX_PREDICTION_DRAFT_TOKENS)
         return new_draft_length(config, maximum, verifier.min_draft_tokens, self.step_cost, copies)
 
-    def verifier_for(self, sampling: SamplingConfig) -> Verifier:
-        """The verifier of a generation decoded with ``sampling``: this decoder's, or ``exact`` where its lossy settings
-        were measured at other sampling (``SpeculationConfig.sampling_range``: a calibration profile's)."""
-        if self.verifier.lossless or self.speculation.sampling_range.covers(sampling):
+    def verifier_for(self, sampling: SamplingConfig, predicted: bool = False) -> Verifier:
+        """The verifier of a generation decoded with ``sampling`` (``predicted``: with a prediction): this decoder's, or
+        ``exact`` where its lossy settings were measured at other sampling, or without predictions
+        (``SpeculationConfig.sampling_range``: a calibration profile's)."""
+        if self.verifier.lossless or self.speculation.sampling_range.covers(sampling, predicted):
             return self.verifier
         return self.exact
 
@@ -111,9 +112,13 @@ class SpeculativeDecoder(Decoder):
 
     def _steps(self, generation: Generation) -> Iterator[Step]:
         sampling, stats = generation.config.sampling, generation.stats
-        verifier = self.verifier_for(sampling)
+        measured, predicted = self.speculation.sampling_range, generation.prediction_ids is not None
+        verifier = self.verifier_for(sampling, predicted)
         if verifier is not self.verifier:  # said once, in the stats (the CLI's line, the server's usage field)
-            stats.exact_outside_sampling_range = self.speculation.sampling_range.describe()
+            if measured.covers(sampling):  # only the prediction is outside what the profile measured
+                stats.exact_with_prediction = True
+            else:
+                stats.exact_outside_sampling_range = measured.describe()
         device = self.device  # every tensor of a step lives on the target's device
         drafter = self.drafter_for(generation)
         drafter.reset(generation.prompt_ids)

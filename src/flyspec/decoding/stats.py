@@ -43,6 +43,8 @@ class DecodeStats:
     # the lossy settings' measured sampling, when this generation was decoded outside it and so verified exactly
     # (config.SamplingRange: a profile's loose accepts hold only where it measured them); None: as configured
     exact_outside_sampling_range: str | None = None
+    # True when this generation's prediction made it exact: its profile measured no predicted work (SamplingRange)
+    exact_with_prediction: bool = False
 
     @contextmanager
     def timing(
@@ -152,6 +154,7 @@ class DecodeStats:
             "guard_vetoes": dict(sorted(self.guard_vetoes.items())),
             "breaker_tripped_at": self.breaker_tripped_at,
             "exact_outside_sampling_range": self.exact_outside_sampling_range,
+            "exact_with_prediction": self.exact_with_prediction,
             "wall_time_s": self.wall_time_s,
             "time_to_first_token_s": self.time_to_first_token_s,
             "prefill_time_s": self.prefill_time_s,

@@ -79,9 +79,11 @@ class Profile:
 
     @property
     def sampling_range(self) -> SamplingRange:
-        """Where its points were measured (``SamplingRange``): greedy for a profile that says nothing of sampling."""
-        measured = (self.record.get("sampling") or {}).get("measured") or [{}]
-        return SamplingRange.of([SamplingConfig(**sampling) for sampling in measured])
+        """Where its points were measured (``SamplingRange``): greedy for a profile that says nothing of sampling, and
+        without predictions for one that does not say its prompts carried them."""
+        sampling = self.record.get("sampling") or {}
+        measured = sampling.get("measured") or [{}]
+        return SamplingRange.of([SamplingConfig(**each) for each in measured], bool(sampling.get("predicted", False)))
 
     @property
     def engine(self) -> str:

@@ -52,6 +52,8 @@ def usage(result: GenerationResult, prediction: bool = False) -> dict[str, Any]:
         "drafter": this_request_only(stats.drafter),  # draft forwards, n-gram cache hits, skipped layers
         # set when the request's sampling is outside the profile's measured range: verified exactly (lossless)
         "exact_outside_sampling_range": stats.exact_outside_sampling_range,
+        # set when the request's prediction is outside what the profile measured (no predicted work): verified exactly
+        **({"exact_with_prediction": stats.exact_with_prediction} if prediction else {}),
     }
 
 
