@@ -20,6 +20,7 @@ from flyspec.decoding.draft_length import (
     AcceptanceModel,
     CostAwareLength,
     DraftLength,
+    StepTimes,
     bucket_of,
     new_draft_length,
     resolve_policy,
@@ -138,13 +139,29 @@ def test_acceptance_starts_even_and_learns_per_bucket() -> None:
     assert 0.8 < model.rates((MODEL, 0))[0] < 0.9
 
 
-def test_positions_never_verified_drift_back_to_the_pooled_rate() -> None:
+def test_positions_never_verified_continue_the_deepest_verified_rate() -> None:
     model = AcceptanceModel(max_tokens=8, decay=0.5)
     bucket = (OUTPUT_COPY, 3)
     for _ in range(10):
         model.observe(bucket, 2, 2)  # only positions 1 and 2 are ever verified, always kept
     rates = model.rates(bucket)
-    assert rates[:2].min() > rates[5] > 0.5, "position 6 borrows the bucket's (high) pooled rate"
+    assert rates[2:] == pytest.approx(rates[1]) and rates[1] > 0.8, "position 3 on continue position 2's rate"
+
+
+def test_a_copy_kept_past_its_first_token_is_expected_to_run_on() -> None:
+    """Half the copies fail at once, the other half are kept whole (a copy that starts right goes on): positions 2-4
+    are near 1, and the unverified 5-12 continue them, not the pooled rate the failing first tokens pull down."""
+    model = AcceptanceModel(max_tokens=12)
+    bucket = (PROMPT_COPY, 2)
+    for _ in range(20):
+        model.observe(bucket, 4, 4)
+        model.observe(bucket, 4, 0)
+    rates = model.rates(bucket)
+    assert 0.4 < rates[0] < 0.6 and 0.75 < rates[1] < rates[2] < rates[3] and rates[3] > 0.9  # decayed: shrunk
+    assert rates[4:].min() == pytest.approx(rates[3]) and rates[4:].min() > 0.9
+    policy = CostAwareLength(COST, 12, 1, linear_cost(0.1), cheap_drafts=True)
+    policy.acceptance = model
+    assert policy.choose(copy_draft(12, 2, PROMPT_COPY), 0.0) == 12  # a tenth of a step a token: worth drafting on
 
 
 # ---- the policy -----------------------------------------------------------------------------
@@ -287,3 +304,43 @@ def test_a_decoder_without_a_step_cost_refuses_the_cost_policy(tiny_target: Load
         SpeculativeDecoder(
             tiny_target, NgramDrafter(), make_verifier("exact"), None, SpeculationConfig(draft_length=COST)
         )
+
+
+def test_a_request_whose_speculative_steps_cost_more_than_the_table_says_drafts_less() -> None:
+    """The table says a 4-token step costs 1.15 one-token steps; this request's own speculative steps take 4 s (a
+    graph recompiling, a path falling back to eager) while its plain steps take the table's 1 s: it times a plain
+    step beside the slow ones, stops drafting a copy that keeps 2 of 8 (never slower than plain by its own
+    measure), and tries again once those steps have faded from the evidence."""
+    draft = copy_draft(8, 2)  # a copy that keeps 2 of 8: by the table, 3 tokens for 1.15 steps
+    policy = trained(CostAwareLength(COST, 8, 1, linear_cost(0.05), cheap_drafts=True), draft, kept=2)
+    policy.times = times = StepTimes(1.0)  # the training's own (sub-millisecond) steps left out
+    assert policy.choose(draft, 0.0) > 0  # by the table, 3 tokens for 1.4 steps pay
+    now, plain_steps = 0.0, 0
+    times.step_ended(0, 1.0, now)  # the first step (its time holds the prefill: not counted)
+    for _ in range(30):  # the request runs: each step as long as this machine makes it
+        k = policy.choose(draft, 0.0)
+        plain_steps += k == 0
+        now += 1.0 if k == 0 else 4.0
+        times.step_ended(k, 1 + 0.05 * k, now)  # the table's t(k + 1)
+    assert times.factor(8) > 1.5 * times.factor(0)
+    assert policy.choose(draft, 0.0) == 0 and plain_steps > 15, "3 tokens in 4 s lose to plain's 1 token a second"
+    for _ in range(60):  # plain steps as the table says: the slow speculative ones fade from the evidence
+        now += 1.0
+        times.step_ended(0, 1.0, now)
+    assert policy.choose(draft, 0.0) > 0
+
+
+def test_a_machine_slower_than_its_table_keeps_drafting() -> None:
+    """Every step twice the table (a busier machine, not the speculative path): the ratio holds, drafting goes on."""
+    draft = copy_draft(8, 2)
+    policy = trained(CostAwareLength(COST, 8, 1, linear_cost(0.05), cheap_drafts=True), draft, kept=2)
+    policy.times = times = StepTimes(1.0)
+    now, chosen = 0.0, []
+    times.step_ended(0, 1.0, now)
+    for _ in range(40):
+        k = policy.choose(draft, 0.0)
+        chosen.append(k)
+        tabled = 1.0 + 0.05 * k
+        now += 2 * tabled
+        times.step_ended(k, tabled, now)
+    assert sum(k > 0 for k in chosen) >= 34, chosen  # a plain step now and then to check, then on

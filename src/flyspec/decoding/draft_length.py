@@ -20,12 +20,23 @@ is a choice too; a verifier's floor (FLy: window + 1) is never cut below. The es
 from an even prior and decay (recent steps count most), and they live in the generation, never
 shared between requests.
 
+The table t(n) is measured once, at a short context, on a forward alone; a step of this request also
+drafts, verifies and commits, at this request's context, on a machine that may be busier now, and a compiled
+or packed path may scale differently with n than the table says. So each request also times its own steps
+(:class:`StepTimes`: whole steps, wall clock, from one step's end to the next's) and corrects the table by
+what it sees — one factor for plain steps (k = 0), one for speculative ones (k > 0), each the decayed ratio of
+observed to tabled seconds, starting at 1 — so that where speculative steps cost more than their tokens repay,
+the request drafts less or not at all: never slower than plain by the policy's own measure. Its evidence
+decays like the acceptance's, so a request that stopped drafting tries again once the old steps have faded.
+
 Lossless verifiers give the same output whatever the length. Lossy ones may not: a FLy loose
 accept needs its window inside the draft, so a shorter draft can make a different choice. Pin
 ``fixed`` to reproduce a lossy output exactly across machines.
 """
 
 from __future__ import annotations
+
+import time
 
 import numpy as np
 
@@ -105,10 +116,14 @@ Bucket = tuple[str, int]
 class AcceptanceModel:
     """Estimates of ``p_i``: the chance draft token i is kept when tokens 1 .. i-1 were, per bucket.
 
-    Counts decay by ``decay`` each step. Each estimate is shrunk toward the one above it
-    (position → its bucket's pooled rate → every bucket's pooled rate → ``prior``) with weight
-    ``strength``, so a position or bucket seen rarely borrows from the rest, and one never
-    verified (the policy chose shorter drafts) drifts back toward the pooled rate and is tried again.
+    Counts decay by ``decay`` each step. Each estimate is shrunk with weight ``strength`` toward the one it
+    extends: position 1 toward its bucket's pooled rate (→ every bucket's pooled rate → ``prior``), position
+    i toward position i - 1's estimate. A bucket seen rarely borrows from the rest; a position seen rarely, or
+    never verified (the policy chose shorter drafts), continues the rate of the deepest one verified, so a
+    copy that has kept running is expected to run on and a longer draft is tried where t(k + 1) allows.
+    (Shrinking every position toward the bucket's pooled rate instead, which the first position dominates since
+    it is reached most, undervalued long copies: once a copy is kept its next token is kept far more often
+    than a copy's first token.)
     """
 
     def __init__(self, max_tokens: int, prior: float = 0.5, strength: float = 4.0, decay: float = 0.9) -> None:
@@ -124,8 +139,11 @@ class AcceptanceModel:
         counts = self.counts.get(bucket)
         if counts is None:
             return np.full(self.max_tokens, overall)
-        pooled = (counts[1].sum() + s * overall) / (counts[0].sum() + s)
-        return (counts[1] + s * pooled) / (counts[0] + s)
+        previous = (counts[1].sum() + s * overall) / (counts[0].sum() + s)  # the bucket's pooled rate
+        rates = np.empty(self.max_tokens)
+        for position in range(self.max_tokens):  # each position shrunk toward the one it extends
+            previous = rates[position] = (counts[1, position] + s * previous) / (counts[0, position] + s)
+        return rates
 
     def expected_committed(self, bucket: Bucket) -> np.ndarray:
         """``E[committed | k]`` for k = 0 .. max_tokens ([max_tokens + 1]): 1 + Σ_{i≤k} Π_{j≤i} p_j."""
@@ -150,6 +168,48 @@ def bucket_of(draft: Draft) -> Bucket:
     return draft.source(0) if draft.num_tokens else UNKNOWN_SOURCE, min(draft.match_length, MAX_MATCH_BUCKET)
 
 
+class StepTimes:
+    """This request's own step times against the table: ``factor(k)`` scales t(k + 1) for a plain (k = 0) or
+    speculative (k > 0) step by the decayed ratio of observed to tabled seconds of that kind, shrunk toward the
+    ratio of all steps (so a kind not seen lately is taken to run as the other does: the table's own judgement);
+    1 before any step.
+
+    Only plain steps seen beside speculative ones tell a speculative step's own excess (a graph that recompiles
+    or falls back to eager as the context grows) from a machine that is just slower than when the table was
+    measured. So while speculative steps run above :data:`EXCESS` times the table and no plain step is in recent
+    evidence, :meth:`wants_plain` asks for one.
+    """
+
+    EXCESS = 1.5  # speculative steps this much slower than the table: time a plain step beside them
+
+    def __init__(self, unit: float, prior_steps: float = 0.1, decay: float = 0.9) -> None:
+        self.decay = decay
+        self.unit = unit  # t(1) by the table
+        self.prior = prior_steps * unit  # pseudo-seconds on both sides of each ratio
+        self.observed = np.zeros(2)  # [plain, speculative]: decayed sums of observed seconds
+        self.tabled = np.zeros(2)  # ... and of the table's seconds for the same steps
+        self._last: float | None = None  # when the previous step ended
+
+    def factor(self, k: int) -> float:
+        pooled = self.observed.sum() / self.tabled.sum() if self.tabled.sum() > 0 else 1.0
+        kind = int(k > 0)
+        return float((self.observed[kind] + self.prior * pooled) / (self.tabled[kind] + self.prior))
+
+    def wants_plain(self) -> bool:
+        """Whether the next step should be plain, to time one beside speculative steps running slow."""
+        return self.tabled[0] < 0.5 * self.unit and self.tabled[1] > self.prior and self.factor(1) > self.EXCESS
+
+    def step_ended(self, k: int, tabled: float, now: float | None = None) -> None:
+        """A step that verified ``k`` draft tokens (t(k + 1) = ``tabled`` by the table) ended ``now``."""
+        now = time.perf_counter() if now is None else now
+        self.observed *= self.decay
+        self.tabled *= self.decay
+        if self._last is not None:  # the first step's time holds the prefill: not a step's
+            self.observed[int(k > 0)] += now - self._last
+            self.tabled[int(k > 0)] += tabled
+        self._last = now
+
+
 class CostAwareLength(DraftLength):
     """``cost``: the draft length that maximises expected committed tokens per second (module docstring)."""
 
@@ -169,12 +229,14 @@ class CostAwareLength(DraftLength):
         self._bucket: Bucket | None = None
         # t(n) for n = 1 .. maximum + 1, once
         self._costs = np.array([step_cost(n) for n in range(1, num_draft_tokens + 2)])
+        self.times = StepTimes(float(self._costs[0]))  # this request's steps against the table
 
     def best(self, bucket: Bucket, longest: int, seconds_per_token: float) -> int:
         """The k in {0} ∪ [minimum, longest] (``longest`` itself when shorter) with the most tokens per second."""
         expected = self.acceptance.expected_committed(bucket)
         candidates = np.array(sorted({0, longest, *range(self.minimum, longest + 1)}))
-        seconds = self._costs[candidates] + seconds_per_token * candidates
+        factors = np.where(candidates > 0, self.times.factor(1), self.times.factor(0))  # as this request's steps ran
+        seconds = self._costs[candidates] * factors + seconds_per_token * candidates
         rates = expected[candidates] / seconds
         return int(candidates[int(np.argmax(rates))])
 
@@ -192,6 +254,8 @@ class CostAwareLength(DraftLength):
         per_token = draft_seconds / draft.num_tokens
         self.seconds_per_draft_token = 0.8 * self.seconds_per_draft_token + 0.2 * per_token
         self._bucket = bucket_of(draft)
+        if self.times.wants_plain():  # speculative steps run slow: time a plain one beside them
+            return 0
         return self.best(self._bucket, draft.num_tokens, 0.0)  # drafting is paid for already
 
     def recorded(self, requested: int, chosen: int) -> int:
@@ -199,6 +263,7 @@ class CostAwareLength(DraftLength):
 
     def observe(self, num_proposed: int, num_accepted: int) -> None:
         self.acceptance.observe(self._bucket, num_proposed, num_accepted)
+        self.times.step_ended(num_proposed, float(self._costs[min(num_proposed, len(self._costs) - 1)]))
         self._bucket = None
 
 
