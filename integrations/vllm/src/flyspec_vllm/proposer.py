@@ -4,7 +4,9 @@ Use ``"model": "flyspec_vllm.NgramProposer"``. The lookup is flyspec's own ``ngr
 (most recent match, LZ77-style periodic extension; ``drafters/ngram.py``), compiled for the whole batch
 (``lookup.py``, numba), so vLLM and ``flyspec generate --drafter ngram`` propose the same tokens. n-gram sizes: vLLM's
 ``prompt_lookup_max`` / ``prompt_lookup_min`` where given, else flyspec's ``NgramConfig``. A request that
-asks for none (``extra_args={"flyspec_draft": false}``) gets no drafts: plain decoding in the same engine; so does
+carries a prediction (OpenAI's Predicted Outputs, ``extra_args["flyspec_prediction"]``: ``prediction.py``) is drafted
+from its prediction alone, aligned with its output. A request that asks for none
+(``extra_args={"flyspec_draft": false}``) gets no drafts: plain decoding in the same engine; so does
 a batch holding a sampled request on an engine that failed the sampling check (``sampling_guard.py``). A
 calibration's baseline that names its output (``flyspec_reference``) gets its drafts cut to what its shadow
 rules read (``reference.py``).
@@ -117,9 +119,11 @@ class NgramProposer:
     ) -> list[list[int]]:
         from flyspec_vllm.patch import draftless as draftless_rows  # set by the _sample wrapper this step
         from flyspec_vllm.patch import references as reference_rows
+        from flyspec_vllm.prediction import PREDICTIONS
         from flyspec_vllm.sampling_guard import GUARD
 
-        if GUARD.step_guarded:  # a sampled request on an engine that failed the sampling check: no drafts verified
+        predicted = PREDICTIONS.take()  # rows whose request has a prediction (prediction.py); None: unknown, none
+        if GUARD.step_guarded or predicted is None:  # a sampled request on an engine that failed the sampling check
             return [[] for _ in sampled_token_ids]
         draftless = draftless_rows()  # rows whose request asked for plain decoding (flyspec_draft: false)
         references = reference_rows()  # rows whose drafts are cut to what their shadow rules read (reference.py)
@@ -135,6 +139,9 @@ class NgramProposer:
             for index, sampled in enumerate(sampled_token_ids)
             if sampled and rooms[index] > 0 and index not in draftless
         ]
+        for index in [index for index in rows if index in predicted]:  # drafted from the prediction alone
+            drafts[index] = predicted[index].draft(token_ids_cpu[index], int(lengths[index]), int(rooms[index]))
+        rows = [index for index in rows if index not in predicted]
         found = lookup_rows(token_ids_cpu, lengths[rows], rows, rooms[rows], self.max_ngram, self.min_ngram)
         for index, draft in zip(rows, found, strict=True):
             reference = references.get(index)

@@ -24,6 +24,8 @@ from typing import Any
 from flyspec_vllm._flyspec import GuardConfig
 from flyspec_vllm.internals import TESTED_VLLM_VERSIONS, V1, V2, runner_of, uses_native_fly, wrap
 from flyspec_vllm.options import REQUEST_KEYS, RequestError, request_options
+from flyspec_vllm.prediction import PREDICTION_KEY, check_prediction_ids
+from flyspec_vllm.prediction_api import record_engine
 from flyspec_vllm.requests import GREEDY_TEMPERATURE_EPSILON, PluginState
 from flyspec_vllm.sampling_check import Verdict
 
@@ -67,6 +69,7 @@ def _wrap_post_init(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def __post_init__(self: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(self, *args, **kwargs)
+        record_engine(self)  # the tokenizer a request's prediction is tokenized with (prediction_api.py)
         check_engine(self)
         return result
 
@@ -158,6 +161,10 @@ def check_request(params: Any) -> None:
     """A request's flyspec options, checked where vLLM checks its sampling parameters: one refused is a
     ``VLLMValidationError`` naming the field, which vLLM's OpenAI server answers with a 400."""
     extra_args = getattr(params, "extra_args", None)
+    if extra_args and extra_args.get(PREDICTION_KEY) is not None:
+        problem = check_prediction_ids(extra_args[PREDICTION_KEY])
+        if problem is not None:
+            raise validation_error(RequestError(PREDICTION_KEY, problem))
     if not extra_args or not any(key in extra_args for key in REQUEST_KEYS):
         return
     state = _state_of() or PluginState(switch=SETUP.switch if SETUP is not None and SETUP.switch else "off",
