@@ -9,7 +9,7 @@ VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.flyspec-vllm-installed
 
-.PHONY: setup demo docs test test-all test-vllm vllm-setup vllm033-source test-vllm033 vllm-own-tests test-vllm-own lint clean gpu-bench gpu-check gpu-wheels
+.PHONY: llama-server setup demo docs test test-all test-vllm vllm-setup vllm033-source test-vllm033 vllm-own-tests test-vllm-own lint clean gpu-bench gpu-check gpu-wheels
 
 setup: $(STAMP)
 
@@ -101,6 +101,19 @@ build/vllm-tests-%/.extracted: tests/vllm_own/upstream.py
 	$(PYTHON) scripts/index_download.py vllm vllm-$*.tar.gz $(VLLM_SDIST_SHA256_$*) $(VLLM033_CACHE)
 	rm -rf build/vllm-tests-$*
 	$(PYTHON) tests/vllm_own/upstream.py $(VLLM033_CACHE)/vllm-$*.tar.gz $(VLLM_SDIST_SHA256_$*) build/vllm-tests-$*
+
+# llama.cpp's server, a peer of `flyspec bench --online` (llama-server, llama-server-ngram): built from the packaged
+# llama-cpp-python source (its vendored llama.cpp), found through pip's configured index and pinned by sha256; not part
+# of `make test` (tens of minutes on 2 cores)
+LLAMA_CPP_PYTHON_VERSION := 0.3.36
+LLAMA_CPP_PYTHON_SHA256 := 832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
+llama-server: build/llama-server/bin/llama-server
+
+build/llama-server/bin/llama-server: scripts/build_llama_server.py
+	$(PYTHON) scripts/index_download.py llama-cpp-python llama_cpp_python-$(LLAMA_CPP_PYTHON_VERSION).tar.gz \
+		$(LLAMA_CPP_PYTHON_SHA256) $(VLLM033_CACHE)
+	$(PYTHON) scripts/build_llama_server.py $(VLLM033_CACHE)/llama_cpp_python-$(LLAMA_CPP_PYTHON_VERSION).tar.gz \
+		$(LLAMA_CPP_PYTHON_SHA256) build/llama-server
 
 test-vllm-own: vllm-setup vllm033-source vllm-own-tests
 	$(VLLM_PY) tests/vllm_own/transparency.py

@@ -278,6 +278,7 @@ def test_the_outputs_say_what_was_measured(tmp_path: Path) -> None:
         (["--concurrency", "1", "--online", "--derive-schedule"], "derive it first"),
         (["--concurrency", "1", "--online", "--methods", "flyspec-serve,ngram+exact"], "measures vLLM engines"),
         (["--concurrency", "1", "--online", "--methods", "vllm-plain-colocated,vllm-ngram+fly"], "each server has"),
+        (["--concurrency", "1", "--methods", "llama-server-ngram"], "measure it with --online"),
     ],
 )
 def test_bad_load_input_exits_2(capsys: pytest.CaptureFixture[str], tmp_path: Path, extra: list, message: str) -> None:
@@ -375,3 +376,85 @@ def test_the_online_clients_read_an_events_json_whole_whatever_characters_it_hol
     # the events the soak and server_load count (benchmarks/): the JSON whole, the end marker, nothing for the rest
     assert [sse_event(line) for line in lines] == [{"t": text}, None, "[DONE]", None]
     assert sse_event(": a comment") is None
+
+
+# --- online: llama.cpp's server as a peer ---------------------------------------------------------------------------
+
+
+def test_llama_server_command_lines_and_a_missing_binary(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from flyspec.bench import llama_server
+
+    plain = llama_server.command("llama-server", Path("/x/llama-server"), Path("m.gguf"), 9, 2, 4)
+    ngram = llama_server.command("llama-server-ngram", Path("/x/llama-server"), Path("m.gguf"), 9, 2, 4)
+    assert plain[:3] == ["/x/llama-server", "--model", "m.gguf"] and "--spec-type" not in plain
+    assert ngram[-2:] == ["--spec-type", "ngram-simple"] and ngram[:-2] == plain
+    for flag, value in (("--port", "9"), ("--threads", "2"), ("--parallel", "4"), ("--ctx-size", str(4 * 4096))):
+        assert plain[plain.index(flag) + 1] == value, flag
+    with pytest.raises(ConfigError, match="not a llama-server method"):
+        llama_server.command("vllm-ngram", Path("x"), Path("m.gguf"), 9, 2, 4)
+    monkeypatch.delenv(llama_server.VARIABLE, raising=False)
+    with pytest.raises(ConfigError, match="make llama-server"):
+        llama_server.binary(str(tmp_path / "absent"))
+    stub = tmp_path / "llama-server"
+    stub.write_text("#!/bin/sh\n")
+    stub.chmod(0o755)
+    monkeypatch.setenv(llama_server.VARIABLE, str(stub))
+    assert llama_server.binary() == stub
+
+
+def test_weights_read_per_token_by_engine() -> None:
+    """llama.cpp reads the packaged GGUF's quantized tensors; flyspec and vLLM the parameters in the bench's dtype."""
+    from types import SimpleNamespace
+
+    from flyspec.bench import llama_server
+
+    names = ["flyspec-serve", "vllm-ngram", "llama-server-ngram"]
+    read = llama_server.weights_read(names, SimpleNamespace(dtype_name="float32"), "smollm2-135m-instruct", None)
+    assert read["flyspec-serve"] == read["vllm-ngram"] == 4 * 134_515_008  # SmolLM2-135M's parameters, float32
+    assert 0.15 * read["flyspec-serve"] < read["llama-server-ngram"] < 0.25 * read["flyspec-serve"]  # Q4_1
+    half = llama_server.weights_read(names, SimpleNamespace(dtype_name="bfloat16"), "smollm2-135m-instruct", None)
+    assert (
+        half["flyspec-serve"] == read["flyspec-serve"] // 2 and half["llama-server-ngram"] == read["llama-server-ngram"]
+    )
+    assert llama_server.weights_read(names, SimpleNamespace(dtype_name="float32"), "/no/such/dir", None) == {}
+
+
+def test_a_target_without_a_chat_template_is_measured_with_completions(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A prompt text (a base model's request) streams /v1/completions through the same client code."""
+    from flyspec.bench import online
+
+    def start() -> online.Server:
+        port = online.free_port()
+        command, environment = online.server_command(online.FLYSPEC_SERVE, Path(), "", str(tiny_model_dir),
+                                                     "float32", port, 4, None, True)  # fmt: skip
+        return online.Server(command, environment, port, tmp_path / "serve.log")
+
+    rows, _ = online.run_online({online.FLYSPEC_SERVE: start}, [f"def count_to_{n}(" for n in range(3)], (1,),
+                                lambda c: 3, 6)  # fmt: skip
+    assert rows[0]["failed"] == [] and rows[0]["num_requests"] == 3 and 0 < rows[0]["num_new_tokens"] <= 18
+
+
+@pytest.mark.skipif(not Path("build/llama-server/bin/llama-server").is_file(), reason="needs make llama-server")
+def test_llama_server_measured_under_streaming_clients(tmp_path: Path) -> None:
+    """llama.cpp's server, built from the packaged source, on the packaged SmolLM2 GGUF, plain and with its n-gram."""
+    from flyspec.bench import llama_server, online
+    from flyspec.runtime.loading import find_gguf
+
+    gguf = find_gguf("smollm2-135m-instruct")
+    assert gguf is not None
+    peer = llama_server.LlamaPeer(llama_server.binary(), gguf, 2, 2)
+
+    def starter(method: str):  # type: ignore[no-untyped-def]
+        def start() -> online.Server:
+            port = online.free_port()
+            return online.Server(peer.command(method, port), {}, port, tmp_path / f"{method}.log")
+
+        return start
+
+    prompts = [[{"role": "user", "content": f"Repeat this line twice: the number {n} is here."}] for n in range(4)]
+    starts = {method: starter(method) for method in llama_server.METHODS}
+    rows, _ = online.run_online(starts, prompts, (1, 2), lambda c: 4, 24)
+    assert [row["method"] for row in rows] == ["llama-server", "llama-server", "llama-server-ngram",
+                                                "llama-server-ngram"]  # fmt: skip
+    for row in rows:
+        assert row["failed"] == [] and row["num_requests"] == 4 and 0 < row["num_new_tokens"] <= 4 * 24, row

@@ -103,6 +103,11 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     vllm.add_argument(
         "--vllm-eager", action="store_true", help="vLLM's enforce_eager: starts ~3x faster, runs ~15%% slower"
     )
+    vllm.add_argument(
+        "--llama-server",
+        help="llama.cpp's server for the --online llama-server methods (default: $FLYSPEC_LLAMA_SERVER, else "
+        "build/llama-server/bin/llama-server as `make llama-server` builds it)",
+    )
     load = parser.add_argument_group(
         "under load (vLLM engines: throughput against batch size, and a batch schedule that never costs throughput)"
     )
@@ -123,8 +128,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "--online",
         action="store_true",
         help="measure OpenAI-compatible servers instead, with that many concurrent streaming clients: vLLM's (the "
-        "vllm-* methods) and flyspec-serve (default: vllm-plain, vllm-ngram, vllm-ngram+fly, flyspec-serve); total "
-        "and per-request tokens/s, time to first token and per output token, p50/p99",
+        "vllm-* methods), flyspec-serve and llama.cpp's (llama-server, llama-server-ngram: --llama-server) (default: "
+        "vllm-plain, vllm-ngram, vllm-ngram+fly, flyspec-serve); total and per-request tokens/s, time to first token "
+        "and per output token, p50/p99; a target without a chat template gets completions",
     )
     load.add_argument("--load-prompts", type=int, default=8, help="prompts per point at least (default 8; --quick: 4)")
     load.add_argument(
@@ -235,7 +241,7 @@ def _run_load(args: argparse.Namespace) -> int:
     """``--concurrency``: vLLM engines under load (``bench/load.py``)."""
     from rich.console import Console
 
-    from flyspec.bench import load, online
+    from flyspec.bench import llama_server, load, online
     from flyspec.bench.backends import conversation_ids
     from flyspec.bench.data import interleaved
     from flyspec.cli.speculation import speculation_config
@@ -255,7 +261,10 @@ def _run_load(args: argparse.Namespace) -> int:
     if args.online and load.COLOCATED in names:
         raise ConfigError(f"--online: {load.COLOCATED} shares an offline engine's process, and each server has its "
                           f"own; use {load.TWIN} for the spread between servers")  # fmt: skip
-    engines = [name for name in names if not (args.online and name == online.FLYSPEC_SERVE)]
+    servers = (online.FLYSPEC_SERVE, *llama_server.METHODS)  # online only: not vLLM engines
+    if not args.online and any(name in llama_server.METHODS for name in names):
+        raise ConfigError("llama-server is a server: measure it with --online")
+    engines = [name for name in names if not (args.online and name in servers)]
     load.check_methods(engines, args.derive_schedule, schedule)
     k = speculation_config(args).num_draft_tokens
     lengths = tuple(sorted({min(int(part), k) for part in args.draft_lengths.split(",") if part.strip()} | {0}))

@@ -6,7 +6,12 @@ One server at a time is started, measured at every concurrency and stopped:
   venv (``python -m vllm.entrypoints.openai.api_server``) with the offline methods' ``speculative_config``
   (``flyspec_vllm.worker.speculative_config``; ``--schedule``: with the batch schedule) and plugin switches;
 * ``flyspec-serve``: ``flyspec serve`` with its defaults (n-gram drafts, exact verification) and the bench's
-  ``--compile`` and ``--kernels``, which decodes one request at a time and queues the rest.
+  ``--compile`` and ``--kernels``, which decodes one request at a time and queues the rest;
+* ``llama-server``, ``llama-server-ngram``: llama.cpp's own server on the packaged GGUF file (``llama_server.py``).
+
+A target with a chat template gets chat completions of each prompt's first turn; one without (a base model) gets
+completions of the turn's text. The report says how many bytes of weights each engine reads per token: flyspec's
+and vLLM's the parameters in the bench's dtype, llama.cpp's the GGUF file's (quantized) tensors.
 
 At concurrency ``c``, ``c`` clients each stream chat completions back to back (greedy, ``max_tokens``,
 usage included) until ``c·⌈min_prompts / c⌉`` requests are answered. Figures: total tokens/s (every
@@ -28,6 +33,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from flyspec.bench import llama_server
 from flyspec.bench.summary import percentile
 from flyspec.config import ConfigError
 from flyspec.config.schedule import BatchSchedule
@@ -139,21 +145,34 @@ def sse_event(line: str) -> Any:
     return data if data == "[DONE]" else json.loads(data)
 
 
-async def stream_one(client: Any, url: str, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
-    """One streamed chat completion: its start, first-token and end times and its completion tokens."""
-    body = {"model": SERVED_NAME, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}  # fmt: skip
+Request = list[dict[str, str]] | str  # chat messages, or a completion's prompt text (a target without a chat template)
+
+
+async def stream_one(client: Any, url: str, request: Request, max_tokens: int) -> dict[str, Any]:
+    """One streamed chat completion (or completion, for a prompt text): its start, first-token and end times and its
+    completion tokens."""
+    chat = not isinstance(request, str)
+    body = {
+        "model": SERVED_NAME,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **({"messages": request} if chat else {"prompt": request}),
+    }
     started = time.perf_counter()
     first: float | None = None
     tokens = 0
-    async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
+    endpoint = f"{url}/v1/{'chat/completions' if chat else 'completions'}"
+    async with client.stream("POST", endpoint, json=body) as response:
         if response.status_code != 200:
             return {"error": f"status {response.status_code}: {(await response.aread())[:200]!r}"}
         async for line in sse_lines(response):
             if (event := sse_event(line)) is None or event == "[DONE]":
                 continue
             choices = event.get("choices") or []
-            if first is None and any((choice.get("delta") or {}).get("content") for choice in choices):
+            texts = [(choice.get("delta") or {}).get("content") if chat else choice.get("text") for choice in choices]
+            if first is None and any(texts):
                 first = time.perf_counter()
             if event.get("usage"):
                 tokens = int(event["usage"]["completion_tokens"])
@@ -161,11 +180,11 @@ async def stream_one(client: Any, url: str, messages: list[dict[str, str]], max_
     return {"started": started, "first": first or ended, "ended": ended, "tokens": tokens}
 
 
-async def run_clients(url: str, prompts: Sequence[list[dict[str, str]]], concurrency: int, max_tokens: int) -> list:
+async def run_clients(url: str, prompts: Sequence[Request], concurrency: int, max_tokens: int) -> list:
     """``concurrency`` clients streaming ``prompts`` back to back; every request's timings."""
     import httpx
 
-    queue: asyncio.Queue[list[dict[str, str]]] = asyncio.Queue()
+    queue: asyncio.Queue[Request] = asyncio.Queue()
     for messages in prompts:
         queue.put_nowait(messages)
     results: list[dict[str, Any]] = []
@@ -212,7 +231,7 @@ def summarize(method: str, concurrency: int, results: list[dict[str, Any]]) -> d
 
 def run_online(
     starts: dict[str, Callable[[], Server]],
-    prompts: list[list[dict[str, str]]],
+    prompts: Sequence[Request],
     concurrencies: Sequence[int],
     prompts_at: Callable[[int], int],
     max_tokens: int,
@@ -255,13 +274,16 @@ def move_to_vllm_at(rows: list[dict[str, Any]]) -> int | None:
     return answer
 
 
-def online_report(rows: list[dict[str, Any]], startup: dict[str, float]) -> list[str]:
-    """The report's online section."""
+def online_report(rows: list[dict[str, Any]], startup: dict[str, float], weights: dict[str, int] | None = None
+                  ) -> list[str]:  # fmt: skip
+    """The report's online section (``weights``: bytes of weights each server reads per token)."""
+    read = ", ".join(f"{name} {size / 1e6:.0f} MB" for name, size in (weights or {}).items())
     lines = [
         "",
         "## Online: OpenAI-compatible servers, streaming clients",
         "",
         "Server start-up (not in the figures): " + ", ".join(f"{name} {s:.0f} s" for name, s in startup.items()),
+        *(["", f"Weights read per token (each engine's own format): {read}"] if read else []),
         "",
         "| server | c | total tok/s | per-request tok/s | TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) | failed |",
         "|---|---:|---:|---:|---|---|---:|",
@@ -296,7 +318,8 @@ def write_outputs(
               f"- target {meta['target']}, {meta['dtype']}, {'enforce_eager' if meta['eager'] else 'compiled'}; "
               f"k = {meta['num_draft_tokens']}, {meta['max_new_tokens']} new tokens; schedule: "
               f"{schedule.describe() if schedule else 'none'}"]  # fmt: skip
-    (out_dir / "online.md").write_text("\n".join(header + online_report(rows, startup)) + "\n")
+    report = online_report(rows, startup, meta.get("weight_bytes_per_token"))
+    (out_dir / "online.md").write_text("\n".join(header + report) + "\n")
     written = [out_dir / "online.json", out_dir / "online.md"]
     if plots:
         answered = [row for row in rows if row.get("num_requests")]
@@ -317,16 +340,18 @@ def run_servers(
     from flyspec.runtime.loading import cpu_isa
 
     chat = target.has_chat_template if args.use_chat is None else args.use_chat
-    if not chat:
-        raise ConfigError("--online sends chat completions: the target needs a chat template")
     turns = [prompt.turns[0] for prompt in prompts[: settings.prompts_at(settings.concurrencies[-1])]]
-    messages = [[{"role": "user", "content": turn}] for turn in turns]
+    requests: list[Request] = [[{"role": "user", "content": turn}] if chat else turn for turn in turns]
     logs = Path(tempfile.mkdtemp(prefix="flyspec-online-"))
     serve_options = [*(["--compile"] if args.compile else []), "--kernels", args.kernels]  # as the offline engine's
+    llama = llama_server.LlamaPeer.of(args, names, settings.concurrencies[-1])
 
     def starter(method: str) -> Callable[[], Server]:
         def start() -> Server:
             port = free_port()
+            if method in llama_server.METHODS:
+                assert llama is not None
+                return Server(llama.command(method, port), {}, port, logs / f"{method}.log")
             command, environment = server_command(method, python, target.path, args.target, target.dtype_name, port,
                                                   settings.num_draft_tokens, schedule, args.vllm_eager,
                                                   serve_options)  # fmt: skip
@@ -338,7 +363,7 @@ def run_servers(
         return name + load.SCHEDULED if schedule is not None and name in load.FLYSPEC_PROPOSER else name
 
     starts = {label(name): starter(name) for name in names}
-    rows, startup = run_online(starts, messages, settings.concurrencies, settings.prompts_at,
+    rows, startup = run_online(starts, requests, settings.concurrencies, settings.prompts_at,
                                settings.max_new_tokens, console.print)  # fmt: skip
     meta = {**run_metadata(target, getattr(args, "command_line", None)), "cpu_isa": cpu_isa(),
             # each server runs the model in its own process: vLLM's on its engine, flyspec serve on its own kernels
@@ -346,7 +371,8 @@ def run_servers(
             "eager": args.vllm_eager, "num_draft_tokens": settings.num_draft_tokens,
             "max_new_tokens": settings.max_new_tokens, "min_prompts": settings.min_prompts,
             "schedule": schedule.to_vllm() if schedule else None, "server_logs": str(logs),
-            "flyspec_serve_options": serve_options}  # fmt: skip
+            "flyspec_serve_options": serve_options, "requests": "chat completions" if chat else "completions",
+            "weight_bytes_per_token": llama_server.weights_read(names, target, args.target, llama)}  # fmt: skip
     written = write_outputs(out_dir, meta, rows, startup, schedule, args.plots)
     console.print("wrote " + ", ".join(str(path) for path in written))
     return 0
