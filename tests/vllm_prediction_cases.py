@@ -21,6 +21,14 @@ def encode(text: str, add_special_tokens: bool = False) -> list[int]:
     return [ord(character) for character in text]  # a tokenizer stand-in: one id per character
 
 
+def unwrapped(function: Any) -> Any:
+    from flyspec_vllm.internals import MARK
+
+    while getattr(function, MARK, False):
+        function = function.__wrapped__
+    return function
+
+
 def check_prediction_field(monkeypatch: pytest.MonkeyPatch) -> None:
     from flyspec_vllm import prediction_api
     from flyspec_vllm.internals import RESPONSE_BUILDERS, check_scheduler_internals, check_server_internals
@@ -30,12 +38,12 @@ def check_prediction_field(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not isinstance(check_scheduler_internals(importlib.import_module), list)
     server = check_server_internals(importlib.import_module)
     assert not isinstance(server, list), server
-    for request_class in server.requests.values():  # restored after the test
-        monkeypatch.setattr(request_class, "to_sampling_params", request_class.to_sampling_params)
+    hooked = [(request_class, "to_sampling_params") for request_class in server.requests.values()]
     for endpoint, serving in server.servings.items():
-        monkeypatch.setattr(serving, "get_max_tokens", serving.get_max_tokens)
-        for name in RESPONSE_BUILDERS[endpoint]:
-            monkeypatch.setattr(server.serving_classes[endpoint], name, getattr(server.serving_classes[endpoint], name))
+        hooked += [(serving, "get_max_tokens")] + [(server.serving_classes[endpoint], name)
+                                                   for name in RESPONSE_BUILDERS[endpoint]]  # fmt: skip
+    for owner, name in hooked:  # vLLM's own, whatever an earlier install in this session wrapped; restored after
+        monkeypatch.setattr(owner, name, unwrapped(getattr(owner, name)))
     prediction_api.install(server)
     monkeypatch.setattr(prediction_api, "SERVED", prediction_api.Served("t", None, False, "flyspec_vllm.NgramProposer"))
     monkeypatch.setitem(prediction_api._tokenizers, ("t", None), SimpleNamespace(encode=encode))
