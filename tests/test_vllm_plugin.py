@@ -771,3 +771,30 @@ def test_the_plugin_refuses_distribution_rules_and_applies_the_others() -> None:
             parse_rule({"verifier": rule})
     with pytest.raises(ConfigError, match='rejection_sample_method "block"'):
         parse_rule({"verifier": "block"})
+
+
+def test_an_operator_profile_measured_without_predictions_verifies_a_predicted_request_exactly(tmp_path) -> None:
+    """A request with a prediction gets the profile's loose accepts only where the profile measured predicted work;
+    elsewhere vLLM's lossless rule (and under vLLM's own FLy, every loose accept vetoed: ``exact``)."""
+    from flyspec_vllm.options import PROFILE_VARIABLE, operator_profile
+    from flyspec_vllm.prediction import PREDICTION_KEY
+
+    from conftest import make_tiny_model, make_tokenizer
+    from flyspec.profiles import Profile
+    from test_profile import make_profile
+
+    record = make_profile(make_tiny_model(make_tokenizer(), 0))
+    record["engine"] = {"name": "vllm", "version": "0.32.0"}
+    path = tmp_path / "profile.json"
+    fly, predicted = {"rejection_sample_method": "fly"}, {"rejection_sample_method": "fly", PREDICTION_KEY: [5, 6]}
+    for measured_predictions in (False, True):
+        record["sampling"] = {"measured": [{"temperature": 0.0, "top_k": 0, "top_p": 1.0}],
+                              "predicted": measured_predictions}  # fmt: skip
+        Profile(record).save(path)
+        limit = operator_profile({PROFILE_VARIABLE: str(path)})
+        assert limit is not None
+        assert request_options(fly, greedy=True, switch="request", limit=limit).rule is not None
+        options = request_options(predicted, greedy=True, switch="request", limit=limit)
+        assert (options.rule is not None) is measured_predictions and options.exact is not measured_predictions
+    # no profile: the operator's switch is the opt-in, a prediction's drafts loosened like any
+    assert request_options(predicted, greedy=True, switch="all").rule is not None

@@ -84,6 +84,7 @@ from flyspec_vllm._flyspec import (
     make_verifier,
     rule_mapping,
 )
+from flyspec_vllm.prediction import PREDICTION_KEY  # a request's prediction: exact unless its profile measured some
 
 logger = logging.getLogger(__name__)
 
@@ -315,7 +316,9 @@ def request_options(
     if shadow and rule is not None:
         raise RequestError("flyspec_shadow", "flyspec_shadow follows a lossless request's path: leave its own lossy "
                            "rule out")  # fmt: skip
-    exact = args.get("rejection_sample_method") == "standard"
+    # under vLLM's own FLy, a request with a prediction its profile did not measure is verified exactly too
+    unmeasured = limit is not None and not limit.sampling.covers(SamplingConfig(), args.get(PREDICTION_KEY) is not None)
+    exact = args.get("rejection_sample_method") == "standard" or unmeasured
     return RequestOptions(rule, draft, record, shadow, prompt_length, reference, exact)
 
 
@@ -342,7 +345,8 @@ def _request_rule(
     wanted = asked is not None or method == "fly" or (switch == "all" and method is None)
     if switch == "off" or not wanted or not greedy:
         return None
-    if limit is not None and not limit.sampling.covers(SamplingConfig()):  # a profile measured only sampled
+    # a profile measured only sampled, or (a request with a prediction) without predictions: vLLM's lossless rule
+    if limit is not None and not limit.sampling.covers(SamplingConfig(), args.get(PREDICTION_KEY) is not None):
         return None
     if rule is not None:
         if "guard" not in (mapping or {}):
