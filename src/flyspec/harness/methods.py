@@ -27,7 +27,8 @@ peers
     other engines on the same prompt ids and weights; which ones a harness runs is its own
     choice (:data:`PEERS`): transformers ``hf-*``, llama.cpp ``llamacpp-*``, vLLM ``vllm-*``
     (``vllm-ngram+fly[+bare]`` is flyspec's n-gram drafter and FLy inside vLLM; ``vllm-fly[+bare]``
-    is its deprecated eval spelling).
+    is its deprecated eval spelling; ``vllm-prediction`` is the plugin drafting each request's prediction inside
+    vLLM, lossless, its context twin ``vllm-ngram``).
 
 Examples: ``plain``, ``ngram+exact``, ``fly``, ``draft+fly+bare``, ``margin+identifiers``, ``ngram+fly@cost``,
 ``prediction+exact``, ``hf-lookup``.
@@ -56,7 +57,8 @@ MODIFIERS = ("bare", "guard", *PROTECT_CLASSES)
 DRAFTER_ALIASES = {"draft": "draft-model"}
 HF_PEERS = ("hf-plain", "hf-lookup", "hf-assisted")
 LLAMACPP_PEERS = ("llamacpp-plain", "llamacpp-lookup")
-VLLM_PEERS = ("vllm-plain", "vllm-ngram", "vllm-ngram+fly", "vllm-ngram+fly+bare")
+VLLM_PREDICTION = "vllm-prediction"  # vLLM with the plugin, each request given its prediction (its drafts)
+VLLM_PEERS = ("vllm-plain", "vllm-ngram", "vllm-ngram+fly", "vllm-ngram+fly+bare", VLLM_PREDICTION)
 PEERS = (*HF_PEERS, *LLAMACPP_PEERS, *VLLM_PEERS)
 # The plain decoding each peer's own speedup is measured against.
 PEER_PLAIN = {
@@ -107,6 +109,8 @@ class Method:
         ``ngram+exact``); None for every other method."""
         if not self.prediction:
             return None
+        if self.name == VLLM_PREDICTION:  # on vLLM: its own n-gram drafts, the context drafts a vLLM user has
+            return "vllm-ngram"
         rest = self.name.removeprefix(f"{PREDICTION}+")
         return rest if self.drafter is not None else f"{CONTEXT_DRAFTER}+{rest}"
 
@@ -161,7 +165,7 @@ def parse_method(name: str, peers: tuple[str, ...] = PEERS) -> Method:
     if name in peers:  # a vLLM FLy peer is lossy: its verifier and guards are recorded
         verifier = "fly" if name.startswith("vllm-ngram+fly") else None
         modifier = "bare" if name.endswith("+bare") else None
-        return Method(name, None, verifier, modifier, engine=name.split("-")[0])
+        return Method(name, None, verifier, modifier, engine=name.split("-")[0], prediction=name == VLLM_PREDICTION)
     base, at, policy = name.partition("@")
     if at:
         if policy not in DRAFT_LENGTH_POLICIES or not base:
@@ -194,6 +198,8 @@ def parse_method(name: str, peers: tuple[str, ...] = PEERS) -> Method:
 def context_twin(name: str) -> str | None:
     """The context twin (``Method.context_twin``) of the method called ``name``; None unless it is given
     predictions."""
+    if name == VLLM_PREDICTION:
+        return parse_method(name).context_twin
     return parse_method(name, ()).context_twin if name.startswith(f"{PREDICTION}+") else None
 
 
