@@ -120,8 +120,10 @@ def make_tiny_model(
     return LoadedModel(model=model, tokenizer=tokenizer, name=f"{name}-seed{seed}")
 
 
-def make_tiny_gemma3(tokenizer: PreTrainedTokenizerFast, layer_types: list[str], seed: int = 0) -> LoadedModel:
-    """A random float32 Gemma-3 text model with sliding-window layers (window 8) where ``layer_types`` says."""
+def make_tiny_gemma3(
+    tokenizer: PreTrainedTokenizerFast, layer_types: list[str], seed: int = 0, window: int = 8
+) -> LoadedModel:
+    """A random float32 Gemma-3 text model with sliding-window layers (``window``) where ``layer_types`` says."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     torch.manual_seed(seed)
@@ -133,7 +135,7 @@ def make_tiny_gemma3(tokenizer: PreTrainedTokenizerFast, layer_types: list[str],
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=8,
-        sliding_window=8,
+        sliding_window=window,
         layer_types=list(layer_types),
         max_position_embeddings=512,
         bos_token_id=tokenizer.bos_token_id,

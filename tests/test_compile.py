@@ -248,16 +248,18 @@ def test_compile_reaches_the_models_resources_load() -> None:
 
 
 @pytest.mark.heavy(40)
-def test_sliding_window_layers_compile_once_and_decode_exactly_past_the_window(tokenizer) -> None:
-    """Gemma-3's sliding-window layers (window 8 here) under ``--compile``: generation far past the window, plain and
-    speculative with rollbacks, runs on the graphs compiled at load (transformers' sliding layers recompiled at every
-    new stride, issue 79) and keeps naive greedy decoding's tokens."""
-    eager = make_tiny_gemma3(tokenizer, ["sliding_attention", "sliding_attention", "full_attention"], seed=4)
+@pytest.mark.parametrize("window", [8, 40])
+def test_sliding_window_layers_compile_once_and_decode_exactly_past_the_window(tokenizer, window: int) -> None:
+    """Gemma-3's sliding-window layers under ``--compile``: generation far past the window, plain and speculative with
+    rollbacks, runs on the graphs compiled at load (transformers' sliding layers recompiled at every new stride, issue
+    79; and the mask's guard on the window, where the window lies beyond what a short warm-up reaches: 40 here, 512
+    in Gemma-3-270M) and keeps naive greedy decoding's tokens."""
+    layers = ["sliding_attention", "sliding_attention", "full_attention"]
+    eager = make_tiny_gemma3(tokenizer, layers, seed=4, window=window)
     assert kernels.install(eager.model, "auto")
     eager = dataclasses.replace(eager, kernels=True)
     compiled = compile_steps(eager)
-    window = eager.model.config.sliding_window
-    decode = DecodeConfig(max_new_tokens=6 * window, ignore_eos=True)
+    decode = DecodeConfig(max_new_tokens=3 * window + 24, ignore_eos=True)
     expected = naive_greedy(eager.model, PROMPT, decode.max_new_tokens)
     spec = SpeculationConfig(drafter="ngram", verifier="exact", num_draft_tokens=6)
     with torch._dynamo.config.patch(error_on_recompile=True):

@@ -113,11 +113,18 @@ def _warm_up(loaded: LoadedModel) -> None:
     inference tensors, the same kind of cache). A graph guards on sizes, strides, storage offsets
     and inference-ness; a step that differs in any of them compiles a new graph (tens of seconds),
     which ``tests/test_compile.py`` checks never happens during a generation."""
-    cached = CachedModel(loaded)
+    # a model with sliding-window layers (Gemma-3) masks differently once the context reaches the window
+    # (transformers' ``_ignore_causal_mask_sdpa``: ``kv_length >= local_attention_size``), a guard on the length:
+    # the steps past the window get graphs of their own, compiled here too (35 s at Gemma-3-270M's 512, in its
+    # first generation past the window otherwise)
+    window = getattr(loaded.model.config, "sliding_window", None)
+    prefills = (6,) if not isinstance(window, int) or window <= 0 else (6, window + 2)
     with torch._dynamo.config.patch(specialize_float=True):  # the model's floats as constants (below)
-        cached.forward([0] * 6, logits_to_keep=1)
-        for size in WARM_UP_STEPS:
-            cached.forward([0] * size)
+        for prefill in prefills:
+            cached = CachedModel(loaded)
+            cached.forward([0] * prefill, logits_to_keep=1)
+            for size in WARM_UP_STEPS:
+                cached.forward([0] * size)
 
 
 # The model's float attributes (each norm's epsilon, each attention's scaling, the rotary scaling: 93 in SmolLM2) are
