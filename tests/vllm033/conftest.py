@@ -33,6 +33,20 @@ else:
     if "vllm" in sys.modules:
         raise pytest.UsageError("vllm was imported before tests/vllm033/conftest.py: run these tests on their own")
     sys.path[:0] = [str(SOURCE), str(PLUGIN), str(ROOT / "tests")]  # tests/: the guards' word vocabulary
+    if importlib.util.find_spec("orjson") is None:
+        # vLLM 0.33's OpenAI serving modules import orjson (a dependency of 0.33 that 0.32's venv lacks) for a response
+        # class these tests never build: a stand-in lets vLLM's own serving code import, as on a 0.33 install, so the
+        # plugin's Predicted Outputs hooks find the server they were written for; nothing of vLLM is replaced
+        import importlib.machinery
+        import json
+        import types
+
+        orjson = types.ModuleType("orjson")
+        orjson.__spec__ = importlib.machinery.ModuleSpec("orjson", None)
+        orjson.dumps = lambda value, option=0: json.dumps(value).encode()  # type: ignore[attr-defined]
+        orjson.loads = json.loads  # type: ignore[attr-defined]
+        orjson.OPT_NON_STR_KEYS, orjson.OPT_SERIALIZE_NUMPY = 1, 2  # type: ignore[attr-defined]
+        sys.modules["orjson"] = orjson
     import vllm
 
     if vllm.__version__ != VERSION:
