@@ -188,7 +188,9 @@ async def run_clients(url: str, prompts: Sequence[Request], concurrency: int, ma
     for messages in prompts:
         queue.put_nowait(messages)
     results: list[dict[str, Any]] = []
-    limits = httpx.Limits(max_connections=concurrency + 2)
+    # a fresh connection per request: llama.cpp's server closes a kept-alive one after a stream, and a request sent
+    # on it failed ("Server disconnected without sending a response"); the same for every server, ~1 ms on loopback
+    limits = httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=0)
     async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S, limits=limits) as client:
 
         async def worker() -> None:
