@@ -328,8 +328,8 @@ def test_where_to_move_to_vllm_and_failures_are_counted() -> None:
     assert row["tokens_per_s"] == pytest.approx(21 / 2.5) and row["tpot_p50_s"] == pytest.approx(0.1)
 
 
-def test_flyspec_serve_measured_under_concurrent_streaming_clients(tiny_model_dir: Path, tmp_path: Path) -> None:
-    """A real `flyspec serve` subprocess (the tiny model) through the same client code as vLLM's server."""
+def tiny_serve(tiny_model_dir: Path, tmp_path: Path):  # type: ignore[no-untyped-def]
+    """What starts a real `flyspec serve` subprocess on the tiny model, as the online bench starts its servers."""
     from flyspec.bench import online
 
     def start() -> online.Server:
@@ -338,6 +338,14 @@ def test_flyspec_serve_measured_under_concurrent_streaming_clients(tiny_model_di
                                                      "float32", port, 4, None, True)  # fmt: skip
         return online.Server(command, environment, port, tmp_path / "serve.log")
 
+    return start
+
+
+def test_flyspec_serve_measured_under_concurrent_streaming_clients(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A real `flyspec serve` subprocess (the tiny model) through the same client code as vLLM's server."""
+    from flyspec.bench import online
+
+    start = tiny_serve(tiny_model_dir, tmp_path)
     prompts = [[{"role": "user", "content": f"Count to {n}."}] for n in range(4)]
     rows, startup = online.run_online({online.FLYSPEC_SERVE: start}, prompts, (1, 2), lambda c: 4, 6)
     assert [row["concurrency"] for row in rows] == [1, 2] and startup[online.FLYSPEC_SERVE] > 0
@@ -423,12 +431,7 @@ def test_a_target_without_a_chat_template_is_measured_with_completions(tiny_mode
     """A prompt text (a base model's request) streams /v1/completions through the same client code."""
     from flyspec.bench import online
 
-    def start() -> online.Server:
-        port = online.free_port()
-        command, environment = online.server_command(online.FLYSPEC_SERVE, Path(), "", str(tiny_model_dir),
-                                                     "float32", port, 4, None, True)  # fmt: skip
-        return online.Server(command, environment, port, tmp_path / "serve.log")
-
+    start = tiny_serve(tiny_model_dir, tmp_path)
     rows, _ = online.run_online({online.FLYSPEC_SERVE: start}, [f"def count_to_{n}(" for n in range(3)], (1,),
                                 lambda c: 3, 6)  # fmt: skip
     assert rows[0]["failed"] == [] and rows[0]["num_requests"] == 3 and 0 < rows[0]["num_new_tokens"] <= 18
