@@ -175,6 +175,14 @@ def test_a_prediction_longer_than_the_room_after_the_prompt_or_on_an_engine_draf
     with pytest.raises(ValueError, match="more than the model's context window leaves after the prompt"):
         sampling_params(room=length - 1, prediction=prediction)
     assert len(sampling_params(room=length, prediction=prediction).extra_args[PREDICTION_KEY]) == length
+    monkeypatch.setattr(prediction_api.SERVED, "runner", "V2")  # no step hook there to say which rows predict
+    with pytest.raises(ValueError, match="does not draft from predictions .*V2 model runner"):
+        sampling_params(prediction=prediction)
+    monkeypatch.setattr(prediction_api.SERVED, "runner", "V1")
+    monkeypatch.setattr(prediction_api.SERVED, "hooked", False)
+    with pytest.raises(ValueError, match="does not draft from predictions .*step hook does not run"):
+        sampling_params(prediction=prediction)
+    monkeypatch.setattr(prediction_api.SERVED, "hooked", True)
     monkeypatch.setattr(prediction_api.SERVED, "proposer", "eagle")
     with pytest.raises(ValueError, match="does not draft from predictions .*eagle"):
         sampling_params(prediction=prediction)

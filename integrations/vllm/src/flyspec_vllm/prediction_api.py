@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from flyspec_vllm._flyspec import prediction_rules
-from flyspec_vllm.internals import RESPONSE_BUILDERS, ServerInternals, wrap
+from flyspec_vllm.internals import RESPONSE_BUILDERS, V1, ServerInternals, runner_of, wrap
 from flyspec_vllm.prediction import PREDICTION_KEY
 
 logger = logging.getLogger(__name__)
@@ -51,18 +51,31 @@ class Served:
     revision: str | None
     trust_remote_code: bool
     proposer: str  # the speculative method (and its class), for the refusal of an engine that drafts otherwise
+    # the model runner vLLM chose, and whether the plugin's step hook runs on it: only the V1 hook tells the proposer
+    # which rows carry a prediction (elsewhere those rows would get n-gram drafts, counted as the prediction's)
+    runner: str = V1
+    hooked: bool = True
 
     @property
     def drafts_predictions(self) -> bool:
-        return self.proposer in PROPOSERS
+        return self.proposer in PROPOSERS and self.runner == V1 and self.hooked
+
+    def why_not(self) -> str:
+        """Why this engine does not draft from predictions (when :attr:`drafts_predictions` is False)."""
+        if self.proposer not in PROPOSERS:
+            return f"its speculative method: {self.proposer}"
+        if self.runner != V1:
+            return f"vLLM's {self.runner} model runner; the plugin drafts predictions on the V1 runner only"
+        return "the plugin's step hook does not run on this vLLM's V1 model runner (its internals differ)"
 
 
 SERVED: Served | None = None
 _tokenizers: dict[tuple[str, str | None], Any] = {}  # loaded once per tokenizer path
 
 
-def record_engine(vllm_config: Any) -> None:
-    """At engine start (``VllmConfig.__post_init__``): the tokenizer and proposer this server's requests meet."""
+def record_engine(vllm_config: Any, hooked: bool) -> None:
+    """At engine start (``VllmConfig.__post_init__``): the tokenizer, proposer and model runner this server's requests
+    meet (``hooked``: the plugin's step hook runs on that runner)."""
     global SERVED
     model, speculative = getattr(vllm_config, "model_config", None), getattr(vllm_config, "speculative_config", None)
     if model is None or getattr(model, "tokenizer", None) is None:
@@ -70,7 +83,8 @@ def record_engine(vllm_config: Any) -> None:
     method = getattr(speculative, "method", None) or "none"
     proposer = str(getattr(speculative, "model", None)) if method == "custom_class" else str(method)
     SERVED = Served(str(model.tokenizer), getattr(model, "tokenizer_revision", None),
-                    bool(getattr(model, "trust_remote_code", False)), proposer)  # fmt: skip
+                    bool(getattr(model, "trust_remote_code", False)), proposer, runner_of(vllm_config),
+                    hooked)  # fmt: skip
 
 
 def tokenizer_of(served: Served) -> Any:
@@ -113,9 +127,9 @@ def prediction_ids(request: Any, room: int | None, served: Served | None) -> lis
         raise refusal("several prompts cannot be used with prediction (a prediction is of one output); send one "
                       "prompt, or leave out the prediction", "prompt")  # fmt: skip
     if served is None or not served.drafts_predictions:
-        proposer = "unknown" if served is None else served.proposer
-        raise refusal(f"this engine does not draft from predictions (its speculative method: {proposer}); start it "
-                      "with speculative_config method 'custom_class', model 'flyspec_vllm.NgramProposer', or leave "
+        why = "its speculative method: unknown" if served is None else served.why_not()
+        raise refusal(f"this engine does not draft from predictions ({why}); start it with speculative_config "
+                      "method 'custom_class', model 'flyspec_vllm.NgramProposer' on the V1 model runner, or leave "
                       "out the prediction", "prediction")  # fmt: skip
     try:
         return rules.prediction_ids(tokenizer_of(served), prediction, room if room is not None else 1 << 62)

@@ -69,7 +69,8 @@ def _wrap_post_init(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def __post_init__(self: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(self, *args, **kwargs)
-        record_engine(self)  # the tokenizer a request's prediction is tokenized with (prediction_api.py)
+        runner = runner_of(self)  # predictions are drafted where the step hook runs (prediction_api.py)
+        record_engine(self, hooked=SETUP is not None and not SETUP.problems.get(runner, []))
         check_engine(self)
         return result
 
