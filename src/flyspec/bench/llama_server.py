@@ -52,13 +52,6 @@ def command(method: str, executable: Path, gguf: Path, port: int, threads: int, 
     return line
 
 
-def weight_bytes(gguf: Path) -> int:
-    """The bytes of the GGUF file's tensors: what llama.cpp reads per token (its metadata and vocabulary left out)."""
-    from gguf import GGUFReader  # flyspec's GGUF loading dependency
-
-    return sum(int(tensor.n_bytes) for tensor in GGUFReader(gguf).tensors)
-
-
 class LlamaPeer:
     """llama.cpp's server for the llama-server methods: its executable, the target's GGUF file, threads and slots."""
 
@@ -85,8 +78,9 @@ class LlamaPeer:
 
 
 def weights_read(names: Sequence[str], target: Any, model: str, llama: LlamaPeer | None) -> dict[str, int]:
-    """Bytes of weights each server reads per token: llama.cpp its GGUF tensors, the others the parameters in the
-    bench's dtype (counted from the GGUF file behind the model where there is one; else left out)."""
+    """Bytes of weights each server reads per token: llama.cpp its GGUF file's tensors (metadata and vocabulary left
+    out), the others the parameters in the bench's dtype, counted from the GGUF file behind the model (none: {})
+    (``runtime/memory_floor.step_weight_bytes`` counts a loaded model's; the online bench loads none here)."""
     import torch
 
     from flyspec.runtime.loading import find_gguf
@@ -96,6 +90,7 @@ def weights_read(names: Sequence[str], target: Any, model: str, llama: LlamaPeer
         return {}
     from gguf import GGUFReader
 
-    parameters = sum(int(tensor.n_elements) for tensor in GGUFReader(gguf).tensors)
-    size = parameters * getattr(torch, target.dtype_name).itemsize
-    return {name: weight_bytes(gguf) if name in METHODS else size for name in names}
+    tensors = GGUFReader(gguf).tensors  # read once
+    quantized = sum(int(tensor.n_bytes) for tensor in tensors)
+    size = sum(int(tensor.n_elements) for tensor in tensors) * getattr(torch, target.dtype_name).itemsize
+    return {name: quantized if name in METHODS else size for name in names}
