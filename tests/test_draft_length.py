@@ -344,3 +344,32 @@ def test_a_machine_slower_than_its_table_keeps_drafting() -> None:
         now += 2 * tabled
         times.step_ended(k, tabled, now)
     assert sum(k > 0 for k in chosen) >= 34, chosen  # a plain step now and then to check, then on
+
+
+def test_a_sampled_request_keeps_its_seeded_text_however_slow_its_steps_run(
+    tiny_target: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Block verification's sample depends on the draft length; a seeded sample must not depend on how busy the
+    machine was, so a sampled request follows the table alone (the CI run of 2026-12-07 drew another text)."""
+    spec = SpeculationConfig(drafter="ngram", verifier="block", num_draft_tokens=8)
+    decode = DecodeConfig(max_new_tokens=24, sampling=SamplingConfig(temperature=1.0))
+    prompt = "The capital of France is Paris. The capital of France is Paris. The capital of"
+
+    def sample() -> list[int]:
+        decoder = build_decoder(tiny_target, spec, decode, resources=Resources(models=(tiny_target,)))
+        assert decoder.draft_length_policy == "cost"
+        return decoder.generate(prompt, use_chat=False, generator=torch.Generator().manual_seed(0)).token_ids
+
+    expected = sample()
+    # a machine whose steps take anything from a millisecond to 10 s: speculative ones often far above the table
+    clock = iter(np.cumsum(np.random.default_rng(0).uniform(0.001, 10.0, 100_000)))
+
+    class SlowClock:
+        @staticmethod
+        def perf_counter() -> float:
+            return float(next(clock))
+
+    monkeypatch.setattr("flyspec.decoding.draft_length.time", SlowClock)
+    assert sample() == expected
+    greedy = build_decoder(tiny_target, spec, resources=Resources(models=(tiny_target,)))
+    assert greedy.new_draft_length(greedy=True).timed and not greedy.new_draft_length(greedy=False).timed

@@ -28,6 +28,8 @@ what it sees — one factor for plain steps (k = 0), one for speculative ones (k
 observed to tabled seconds, starting at 1 — so that where speculative steps cost more than their tokens repay,
 the request drafts less or not at all: never slower than plain by the policy's own measure. Its evidence
 decays like the acceptance's, so a request that stopped drafting tries again once the old steps have faded.
+Only greedy requests time their steps: where a sample depends on the length (block verification), a seeded
+sample must not depend on how busy the machine was, so a sampled request follows the table alone.
 
 Lossless verifiers give the same output whatever the length. Lossy ones may not: a FLy loose
 accept needs its window inside the draft, so a shorter draft can make a different choice. Pin
@@ -220,10 +222,12 @@ class CostAwareLength(DraftLength):
         floor: int,
         step_cost: StepCost,
         cheap_drafts: bool,
+        timed: bool = True,
     ) -> None:
         super().__init__(config, num_draft_tokens, floor)
         self.step_cost = step_cost
         self.cheap_drafts = cheap_drafts  # copy drafters: propose -k, cut once the bucket is known
+        self.timed = timed  # correct the table by this request's own step times (greedy only: module docstring)
         self.acceptance = AcceptanceModel(num_draft_tokens)
         self.seconds_per_draft_token = 0.0  # measured: moving average over the steps that drafted
         self._bucket: Bucket | None = None
@@ -263,7 +267,8 @@ class CostAwareLength(DraftLength):
 
     def observe(self, num_proposed: int, num_accepted: int) -> None:
         self.acceptance.observe(self._bucket, num_proposed, num_accepted)
-        self.times.step_ended(num_proposed, float(self._costs[min(num_proposed, len(self._costs) - 1)]))
+        if self.timed:
+            self.times.step_ended(num_proposed, float(self._costs[min(num_proposed, len(self._costs) - 1)]))
         self._bucket = None
 
 
@@ -273,10 +278,12 @@ def new_draft_length(
     floor: int,
     step_cost: StepCost | None = None,
     cheap_drafts: bool = True,
+    timed: bool = True,
 ) -> DraftLength:
-    """The policy ``config.policy`` names; ``cost`` needs the target's ``step_cost``."""
+    """The policy ``config.policy`` names; ``cost`` needs the target's ``step_cost`` (``timed``: and corrects it by
+    the request's own step times, which a sampled request must not: module docstring)."""
     if config.policy == "cost":
         if step_cost is None:
             raise ValueError("the cost-aware draft length needs the target's step cost (flyspec.runtime.step_cost)")
-        return CostAwareLength(config, num_draft_tokens, floor, step_cost, cheap_drafts)
+        return CostAwareLength(config, num_draft_tokens, floor, step_cost, cheap_drafts, timed)
     return DraftLength(config, num_draft_tokens, floor)

@@ -92,7 +92,7 @@ class SpeculativeDecoder(Decoder):
         maximum = speculation.num_draft_tokens
         if prediction and policy == "cost":  # a prediction's copies may run longer where its acceptance pays
             maximum = max(maximum, MAX_PREDICTION_DRAFT_TOKENS)
-        return new_draft_length(config, maximum, verifier.min_draft_tokens, self.step_cost, copies)
+        return new_draft_length(config, maximum, verifier.min_draft_tokens, self.step_cost, copies, timed=greedy)
 
     def verifier_for(self, sampling: SamplingConfig, predicted: bool = False) -> Verifier:
         """The verifier of a generation decoded with ``sampling`` (``predicted``: with a prediction): this decoder's, or
