@@ -16,7 +16,7 @@ from flyspec.bench.loop import bench_methods, method_order, run_order
 from flyspec.bench.report import overall_table
 from flyspec.bench.summary import OVERALL, summarize
 from flyspec.cli.app import main
-from flyspec.config import ConfigError
+from flyspec.config import ConfigError, SamplingConfig
 from flyspec.harness.data import DataError, spec_bench_path
 
 PROMPTS = [
@@ -452,6 +452,26 @@ def test_vllm_methods_parse_as_peers_measured_against_vllm_plain() -> None:
     assert {PEER_PLAIN[n] for n in ("vllm-ngram", "vllm-ngram+fly", "vllm-ngram+fly+bare")} == {"vllm-plain"}
     with pytest.raises(ConfigError, match="unknown method"):
         bench_methods("vllm-ngram+exact", has_draft_model=False)
+
+
+def test_vllm_ngrams_tau_counts_the_steps_inside_the_output_not_its_counter() -> None:
+    """vLLM's accepted-token counter also counts draft tokens its last step accepted past ``max_tokens``; the bench
+    replays vLLM's own n-gram (earliest match, no extension) on the output instead, and keeps the counter where
+    the replay disagrees with vLLM's draft counts."""
+    from flyspec.bench.vllm import VllmBackend
+    from flyspec.harness.methods import parse_method
+
+    backend = object.__new__(VllmBackend)
+    backend.method, backend.sampling, backend.num_draft_tokens = parse_method("vllm-ngram"), SamplingConfig(), 15
+    prompt = [1, 2, 3, 4, 5, 1, 2, 3]
+    # the prefill commits 4; then the earliest match of the 4-gram 1 2 3 4 drafts 5 1 2 3 4 (no extension): the
+    # output keeps 5 1 2 and ends there, though vLLM's target went on to accept 3 as well (its counter: 4)
+    reply = {"outputs": [[4, 5, 1, 2]], "drafts": 1, "draft_tokens": 5, "accepted": 4}
+    assert backend.counted([prompt], reply) == (3, 2)  # the prefill and one step (the counter: 4 kept, 1 forward)
+    recent = {**reply, "draft_tokens": 3}  # counts the replay does not give: not vLLM's own n-gram, keep the counter
+    assert backend.counted([prompt], recent) == (4, 1)
+    backend.method = parse_method("vllm-ngram+fly")
+    assert backend.counted([prompt], reply) == (4, 1)
 
 
 def test_vllm_venv_from_option_then_environment_then_default(monkeypatch: pytest.MonkeyPatch) -> None:

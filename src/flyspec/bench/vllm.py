@@ -25,16 +25,19 @@ Without the venv the methods are skipped with a one-line reason (:func:`unavaila
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
 from flyspec.bench.backends import BackendSettings, TurnOutput
-from flyspec.config import SamplingConfig
+from flyspec.config import NgramConfig, SamplingConfig
 from flyspec.harness.methods import VLLM_PREDICTION, Method
-from flyspec.harness.vllm_worker import VENV_VARIABLE, VllmOptions, VllmWorker, venv_python
+from flyspec.harness.vllm_session import count_steps
+from flyspec.harness.vllm_worker import VENV_VARIABLE, VLLM_NGRAM, VllmOptions, VllmWorker, venv_python
 from flyspec.runtime.loaded_model import LoadedModel
 from flyspec.runtime.loading import find_gguf
 
+logger = logging.getLogger(__name__)
 __all__ = ["VllmBackend", "close_all", "run_batched", "sampling_line", "unavailable_reason", "venv_python"]
 BATCHED_METHODS = ("vllm-plain", "vllm-ngram+fly")
 # each engine's KV cache, in bytes (vLLM's kv_cache_memory_bytes): the same on every machine, where a fraction
@@ -64,7 +67,8 @@ class VllmBackend:
         dtype = str(target.dtype).removeprefix("torch.")
         options = VllmOptions(kv_cache_memory_bytes=KV_CACHE_BYTES, eager=eager)
         engine = "vllm-flyspec-ngram" if method.name == VLLM_PREDICTION else method.name  # the plugin's proposer
-        self.worker = VllmWorker(python, model, engine, dtype, settings.speculation.num_draft_tokens, options)
+        self.num_draft_tokens = settings.speculation.num_draft_tokens
+        self.worker = VllmWorker(python, model, engine, dtype, self.num_draft_tokens, options)
         self.startup_s = self.worker.startup_s
 
     def generate(
@@ -102,13 +106,42 @@ class VllmBackend:
         first = outputs[0]
         first.wall_time_s = reply["seconds"]
         first.num_proposed = reply["draft_tokens"]
-        first.num_accepted = reply["accepted"]
+        first.num_accepted, first.num_target_forwards = self.counted(prompts, reply)
         first.num_loose_accepts = reply["loose_accepts"]
-        # each engine step commits its accepted drafts + 1 token, the prefill the first token
-        first.num_target_forwards = max(tokens - reply["accepted"], 1) if tokens else 0
         for output in outputs[1:]:
             output.num_proposed = output.num_accepted = output.num_loose_accepts = output.num_target_forwards = 0
         return outputs
+
+    def counted(self, prompts: list[list[int]], reply: dict[str, Any]) -> tuple[int, int]:
+        """(draft tokens kept, target forwards) of a submission. Each engine step commits its accepted drafts + 1
+        token, the prefill the first token; but vLLM's counter also counts the draft tokens it accepted past a
+        request's end (the last step's draft runs on past ``max_tokens`` or EOS), which overstates τ by up to k
+        tokens a request. vLLM's own n-gram drafts are deterministic, so its steps are replayed on the outputs
+        instead (:func:`count_steps`) and checked against its counters; other methods keep the counter (τ an
+        upper bound)."""
+        tokens = sum(len(ids) for ids in reply["outputs"])
+        from_counter = reply["accepted"], max(tokens - reply["accepted"], 1) if tokens else 0
+        if self.method.name != "vllm-ngram" or not self.sampling.greedy:
+            return from_counter
+        ngram = NgramConfig(max_ngram=VLLM_NGRAM["prompt_lookup_max"], min_ngram=VLLM_NGRAM["prompt_lookup_min"])
+        drafts = drafted = accepted = slack = forwards = 0
+        for prompt, output in zip(prompts, reply["outputs"], strict=True):
+            # bench requests end far inside the context: vLLM's room for drafts never binds
+            steps = count_steps(prompt, output, self.num_draft_tokens, ngram, 1 << 30, vllms_own=True)
+            forwards += len(steps)
+            drafts += sum(bool(step.draft) for step in steps)
+            drafted += sum(len(step.draft) for step in steps)
+            accepted += sum(step.accepted for step in steps)
+            slack += len(steps[-1].draft) - steps[-1].accepted if steps else 0
+        if (drafts, drafted) != (reply["drafts"], reply["draft_tokens"]) or not (
+            accepted <= reply["accepted"] <= accepted + slack
+        ):
+            logger.warning(
+                "vLLM counted %d drafts, %d draft tokens, %d accepted; its n-gram replayed %d, %d, %d: τ from its counter",
+                reply["drafts"], reply["draft_tokens"], reply["accepted"], drafts, drafted, accepted,
+            )  # fmt: skip
+            return from_counter
+        return accepted, forwards
 
     def close(self) -> None:
         self.worker.close()

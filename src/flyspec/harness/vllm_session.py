@@ -38,11 +38,18 @@ class Step:
 
 
 def count_steps(
-    prompt_ids: Sequence[int], output_ids: Sequence[int], k: int, ngram: NgramConfig, max_model_len: int
+    prompt_ids: Sequence[int],
+    output_ids: Sequence[int],
+    k: int,
+    ngram: NgramConfig,
+    max_model_len: int,
+    vllms_own: bool = False,
 ) -> list[Step]:
     """vLLM's steps for ``output_ids``: the prefill commits the first token, then each step verifies the draft
-    ``flyspec_vllm.NgramProposer`` proposes from the tokens so far and commits its accepted prefix plus one
-    (a rejected draft token is never the committed one there: the target's choice is)."""
+    ``flyspec_vllm.NgramProposer`` proposes from the tokens so far (``vllms_own``: vLLM's own n-gram proposer,
+    the earliest match, no periodic extension) and commits its accepted prefix plus one (a rejected draft token
+    is never the committed one there: the target's choice is)."""
+    match, extend = ("earliest", False) if vllms_own else ("recent", True)
     if not output_ids:
         return []
     steps = [Step(0, (), (), 0)]
@@ -50,7 +57,7 @@ def count_steps(
     position = 1
     while position < len(output_ids):
         room = min(k, max_model_len - len(sequence) - 1)
-        indices = longest_match(sequence, room, ngram.max_ngram, ngram.min_ngram)[0] if room > 0 else []
+        indices = longest_match(sequence, room, ngram.max_ngram, ngram.min_ngram, match, extend)[0] if room > 0 else []
         draft = tuple(sequence[index] for index in indices)
         accepted = 0
         while accepted < len(draft) and position + accepted < len(output_ids):

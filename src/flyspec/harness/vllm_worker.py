@@ -26,6 +26,7 @@ DEFAULT_VENV = ".venv-vllm"  # the Makefile's VLLM_VENV
 DEFAULT_KV_CACHE_BYTES = 1 << 30  # flyspec_vllm.worker's default: the same on every machine (issue 35)
 
 
+VLLM_NGRAM = {"prompt_lookup_max": 4, "prompt_lookup_min": 1}  # vLLM's own n-gram proposer, as flyspec's defaults
 SCHEDULE_VARIABLE = "FLYSPEC_VLLM_SCHEDULE"  # the plugin proposer's batch schedule (flyspec_vllm.proposer)
 
 
@@ -40,8 +41,7 @@ def speculative_config(
         return None
     config: dict[str, Any]
     if method == "vllm-ngram":
-        config = {"method": "ngram", "num_speculative_tokens": num_draft_tokens, "prompt_lookup_max": 4,
-                  "prompt_lookup_min": 1}  # fmt: skip
+        config = {"method": "ngram", "num_speculative_tokens": num_draft_tokens, **VLLM_NGRAM}
         if schedule:
             config["num_speculative_tokens_per_batch_size"] = [list(entry) for entry in schedule]
     else:

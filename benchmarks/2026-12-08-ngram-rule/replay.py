@@ -1,0 +1,91 @@
+"""Replay n-gram matching rules on plain greedy outputs: τ at a fixed ceiling, counted, not timed.
+
+Under greedy `exact` verification the output is the plain greedy output whatever the drafts, and a copy
+drafter's draft depends only on the context; so every rule's τ at a fixed k follows from the plain outputs
+alone. Each step drafts k tokens from the context (prompt + committed output), keeps the prefix equal to the
+plain output, commits it plus one target token. "capped": a step never counts draft tokens past the request's
+last token (flyspec's engine drafts at most the tokens left); "uncapped": the last step counts every draft
+token that matched, as a counter of accepted tokens does when the request stops inside a step.
+
+    PYTHONPATH=src .venv/bin/python benchmarks/2026-12-08-ngram-rule/replay.py [--limit 2] [--max-new-tokens 48]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from pathlib import Path
+
+from flyspec.bench.backends import conversation_ids
+from flyspec.bench.data import load_prompts
+from flyspec.config import DecodeConfig
+from flyspec.decoding.plain import PlainDecoder
+from flyspec.drafters.ngram import longest_match
+from flyspec.resources import Resources
+
+RULES = {  # name: (match, extend, max_ngram, min_ngram)
+    "flyspec (recent, extend, <=4)": ("recent", True, 4, 1),
+    "recent, no extension, <=4": ("recent", False, 4, 1),
+    "vLLM's (earliest, no extension, <=4)": ("earliest", False, 4, 1),
+    "frequent, extend, <=4": ("frequent", True, 4, 1),
+}
+
+
+def replay(context: list[int], output: list[int], k: int, rule: tuple, capped: bool) -> tuple[int, int]:
+    """(committed tokens, steps) for ``output`` decoded after ``context`` with drafts by ``rule``."""
+    match, extend, max_ngram, min_ngram = rule
+    done = steps = 0
+    while done < len(output):
+        tokens = context + output[:done]
+        room = min(k, len(output) - done - 1) if capped else k
+        indices = longest_match(tokens, room, max_ngram, min_ngram, match, extend)[0] if room > 0 else []
+        kept = 0
+        for index in indices:
+            if done + kept < len(output) and tokens[index] == output[done + kept]:
+                kept += 1
+            else:
+                break
+        done += kept + 1
+        steps += 1
+    return len(output), steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--limit", type=int, default=2)
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--k", type=int, default=15)
+    parser.add_argument("--out", type=Path, default=Path(__file__).with_name("outputs.jsonl"))
+    args = parser.parse_args()
+    target = Resources("float32").model(args.model)
+    decoder = PlainDecoder(target, DecodeConfig(max_new_tokens=args.max_new_tokens))
+    cases = []
+    for prompt in load_prompts(limit=args.limit):
+        answers: list[str] = []
+        for index in range(len(prompt.turns)):
+            prompt_ids = conversation_ids(target, prompt.turns[: index + 1], answers, None)
+            result = decoder.generate(prompt_ids)
+            answers.append(result.text)
+            cases.append({"prompt": prompt.id, "category": prompt.category, "context": prompt_ids,
+                          "output": list(result.token_ids)})  # fmt: skip
+    with args.out.open("w") as out:
+        for case in cases:
+            out.write(json.dumps(case) + "\n")
+    print(f"| rule (k {args.k}) | counting | τ all | " + " | ".join(sorted({c['category'] for c in cases})) + " |")
+    for name, rule in RULES.items():
+        for capped in (True, False):
+            totals: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+            for case in cases:
+                tokens, steps = replay(case["context"], case["output"], args.k, rule, capped)
+                for key in ("all", case["category"]):
+                    totals[key][0] += tokens
+                    totals[key][1] += steps
+            cells = [f"{t[0] / t[1]:.2f}" for key, t in sorted(totals.items()) if key != "all"]
+            whole = totals["all"]
+            print(f"| {name} | {'capped' if capped else 'uncapped'} | {whole[0] / whole[1]:.2f} | " + " | ".join(cells))
+
+
+if __name__ == "__main__":
+    main()
