@@ -139,12 +139,30 @@ def test_prompt_errors_are_one_line_before_any_model_loads(
         pytest.param(["-k", "0"], "num_draft_tokens must be >= 1", id="k-zero"),
         pytest.param(["--drafter", "draft-model"], "needs a draft model", id="draft-model-without-model"),
         pytest.param(["--temperature", "-1"], "temperature must be", id="negative-temperature"),
+        pytest.param(["--ngram-match", "latest"], "--ngram-match: invalid choice", id="unknown-ngram-match"),
     ],
 )
 def test_bad_speculation_options_fail_before_any_model_loads(
     capsys: pytest.CaptureFixture[str], no_loading: None, options: list[str], message: str
 ) -> None:
     assert message in _error(capsys, ["generate", PROMPT, "--target", "never-loaded", *options])
+
+
+def test_ngram_match_reaches_the_drafter_and_keeps_the_text(
+    capsys: pytest.CaptureFixture[str], tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--ngram-match earliest`` (vLLM's rule) drafts from the earliest occurrence; lossless, the same text."""
+    import flyspec.drafters.ngram as ngram
+
+    seen: list[str] = []
+    lookup = ngram.longest_match
+    monkeypatch.setattr(ngram, "longest_match", lambda *args: seen.append(args[4]) or lookup(*args))
+    prompt = "one two three one two three one two"
+    expected = _generate(capsys, tiny_model_dir, prompt)["text"]
+    assert set(seen) == {"recent"}
+    seen.clear()
+    assert _generate(capsys, tiny_model_dir, prompt, "--ngram-match", "earliest")["text"] == expected
+    assert set(seen) == {"earliest"}
 
 
 def test_piped_prompt_through_the_console_entry(capsys: pytest.CaptureFixture[str], tiny_model_dir: Path) -> None:

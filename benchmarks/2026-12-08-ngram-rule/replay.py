@@ -3,11 +3,11 @@
 Under greedy `exact` verification the output is the plain greedy output whatever the drafts, and a copy
 drafter's draft depends only on the context; so every rule's τ at a fixed k follows from the plain outputs
 alone. Each step drafts k tokens from the context (prompt + committed output), keeps the prefix equal to the
-plain output, commits it plus one target token. "capped": a step never counts draft tokens past the request's
-last token (flyspec's engine drafts at most the tokens left); "uncapped": the last step counts every draft
-token that matched, as a counter of accepted tokens does when the request stops inside a step.
+plain output (never past its last token), and commits it plus one target token. vLLM's rule is its
+``ngram_proposer.py``: the earliest occurrence of the longest matching suffix, no periodic extension.
 
     PYTHONPATH=src .venv/bin/python benchmarks/2026-12-08-ngram-rule/replay.py [--limit 2] [--max-new-tokens 48]
+    PYTHONPATH=src .venv/bin/python benchmarks/2026-12-08-ngram-rule/replay.py --from-outputs  # replay only
 """
 
 from __future__ import annotations
@@ -32,13 +32,13 @@ RULES = {  # name: (match, extend, max_ngram, min_ngram)
 }
 
 
-def replay(context: list[int], output: list[int], k: int, rule: tuple, capped: bool) -> tuple[int, int]:
+def replay(context: list[int], output: list[int], k: int, rule: tuple) -> tuple[int, int]:
     """(committed tokens, steps) for ``output`` decoded after ``context`` with drafts by ``rule``."""
     match, extend, max_ngram, min_ngram = rule
     done = steps = 0
     while done < len(output):
         tokens = context + output[:done]
-        room = min(k, len(output) - done - 1) if capped else k
+        room = min(k, len(output) - done - 1)
         indices = longest_match(tokens, room, max_ngram, min_ngram, match, extend)[0] if room > 0 else []
         kept = 0
         for index in indices:
@@ -58,11 +58,39 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--k", type=int, default=15)
     parser.add_argument("--out", type=Path, default=Path(__file__).with_name("outputs.jsonl"))
+    parser.add_argument("--from-outputs", action="store_true", help="replay the outputs --out holds; decode nothing")
     args = parser.parse_args()
-    target = Resources("float32").model(args.model)
-    decoder = PlainDecoder(target, DecodeConfig(max_new_tokens=args.max_new_tokens))
+    if args.from_outputs:
+        cases = [json.loads(line) for line in args.out.open()]
+    else:
+        cases = decode(args.model, args.limit, args.max_new_tokens)
+        with args.out.open("w") as out:
+            for case in cases:
+                out.write(json.dumps(case) + "\n")
+    categories = sorted({case["category"] for case in cases})
+    tokens = sum(len(case["output"]) for case in cases)
+    print(f"{len(cases)} requests, {tokens} tokens; τ = tokens per target forward at k = {args.k}\n")
+    print("| rule | τ all | " + " | ".join(categories) + " |")
+    print("|---|" + "---:|" * (len(categories) + 1))
+    for name, rule in RULES.items():
+        totals: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+        for case in cases:
+            committed, steps = replay(case["context"], case["output"], args.k, rule)
+            for key in ("all", case["category"]):
+                totals[key][0] += committed
+                totals[key][1] += steps
+        cells = [f"{totals[c][0] / totals[c][1]:.2f}" for c in categories]
+        whole = totals["all"]
+        print(f"| {name} | {whole[0] / whole[1]:.2f} | " + " | ".join(cells) + " |")
+
+
+def decode(model: str, limit: int, max_new_tokens: int) -> list[dict]:
+    """Plain greedy outputs (float32) of every turn of the first ``limit`` Spec-Bench prompts a category, each turn
+    after this decoder's own earlier answers (as the bench runs them)."""
+    target = Resources("float32").model(model)
+    decoder = PlainDecoder(target, DecodeConfig(max_new_tokens=max_new_tokens))
     cases = []
-    for prompt in load_prompts(limit=args.limit):
+    for prompt in load_prompts(limit=limit):
         answers: list[str] = []
         for index in range(len(prompt.turns)):
             prompt_ids = conversation_ids(target, prompt.turns[: index + 1], answers, None)
@@ -70,21 +98,7 @@ def main() -> None:
             answers.append(result.text)
             cases.append({"prompt": prompt.id, "category": prompt.category, "context": prompt_ids,
                           "output": list(result.token_ids)})  # fmt: skip
-    with args.out.open("w") as out:
-        for case in cases:
-            out.write(json.dumps(case) + "\n")
-    print(f"| rule (k {args.k}) | counting | τ all | " + " | ".join(sorted({c['category'] for c in cases})) + " |")
-    for name, rule in RULES.items():
-        for capped in (True, False):
-            totals: dict[str, list[int]] = defaultdict(lambda: [0, 0])
-            for case in cases:
-                tokens, steps = replay(case["context"], case["output"], args.k, rule, capped)
-                for key in ("all", case["category"]):
-                    totals[key][0] += tokens
-                    totals[key][1] += steps
-            cells = [f"{t[0] / t[1]:.2f}" for key, t in sorted(totals.items()) if key != "all"]
-            whole = totals["all"]
-            print(f"| {name} | {'capped' if capped else 'uncapped'} | {whole[0] / whole[1]:.2f} | " + " | ".join(cells))
+    return cases
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ import argparse
 import json
 from typing import Any
 
-from flyspec.config import PROTECT_CLASSES, ConfigError, SpeculationConfig
+from flyspec.config import NGRAM_MATCHES, PROTECT_CLASSES, ConfigError, SpeculationConfig
 from flyspec.config.names import DRAFT_LENGTH_POLICIES, DRAFTERS, VERIFIER_SUMMARIES, VERIFIERS
 from flyspec.config.rules import CASCADE_RULES, FLY_TEMPERATURE_RULES, FSD_DIVERGENCES
 
@@ -147,6 +147,12 @@ def add_speculation_options(parser: argparse.ArgumentParser, *, components: bool
     spec.add_argument("--max-ngram", type=int, help=f"longest n-gram to look up (default {_DEFAULT.ngram.max_ngram})")
     spec.add_argument("--min-ngram", type=int, help=f"shortest n-gram to look up (default {_DEFAULT.ngram.min_ngram})")
     spec.add_argument(
+        "--ngram-match",
+        choices=NGRAM_MATCHES,
+        help="which earlier occurrence of the matched n-gram to copy from: the most recent, the earliest (vLLM's, "
+        f"transformers' and the FLy reference's), or the continuation most share (default {_DEFAULT.ngram.match})",
+    )
+    spec.add_argument(
         "--num-proposal-tokens",
         "--num-ngram-tokens",
         dest="num_proposal_tokens",
@@ -248,6 +254,7 @@ FLAG_NAMES = (
     "exact_first",
     "max_ngram",
     "min_ngram",
+    "ngram_match",
     "ngram_cache_entries",
     "skip_layers",
     "draft_length",

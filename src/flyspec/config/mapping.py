@@ -48,6 +48,7 @@ FLAT_OPTIONS = {
     "exact_first": "guard.exact_first",
     "max_ngram": "ngram.max_ngram",
     "min_ngram": "ngram.min_ngram",
+    "ngram_match": "ngram.match",
     "ngram_cache_entries": "ngram_cache.max_entries",
     "skip_layers": "layer_skip.skip_layers",
     "draft_length": "draft_length.policy",
