@@ -472,6 +472,10 @@ def test_vllm_ngrams_tau_counts_the_steps_inside_the_output_not_its_counter() ->
     assert backend.counted([prompt], recent) == (4, 1)
     backend.method = parse_method("vllm-ngram+fly")
     assert backend.counted([prompt], reply) == (4, 1)
+    # a prediction drafts 2 3 4 5 after the prefill's 1; the output keeps 2 3 and ends (vLLM's target kept 4 too)
+    backend.method = parse_method("vllm-prediction")
+    predicted = {"outputs": [[1, 2, 3]], "drafts": 1, "draft_tokens": 4, "accepted": 3}
+    assert backend.counted([[7, 8]], predicted, [1, 2, 3, 4, 5]) == (2, 2)
 
 
 def test_vllm_venv_from_option_then_environment_then_default(monkeypatch: pytest.MonkeyPatch) -> None:

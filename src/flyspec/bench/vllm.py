@@ -32,7 +32,7 @@ from typing import Any
 from flyspec.bench.backends import BackendSettings, TurnOutput
 from flyspec.config import NgramConfig, SamplingConfig
 from flyspec.harness.methods import VLLM_PREDICTION, Method
-from flyspec.harness.vllm_session import count_steps
+from flyspec.harness.vllm_session import count_steps, prediction_steps
 from flyspec.harness.vllm_worker import VENV_VARIABLE, VLLM_NGRAM, VllmOptions, VllmWorker, venv_python
 from flyspec.runtime.loaded_model import LoadedModel
 from flyspec.runtime.loading import find_gguf
@@ -102,32 +102,39 @@ class VllmBackend:
             TurnOutput(ids, self.target.decode(ids), 0.0, time_to_first_token_s=seconds)
             for ids, seconds in zip(reply["outputs"], first_token_s, strict=True)
         ]
-        tokens = sum(len(ids) for ids in reply["outputs"])
         first = outputs[0]
         first.wall_time_s = reply["seconds"]
         first.num_proposed = reply["draft_tokens"]
-        first.num_accepted, first.num_target_forwards = self.counted(prompts, reply)
+        prediction = (extra_args or {}).get(PREDICTION_KEY)
+        first.num_accepted, first.num_target_forwards = self.counted(prompts, reply, prediction)
         first.num_loose_accepts = reply["loose_accepts"]
         for output in outputs[1:]:
             output.num_proposed = output.num_accepted = output.num_loose_accepts = output.num_target_forwards = 0
         return outputs
 
-    def counted(self, prompts: list[list[int]], reply: dict[str, Any]) -> tuple[int, int]:
+    def counted(
+        self, prompts: list[list[int]], reply: dict[str, Any], prediction: list[int] | None = None
+    ) -> tuple[int, int]:
         """(draft tokens kept, target forwards) of a submission. Each engine step commits its accepted drafts + 1
         token, the prefill the first token; but vLLM's counter also counts the draft tokens it accepted past a
         request's end (the last step's draft runs on past ``max_tokens`` or EOS), which overstates τ by up to k
-        tokens a request. vLLM's own n-gram drafts are deterministic, so its steps are replayed on the outputs
-        instead (:func:`count_steps`) and checked against its counters; other methods keep the counter (τ an
-        upper bound)."""
+        tokens a request. vLLM's own n-gram and the plugin's proposer (n-gram, or each request's ``prediction``)
+        draft deterministically, so their steps are replayed on the outputs instead (:func:`count_steps`,
+        :func:`prediction_steps`) and checked against vLLM's counters; FLy's rows keep the counter (an upper
+        bound: a loose accept is not in the output's tokens)."""
         tokens = sum(len(ids) for ids in reply["outputs"])
         from_counter = reply["accepted"], max(tokens - reply["accepted"], 1) if tokens else 0
-        if self.method.name != "vllm-ngram" or not self.sampling.greedy:
+        if self.method.name not in ("vllm-ngram", VLLM_PREDICTION) or not self.sampling.greedy:
             return from_counter
         ngram = NgramConfig(max_ngram=VLLM_NGRAM["prompt_lookup_max"], min_ngram=VLLM_NGRAM["prompt_lookup_min"])
         drafts = drafted = accepted = slack = forwards = 0
         for prompt, output in zip(prompts, reply["outputs"], strict=True):
             # bench requests end far inside the context: vLLM's room for drafts never binds
-            steps = count_steps(prompt, output, self.num_draft_tokens, ngram, 1 << 30, vllms_own=True)
+            if prediction is not None:
+                steps = prediction_steps(prompt, output, prediction, self.num_draft_tokens, 1 << 30)
+            else:
+                vllms_own = self.method.name == "vllm-ngram"
+                steps = count_steps(prompt, output, self.num_draft_tokens, ngram, 1 << 30, vllms_own=vllms_own)
             forwards += len(steps)
             drafts += sum(bool(step.draft) for step in steps)
             drafted += sum(len(step.draft) for step in steps)
@@ -137,8 +144,9 @@ class VllmBackend:
             accepted <= reply["accepted"] <= accepted + slack
         ):
             logger.warning(
-                "vLLM counted %d drafts, %d draft tokens, %d accepted; its n-gram replayed %d, %d, %d: τ from its counter",
-                reply["drafts"], reply["draft_tokens"], reply["accepted"], drafts, drafted, accepted,
+                "%s: vLLM counted %d drafts, %d draft tokens, %d accepted; the replayed steps %d, %d, %d: τ from its "
+                "counter", self.method.name, reply["drafts"], reply["draft_tokens"], reply["accepted"], drafts,
+                drafted, accepted,
             )  # fmt: skip
             return from_counter
         return accepted, forwards

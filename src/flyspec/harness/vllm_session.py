@@ -11,18 +11,21 @@ against vLLM's own counters for every submission (``counter_mismatches``); loose
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from flyspec.config import ConfigError, DecodeConfig, NgramConfig, SpeculationConfig
 from flyspec.decoding.result import GenerationResult
 from flyspec.decoding.stats import DecodeStats
 from flyspec.decoding.stopping import Stopper
 from flyspec.drafters.ngram import copy_sources, longest_match
+from flyspec.drafters.prediction import Alignment, aligned_tokens, follow
 from flyspec.harness.vllm_worker import VllmWorker
 from flyspec.runtime.loaded_model import ServedModel
-from flyspec.types import LooseAccept, Verdict
+from flyspec.types import PREDICTION, LooseAccept, Verdict
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +53,40 @@ def count_steps(
     the earliest match, no periodic extension) and commits its accepted prefix plus one (a rejected draft token
     is never the committed one there: the target's choice is)."""
     match, extend = ("earliest", False) if vllms_own else ("recent", True)
+
+    def propose(sequence: list[int], room: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
+        indices = longest_match(sequence, room, ngram.max_ngram, ngram.min_ngram, match, extend)[0]
+        return tuple(sequence[index] for index in indices), copy_sources(list(indices), len(prompt_ids))
+
+    return replay_steps(prompt_ids, output_ids, k, max_model_len, propose)
+
+
+def prediction_steps(
+    prompt_ids: Sequence[int], output_ids: Sequence[int], prediction_ids: Sequence[int], k: int, max_model_len: int
+) -> list[Step]:
+    """vLLM's steps for a request with a prediction: the plugin's proposer drafts from the prediction alone
+    (``flyspec_vllm.prediction``: flyspec's alignment, :func:`follow` and :func:`aligned_tokens`)."""
+    prediction = np.asarray(prediction_ids, dtype=np.int64)
+    alignment = Alignment.start(len(prediction))
+
+    def propose(sequence: list[int], room: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
+        nonlocal alignment
+        alignment, _ = follow(prediction, sequence[len(prompt_ids) :], alignment)
+        draft = tuple(int(token) for token in aligned_tokens(prediction, alignment, room))
+        return draft, (PREDICTION,) * len(draft)
+
+    return replay_steps(prompt_ids, output_ids, k, max_model_len, propose)
+
+
+def replay_steps(
+    prompt_ids: Sequence[int],
+    output_ids: Sequence[int],
+    k: int,
+    max_model_len: int,
+    propose: Callable[[list[int], int], tuple[tuple[int, ...], tuple[str, ...]]],
+) -> list[Step]:
+    """The steps of ``output_ids`` under a deterministic proposer: ``propose(tokens so far, room)`` gives each
+    step's draft (at most ``room`` tokens: k, or what vLLM's ``max_model_len`` leaves) and its sources."""
     if not output_ids:
         return []
     steps = [Step(0, (), (), 0)]
@@ -57,15 +94,14 @@ def count_steps(
     position = 1
     while position < len(output_ids):
         room = min(k, max_model_len - len(sequence) - 1)
-        indices = longest_match(sequence, room, ngram.max_ngram, ngram.min_ngram, match, extend)[0] if room > 0 else []
-        draft = tuple(sequence[index] for index in indices)
+        draft, sources = propose(sequence, room) if room > 0 else ((), ())
         accepted = 0
         while accepted < len(draft) and position + accepted < len(output_ids):
             if draft[accepted] != output_ids[position + accepted]:
                 break
             accepted += 1
         committed = min(accepted + 1, len(output_ids) - position)
-        steps.append(Step(position, draft, copy_sources(list(indices), len(prompt_ids)), accepted))
+        steps.append(Step(position, draft, sources, accepted))
         sequence += output_ids[position : position + committed]
         position += committed
     return steps
