@@ -4,8 +4,9 @@ The last ``n`` committed tokens (``n`` from ``max_ngram`` down to ``min_ngram``)
 for earlier in the context; the tokens that followed the *most recent* earlier occurrence are the
 draft (recent context predicts repetition better; transformers' prompt lookup, the FLy
 reference and vLLM's n-gram proposer take the earliest: ``benchmarks/2026-12-08-ngram-rule/``).
-When that continuation reaches the end of the context it is extended periodically, as an LZ77 copy that overlaps its own output would: after
-``... a b c a b`` the draft is ``c a b c a ...``. No model, no state.
+When that continuation reaches the end of the context it is extended periodically, as an LZ77
+copy that overlaps its own output would: after ``... a b c a b`` the draft is ``c a b c a ...``.
+No model, no state.
 
 ``NgramConfig.match`` and ``extend`` select the variants the draft ablation compares
 (BENCHMARKS.md): ``earliest`` (transformers' and the FLy reference's choice), ``frequent``
