@@ -1,6 +1,7 @@
 """The maintained tools of ``benchmarks/`` that have no test of their own elsewhere, run small on the tiny model:
 ``kill9.py`` (``kill -9`` of ``flyspec serve`` mid-save of its cache file), ``server_load.py`` (concurrent streams,
-malformed requests and disconnects) and ``first_token.py`` (where the time to the first token goes). ``soak.py`` is
+malformed requests and disconnects), ``first_token.py`` (where the time to the first token goes) and ``ngram_rules.py``
+(n-gram matching rules replayed on plain outputs). ``soak.py`` is
 ``tests/test_soak.py``'s. Their full runs (``docs/reliability.md``, ``docs/guides/serve.md``, BENCHMARKS.md) are
 benchmarks, not tests: here each must run end to end and pass its own checks."""
 
@@ -61,3 +62,16 @@ def test_first_token_breaks_every_turn_into_its_phases_and_compiles_nothing_afte
         assert row["graphs_compiled"] == row["frames_compiled"] == 0  # the warm-up compiled every graph
         assert 0 < row["ttft_wall_ms"] <= row["total_wall_ms"]
     assert "plain: TTFT cpu" in done.stdout and "ngram+exact: TTFT cpu" in done.stdout
+
+
+def test_ngram_rules_replays_every_rule_on_the_plain_outputs_it_wrote(tiny_model_dir: Path, tmp_path: Path) -> None:
+    outputs = tmp_path / "outputs.jsonl"
+    done = run_tool("ngram_rules.py", "--model", str(tiny_model_dir), "--limit", "1", "--max-new-tokens", "12",
+                    "--categories", "mt_bench,translation", "--out", str(outputs))  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    cases = [json.loads(line) for line in outputs.read_text().splitlines()]
+    assert {case["category"] for case in cases} == {"mt_bench", "translation"}
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| ") and not line.startswith("| rule")]
+    assert len(rows) == 4 and all(float(row.split("|")[2]) >= 1.0 for row in rows)
+    again = run_tool("ngram_rules.py", "--out", str(outputs), "--from-outputs")
+    assert again.returncode == 0 and again.stdout == done.stdout  # the same table from the outputs alone

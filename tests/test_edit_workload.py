@@ -325,14 +325,20 @@ def test_vllm_prediction_sends_each_requests_prediction_to_the_plugin() -> None:
     class Worker:
         def request(self, line: dict) -> dict:
             lines.append(line)
-            return {"outputs": [[7, 8, 9]], "seconds": 1.0, "draft_tokens": 5, "accepted": 2, "loose_accepts": 0}
+            # with the prediction "abcd": the prefill commits a, the step drafts b c d and the output ends after b;
+            # vLLM counts b and c kept (its target went on with c past max_tokens), the replay b alone
+            drafts = (1, 3, 2) if "extra_args" in line else (0, 0, 0)
+            counts = dict(zip(("drafts", "draft_tokens", "accepted"), drafts, strict=True))
+            return {"outputs": [[97, 98]], "seconds": 1.0, "loose_accepts": 0, **counts}
 
     tokenizer = SimpleNamespace(encode=lambda text, add_special_tokens: [ord(c) for c in text])
     backend = VllmBackend.__new__(VllmBackend)
     backend.method, backend.sampling, backend.worker = method, SamplingConfig(), Worker()
+    backend.num_draft_tokens = 3
     backend.target = SimpleNamespace(tokenizer=tokenizer, decode=lambda ids: "x" * len(ids))
-    output = backend.generate([1, 2], 16, 0, prediction="ab")
-    assert lines[0]["extra_args"] == {PREDICTION_KEY: [97, 98]} and lines[0]["prompts"] == [[1, 2]]
-    assert (output.num_accepted_prediction_tokens, output.num_rejected_prediction_tokens) == (2, 3)
+    output = backend.generate([1, 2], 16, 0, prediction="abcd")
+    assert lines[0]["extra_args"] == {PREDICTION_KEY: [97, 98, 99, 100]} and lines[0]["prompts"] == [[1, 2]]
+    assert (output.num_accepted_prediction_tokens, output.num_rejected_prediction_tokens) == (1, 2)
+    assert output.num_target_forwards == 2  # the prefill and one step
     plain = backend.generate([1, 2], 16, 0)
     assert "extra_args" not in lines[1] and plain.num_accepted_prediction_tokens is None

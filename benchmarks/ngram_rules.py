@@ -2,12 +2,13 @@
 
 Under greedy `exact` verification the output is the plain greedy output whatever the drafts, and a copy
 drafter's draft depends only on the context; so every rule's τ at a fixed k follows from the plain outputs
-alone. Each step drafts k tokens from the context (prompt + committed output), keeps the prefix equal to the
-plain output (never past its last token), and commits it plus one target token. vLLM's rule is its
-``ngram_proposer.py``: the earliest occurrence of the longest matching suffix, no periodic extension.
+alone. The prefill commits the first token; each step drafts k tokens from the context (prompt + committed
+output), keeps the prefix equal to the plain output (never past its last token), and commits it plus one target
+token. vLLM's rule is its ``ngram_proposer.py``: the earliest occurrence of the longest matching suffix, no periodic
+extension.
 
-    PYTHONPATH=src .venv/bin/python benchmarks/2026-12-08-ngram-rule/replay.py [--limit 2] [--max-new-tokens 48]
-    PYTHONPATH=src .venv/bin/python benchmarks/2026-12-08-ngram-rule/replay.py --from-outputs  # replay only
+    PYTHONPATH=src .venv/bin/python benchmarks/ngram_rules.py --out DIR/outputs.jsonl [--limit 2] [--max-new-tokens 48]
+    PYTHONPATH=src .venv/bin/python benchmarks/ngram_rules.py --out DIR/outputs.jsonl --from-outputs  # replay only
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from flyspec.bench.data import load_prompts
 from flyspec.config import DecodeConfig
 from flyspec.decoding.plain import PlainDecoder
 from flyspec.drafters.ngram import longest_match
+from flyspec.harness.vllm_session import replay_steps
 from flyspec.resources import Resources
 
 RULES = {  # name: (match, extend, max_ngram, min_ngram)
@@ -33,22 +35,15 @@ RULES = {  # name: (match, extend, max_ngram, min_ngram)
 
 
 def replay(context: list[int], output: list[int], k: int, rule: tuple) -> tuple[int, int]:
-    """(committed tokens, steps) for ``output`` decoded after ``context`` with drafts by ``rule``."""
+    """(committed tokens, target forwards) for ``output`` decoded after ``context`` with drafts by ``rule``: the
+    prefill commits the first token, each step its kept draft tokens plus one (``replay_steps``, the bench's)."""
     match, extend, max_ngram, min_ngram = rule
-    done = steps = 0
-    while done < len(output):
-        tokens = context + output[:done]
-        room = min(k, len(output) - done - 1)
-        indices = longest_match(tokens, room, max_ngram, min_ngram, match, extend)[0] if room > 0 else []
-        kept = 0
-        for index in indices:
-            if done + kept < len(output) and tokens[index] == output[done + kept]:
-                kept += 1
-            else:
-                break
-        done += kept + 1
-        steps += 1
-    return len(output), steps
+
+    def propose(tokens: list[int], room: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
+        indices = longest_match(tokens, room, max_ngram, min_ngram, match, extend)[0]
+        return tuple(tokens[index] for index in indices), ()
+
+    return len(output), len(replay_steps(context, output, k, 1 << 30, propose))
 
 
 def main() -> None:
@@ -57,13 +52,15 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--k", type=int, default=15)
-    parser.add_argument("--out", type=Path, default=Path(__file__).with_name("outputs.jsonl"))
+    parser.add_argument("--categories", default="", help="comma-separated Spec-Bench categories (default: all)")
+    parser.add_argument("--out", type=Path, required=True, help="the plain outputs (JSON lines), written or read")
     parser.add_argument("--from-outputs", action="store_true", help="replay the outputs --out holds; decode nothing")
     args = parser.parse_args()
     if args.from_outputs:
         cases = [json.loads(line) for line in args.out.open()]
     else:
-        cases = decode(args.model, args.limit, args.max_new_tokens)
+        categories = tuple(name for name in args.categories.split(",") if name)
+        cases = decode(args.model, categories, args.limit, args.max_new_tokens)
         with args.out.open("w") as out:
             for case in cases:
                 out.write(json.dumps(case) + "\n")
@@ -84,13 +81,13 @@ def main() -> None:
         print(f"| {name} | {whole[0] / whole[1]:.2f} | " + " | ".join(cells) + " |")
 
 
-def decode(model: str, limit: int, max_new_tokens: int) -> list[dict]:
-    """Plain greedy outputs (float32) of every turn of the first ``limit`` Spec-Bench prompts a category, each turn
-    after this decoder's own earlier answers (as the bench runs them)."""
+def decode(model: str, categories: tuple[str, ...], limit: int, max_new_tokens: int) -> list[dict]:
+    """Plain greedy outputs (float32) of every turn of the first ``limit`` Spec-Bench prompts of each category, each
+    turn after this decoder's own earlier answers (as the bench runs them)."""
     target = Resources("float32").model(model)
     decoder = PlainDecoder(target, DecodeConfig(max_new_tokens=max_new_tokens))
     cases = []
-    for prompt in load_prompts(limit=limit):
+    for prompt in load_prompts(categories=categories, limit=limit):
         answers: list[str] = []
         for index in range(len(prompt.turns)):
             prompt_ids = conversation_ids(target, prompt.turns[: index + 1], answers, None)
