@@ -133,8 +133,9 @@ def prediction_section(overall: dict[str, dict]) -> list[str]:
         "Each request's prediction (OpenAI's predicted output; on the edit workload the code before the edit) drafts "
         "beside the context drafter. Speedup vs context drafts = tokens/s ÷ the same method's without the "
         "prediction (its context twin) over the same prompts; accepted / rejected = OpenAI's usage counts "
-        "(`accepted_prediction_tokens`, `rejected_prediction_tokens`), summed over the prompts. The vLLM rows "
-        "(where run) have no prediction: vLLM's API has no such field, so they draft from the context.",
+        "(`accepted_prediction_tokens`, `rejected_prediction_tokens`), summed over the prompts. `vllm-prediction` "
+        "is the flyspec-vllm plugin drafting each request's prediction alone inside vLLM (vLLM's own API has no "
+        "such field); `vllm-plain` and `vllm-ngram` have none.",
         "",
         "| method | lossless | tok/s | speedup | context twin | speedup vs context drafts | τ | identical "
         "| prediction tokens accepted / rejected |",
