@@ -25,19 +25,17 @@ Without the venv the methods are skipped with a one-line reason (:func:`unavaila
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Any
 
 from flyspec.bench.backends import BackendSettings, TurnOutput
 from flyspec.config import NgramConfig, SamplingConfig
 from flyspec.harness.methods import VLLM_PREDICTION, Method
-from flyspec.harness.vllm_session import count_steps, prediction_steps
+from flyspec.harness.vllm_session import StepCounts, count_steps, prediction_steps
 from flyspec.harness.vllm_worker import VENV_VARIABLE, VLLM_NGRAM, VllmOptions, VllmWorker, venv_python
 from flyspec.runtime.loaded_model import LoadedModel
 from flyspec.runtime.loading import find_gguf
 
-logger = logging.getLogger(__name__)
 __all__ = ["VllmBackend", "close_all", "run_batched", "sampling_line", "unavailable_reason", "venv_python"]
 BATCHED_METHODS = ("vllm-plain", "vllm-ngram+fly")
 # each engine's KV cache, in bytes (vLLM's kv_cache_memory_bytes): the same on every machine, where a fraction
@@ -127,7 +125,7 @@ class VllmBackend:
         if self.method.name not in ("vllm-ngram", VLLM_PREDICTION) or not self.sampling.greedy:
             return from_counter
         ngram = NgramConfig(max_ngram=VLLM_NGRAM["prompt_lookup_max"], min_ngram=VLLM_NGRAM["prompt_lookup_min"])
-        drafts = drafted = accepted = slack = forwards = 0
+        counts = StepCounts()
         for prompt, output in zip(prompts, reply["outputs"], strict=True):
             # bench requests end far inside the context: vLLM's room for drafts never binds
             if prediction is not None:
@@ -135,21 +133,8 @@ class VllmBackend:
             else:
                 vllms_own = self.method.name == "vllm-ngram"
                 steps = count_steps(prompt, output, self.num_draft_tokens, ngram, 1 << 30, vllms_own=vllms_own)
-            forwards += len(steps)
-            drafts += sum(bool(step.draft) for step in steps)
-            drafted += sum(len(step.draft) for step in steps)
-            accepted += sum(step.accepted for step in steps)
-            slack += len(steps[-1].draft) - steps[-1].accepted if steps else 0
-        if (drafts, drafted) != (reply["drafts"], reply["draft_tokens"]) or not (
-            accepted <= reply["accepted"] <= accepted + slack
-        ):
-            logger.warning(
-                "%s: vLLM counted %d drafts, %d draft tokens, %d accepted; the replayed steps %d, %d, %d: τ from its "
-                "counter", self.method.name, reply["drafts"], reply["draft_tokens"], reply["accepted"], drafts,
-                drafted, accepted,
-            )  # fmt: skip
-            return from_counter
-        return accepted, forwards
+            counts += StepCounts.of(steps)
+        return (counts.accepted, counts.forwards) if counts.agree(reply, self.method.name) else from_counter
 
     def close(self) -> None:
         self.worker.close()

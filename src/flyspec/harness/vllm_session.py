@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from typing import Any
 
 import numpy as np
@@ -38,6 +38,42 @@ class Step:
     draft: tuple[int, ...]
     sources: tuple[str, ...]
     accepted: int  # leading draft tokens the output has (loose accepts included)
+
+
+@dataclass(frozen=True)
+class StepCounts:
+    """What replayed steps say vLLM's counters should read: target forwards (the prefill's included), steps with a
+    draft, draft tokens, draft tokens kept; ``slack``: the last steps' drafted-but-not-kept tokens, which vLLM also
+    counts as accepted where its target went on past a request's end (EOS, length) inside a step's draft."""
+
+    forwards: int = 0
+    drafts: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    slack: int = 0
+
+    @classmethod
+    def of(cls, steps: list[Step], cut: int = 0) -> StepCounts:
+        """One request's (``cut``: draft tokens the plugin withheld from a baseline that named its output)."""
+        drafted = sum(len(step.draft) for step in steps) - cut
+        slack = len(steps[-1].draft) - steps[-1].accepted if steps else 0
+        return cls(len(steps), sum(bool(step.draft) for step in steps), drafted, sum(s.accepted for s in steps), slack)
+
+    def __add__(self, other: StepCounts) -> StepCounts:
+        return StepCounts(*(a + b for a, b in zip(astuple(self), astuple(other), strict=True)))
+
+    def agree(self, reply: dict[str, Any], what: str) -> bool:
+        """Whether vLLM's counters in ``reply`` are these steps' (a warning naming ``what`` where not)."""
+        agree = (self.drafts, self.drafted) == (reply["drafts"], reply["draft_tokens"]) and (
+            self.accepted <= reply["accepted"] <= self.accepted + self.slack
+        )
+        if not agree:
+            logger.warning(
+                "%s: vLLM counted %d drafts, %d draft tokens, %d accepted; the replayed steps %d, %d, %d",
+                what, reply["drafts"], reply["draft_tokens"], reply["accepted"], self.drafts, self.drafted,
+                self.accepted,
+            )  # fmt: skip
+        return agree
 
 
 def count_steps(
@@ -166,29 +202,18 @@ class VllmSession:
         self.submissions += 1
         self.largest_submission = max(self.largest_submission, len(requests))
         outputs = {output["key"]: output for output in reply["outputs"]}
-        drafts = drafted = accepted = slack = 0
+        counts = StepCounts()
         for request in requests:
             if request["extra_args"].get("flyspec_draft") is False:
                 continue  # plain decoding: no drafts
             output = outputs[request["key"]]
             steps = self.steps(request["prompt"], output["token_ids"])
             check_record(request, output, sum(bool(step.draft) for step in steps))
-            drafts += sum(bool(step.draft) for step in steps)
-            # minus the draft tokens the plugin withheld from a baseline that named its output (flyspec_reference)
             cut = (output.get("record") or {}).get("cut", 0)
-            drafted += sum(len(step.draft) for step in steps) - cut
             self.draft_tokens_cut += cut
-            accepted += sum(step.accepted for step in steps)
-            slack += len(steps[-1].draft) - steps[-1].accepted if steps else 0
-        # vLLM also counts the draft tokens it accepted past a request's end (EOS, length) in the last step
-        if (drafts, drafted) != (reply["drafts"], reply["draft_tokens"]) or not (
-            accepted <= reply["accepted"] <= accepted + slack
-        ):
+            counts += StepCounts.of(steps, cut)
+        if not counts.agree(reply, "a submission"):
             self.counter_mismatches += 1
-            logger.warning(
-                "vLLM counted %d drafts, %d draft tokens, %d accepted in a submission; the replayed steps %d, %d, %d",
-                reply["drafts"], reply["draft_tokens"], reply["accepted"], drafts, drafted, accepted,
-            )  # fmt: skip
         return outputs
 
     def steps(self, prompt: Sequence[int], output: Sequence[int]) -> list[Step]:

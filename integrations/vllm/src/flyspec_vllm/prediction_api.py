@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from flyspec_vllm._flyspec import prediction_rules
-from flyspec_vllm.internals import RESPONSE_BUILDERS, V1, ServerInternals, runner_of, wrap
+from flyspec_vllm.internals import RESPONSE_BUILDERS, V1, ServerInternals, wrap
 from flyspec_vllm.prediction import PREDICTION_KEY
 
 logger = logging.getLogger(__name__)
@@ -73,9 +73,9 @@ SERVED: Served | None = None
 _tokenizers: dict[tuple[str, str | None], Any] = {}  # loaded once per tokenizer path
 
 
-def record_engine(vllm_config: Any, hooked: bool) -> None:
-    """At engine start (``VllmConfig.__post_init__``): the tokenizer, proposer and model runner this server's requests
-    meet (``hooked``: the plugin's step hook runs on that runner)."""
+def record_engine(vllm_config: Any, runner: str, hooked: bool) -> None:
+    """At engine start (``VllmConfig.__post_init__``): the tokenizer, proposer and model ``runner`` this server's
+    requests meet (``hooked``: the plugin's step hook runs on that runner)."""
     global SERVED
     model, speculative = getattr(vllm_config, "model_config", None), getattr(vllm_config, "speculative_config", None)
     if model is None or getattr(model, "tokenizer", None) is None:
@@ -83,8 +83,7 @@ def record_engine(vllm_config: Any, hooked: bool) -> None:
     method = getattr(speculative, "method", None) or "none"
     proposer = str(getattr(speculative, "model", None)) if method == "custom_class" else str(method)
     SERVED = Served(str(model.tokenizer), getattr(model, "tokenizer_revision", None),
-                    bool(getattr(model, "trust_remote_code", False)), proposer, runner_of(vllm_config),
-                    hooked)  # fmt: skip
+                    bool(getattr(model, "trust_remote_code", False)), proposer, runner, hooked)  # fmt: skip
 
 
 def tokenizer_of(served: Served) -> Any:

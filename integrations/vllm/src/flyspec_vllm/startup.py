@@ -70,7 +70,7 @@ def _wrap_post_init(original: Callable[..., Any]) -> Callable[..., Any]:
     def __post_init__(self: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(self, *args, **kwargs)
         runner = runner_of(self)  # predictions are drafted where the step hook runs (prediction_api.py)
-        record_engine(self, hooked=SETUP is not None and not SETUP.problems.get(runner, []))
+        record_engine(self, runner, hooked=SETUP is not None and not SETUP.problems.get(runner, []))
         check_engine(self)
         return result
 
